@@ -1,0 +1,78 @@
+"""K/V memory per layer type: closed-form formulas, and exact totals for a model config."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.cache import Cache, layer_types_of
+from jaxkv.dynamic import DynamicLayer
+from jaxkv.static import StaticLayer
+from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
+
+# (layer type, full-attention kind) -> the class that stores it, for formulas and tables.
+LAYER_CLASSES = {
+    ("full_attention", "static"): StaticLayer,
+    ("full_attention", "dynamic"): DynamicLayer,
+    ("sliding_attention", None): SlidingWindowLayer,
+    ("chunked_attention", None): ChunkedLayer,
+}
+
+
+def layer_class(layer_type: str, full_attention: str = "static"):
+    key = (layer_type, full_attention if layer_type == "full_attention" else None)
+    if key not in LAYER_CLASSES:
+        raise ValueError(f"no memory formula for layer type {layer_type!r}; known: {sorted({k[0] for k in LAYER_CLASSES})}")
+    return LAYER_CLASSES[key]
+
+
+def layer_bytes(
+    layer_type: str,
+    *,
+    batch_size: int,
+    seq_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+    window: int | None = None,
+    chunk: int | None = None,
+    rollback_slots: int = 0,
+    full_attention: str = "static",
+) -> int:
+    """Bytes one layer of ``layer_type`` holds for ``batch_size`` rows of ``seq_len`` tokens
+    (a static layer sized exactly ``seq_len``). Equals the allocated layer's ``nbytes``."""
+    cls = layer_class(layer_type, full_attention)
+    return cls.kv_bytes(
+        batch_size, seq_len, num_kv_heads, head_dim, dtype,
+        span=window if layer_type == "sliding_attention" else chunk, rollback_slots=rollback_slots,
+    )  # fmt: skip
+
+
+def cache_bytes(config, batch_size: int, seq_len: int, dtype=jnp.bfloat16, **cache_kwargs) -> int:
+    """Exact bytes of ``Cache.from_config`` for ``seq_len`` tokens, without allocating it."""
+    shapes = jax.eval_shape(
+        lambda: Cache.from_config(config, batch_size, max_length=seq_len, dtype=dtype, **cache_kwargs)
+    )
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
+def formula_table() -> str:
+    """Markdown: each layer type, its class and its memory formula."""
+    rows = ["| layer type | class | stores | bytes per layer |", "|---|---|---|---|"]
+    for (layer_type, kind), cls in LAYER_CLASSES.items():
+        name = layer_type + (f" ({kind})" if kind else "")
+        stores = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
+        rows.append(f"| `{name}` | `{cls.__name__}` | {stores} | `{cls.MEMORY_FORMULA}` |")
+    return "\n".join(rows)
+
+
+def model_table(configs: dict, seq_lens=(4096, 32768), batch_size: int = 1, dtype=jnp.bfloat16) -> str:
+    """Markdown: total K/V bytes per model config at each length, static full attention."""
+    head = "| model | layers | " + " | ".join(f"{n // 1024}k tokens" for n in seq_lens) + " |"
+    rows = [head, "|---|---|" + "---|" * len(seq_lens)]
+    for name, config in configs.items():
+        types = layer_types_of(config)
+        mix = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
+        sizes = [cache_bytes(config, batch_size, n, dtype) / 2**20 for n in seq_lens]
+        rows.append(f"| {name} | {mix} | " + " | ".join(f"{s:,.1f} MiB" for s in sizes) + " |")
+    return "\n".join(rows)

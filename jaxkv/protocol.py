@@ -1,0 +1,180 @@
+"""The contract every cache layer keeps, and the small helpers the layers share.
+
+A cache layer is an immutable pytree. Its ``update`` is a pure function:
+
+    new_layer, (keys, values, mask_info) = layer.update(keys, values, positions)
+
+* ``keys``, ``values``: ``[B, H_kv, T, D]``, the T new tokens of each row.
+* ``positions``: ``[B, T]`` int, the absolute position of each new token. A negative
+  position marks padding: it is not written and does not advance the row. Valid positions
+  of a row are consecutive and start at that row's current length (checked eagerly).
+* returned ``keys``/``values``: ``[B, H_kv, S, D]``, what attention reads for these
+  queries; ``mask_info.kv_positions`` ``[B, S]`` says which absolute position each of the
+  S slots holds (``-1``: nothing). Masks are derived from these positions only, never by
+  looking at the stored values, so what the layer returns and what the mask admits agree
+  by construction.
+
+Every array leaf of a layer has the batch as its leading axis; that is what lets the
+container reorder beams and select or repeat rows generically (``gather_rows``) without
+knowing the storage. A layer whose storage is not batch-major (a paged pool indexed
+through a block table) overrides ``gather_rows``.
+
+The protocol also admits layers without per-token K/V (a linear-attention layer carries
+a conv and a recurrent state and returns no ``KVView``), quantized storage (the update
+dequantizes what it returns), and paged storage (``kv_positions`` come from the block
+table): the container only calls the methods below.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Self, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+class MaskInfo(struct.PyTreeNode):
+    """What attention needs to build its mask for the returned K/V.
+
+    ``kv_positions``: ``[B, S]`` int32, the absolute position held by each slot, -1 if the
+    slot holds nothing attention may see. ``window``: a query at q sees keys with
+    ``q - window < k <= q``. ``chunk``: a query sees only keys of its own chunk
+    (``k // chunk == q // chunk``). Both are static.
+    """
+
+    kv_positions: jax.Array
+    window: int | None = struct.field(pytree_node=False, default=None)
+    chunk: int | None = struct.field(pytree_node=False, default=None)
+
+
+class KVView(NamedTuple):
+    """What one ``update`` hands to attention: ``keys``/``values`` ``[B, H_kv, S, D]``."""
+
+    keys: jax.Array
+    values: jax.Array
+    mask_info: MaskInfo
+
+
+@runtime_checkable
+class CacheLayer(Protocol):
+    """One layer's storage strategy. See the module docstring for the contract."""
+
+    lengths: jax.Array  # [B] int32: tokens seen by each row (absolute count, not slots)
+
+    def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]: ...
+
+    def rollback(self, num_tokens: jax.Array | int) -> Self: ...
+
+    def reset(self) -> Self: ...
+
+    def gather_rows(self, indices: jax.Array) -> Self: ...
+
+    @property
+    def max_length(self) -> int | None:
+        """Longest sequence a row can hold before it overflows; None if unbounded."""
+
+    @property
+    def max_rollback(self) -> int | None:
+        """Most tokens ``rollback`` can undo; None if it can undo the whole sequence."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class BatchMajorLayer:
+    """Shared behaviour of layers whose every array leaf is batch-major."""
+
+    def gather_rows(self, indices: jax.Array) -> Self:
+        """Rows ``indices`` ``[B']`` of every leaf: beam reorder, select and repeat."""
+        indices = jnp.asarray(indices, jnp.int32)
+        return jax.tree.map(lambda leaf: jnp.take(leaf, indices, axis=0), self)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+
+def is_traced(*xs) -> bool:
+    """True when any value is abstract (inside jit/scan): data-dependent checks must wait."""
+    return any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def lengths_after(lengths: jax.Array, positions: jax.Array) -> jax.Array:
+    """Row lengths after writing ``positions`` ``[B, T]`` (negative = padding)."""
+    return jnp.maximum(lengths, jnp.max(positions, axis=1).astype(jnp.int32) + 1)
+
+
+def write_slots(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Write ``new`` ``[B, H, T, D]`` into ``buffer`` ``[B, H, S, D]`` at ``slots`` ``[B, T]``.
+
+    A slot outside ``[0, S)`` is dropped, never clamped: ``lax.dynamic_update_slice``
+    would move an out-of-range write back inside the buffer and overwrite live tokens.
+    Per-row offsets lower to one scatter, which XLA performs in place on a donated buffer.
+    """
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    return buffer.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2), mode="drop")
+
+
+def check_update_inputs(layer, keys: jax.Array, values: jax.Array, positions: jax.Array) -> None:
+    """Shape and dtype checks (always, at trace time) and position checks (eagerly)."""
+    name = type(layer).__name__
+    expected = (layer.batch_size, layer.keys.shape[1], None, layer.keys.shape[3])
+    for what, x in (("keys", keys), ("values", values)):
+        if x.ndim != 4 or x.shape[0] != expected[0] or x.shape[1] != expected[1] or x.shape[3] != expected[3]:
+            raise ValueError(
+                f"{name}.update: {what} has shape {tuple(x.shape)}, expected [B, H_kv, T, D] = "
+                f"[{expected[0]}, {expected[1]}, T, {expected[3]}] as the cache was built"
+            )
+        if x.dtype != layer.keys.dtype:
+            raise TypeError(
+                f"{name}.update: {what} dtype {x.dtype} differs from the cache dtype "
+                f"{layer.keys.dtype}; cast them or build the cache with dtype={x.dtype}"
+            )
+    if keys.shape != values.shape:
+        raise ValueError(f"{name}.update: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
+    if positions.shape != (keys.shape[0], keys.shape[2]):
+        raise ValueError(
+            f"{name}.update: positions has shape {tuple(positions.shape)}, expected [B, T] = "
+            f"[{keys.shape[0]}, {keys.shape[2]}]"
+        )
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise TypeError(f"{name}.update: positions must be integers, got {positions.dtype}")
+    if is_traced(positions, layer.lengths):
+        return
+    pos, lengths = np.asarray(positions), np.asarray(layer.lengths)
+    for row in range(pos.shape[0]):
+        valid = pos[row][pos[row] >= 0]
+        want = np.arange(lengths[row], lengths[row] + valid.size)
+        if not np.array_equal(valid, want):
+            raise ValueError(
+                f"{name}.update: row {row} has length {lengths[row]}, so its new tokens must sit at "
+                f"positions {lengths[row]}, {lengths[row] + 1}, ... (negative for padding); got "
+                f"{valid.tolist()}. Use Cache.next_positions, or rollback first to rewrite tokens"
+            )
+
+
+def clamp_rollback(layer, num_tokens) -> jax.Array:
+    """``num_tokens`` (int or ``[B]``) as a ``[B]`` vector, never below zero or past a row's start.
+
+    Eagerly, asking for more than ``layer.max_rollback`` is an error; under jit the
+    request is clamped to it (the container documents this).
+    """
+    n = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32), layer.lengths.shape)
+    budget = layer.max_rollback
+    if not is_traced(n):
+        if np.any(np.asarray(n) < 0):
+            raise ValueError(f"{type(layer).__name__}.rollback: cannot roll back a negative count {num_tokens}")
+        if budget is not None and np.any(np.asarray(n) > budget):
+            raise ValueError(
+                f"{type(layer).__name__}.rollback: asked to undo {np.max(np.asarray(n))} tokens but the "
+                f"layer can undo at most {budget}; build the cache with rollback_slots >= "
+                f"{np.max(np.asarray(n)) - 1} (a ring of window + rollback_slots slots undoes rollback_slots + 1)"
+            )
+    n = jnp.clip(n, 0, layer.lengths)
+    return n if budget is None else jnp.minimum(n, budget)

@@ -1,0 +1,118 @@
+"""Full attention over a preallocated buffer: slot ``p`` holds the token at position ``p``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv.protocol import (
+    BatchMajorLayer,
+    KVView,
+    MaskInfo,
+    check_update_inputs,
+    clamp_rollback,
+    is_traced,
+    lengths_after,
+    write_slots,
+)
+
+
+class PositionalLayer(BatchMajorLayer):
+    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention)."""
+
+    def write(self, keys, values, positions):
+        """Write tokens at slot = position; return the whole buffer with its positions.
+
+        Slots at or past a row's length hold nothing visible (``kv_positions`` -1), so
+        tokens left behind by a rollback never leak.
+        """
+        capacity = self.keys.shape[2]
+        slots = jnp.where(positions >= 0, positions, capacity)
+        lengths = lengths_after(self.lengths, positions)
+        new = self.replace(
+            keys=write_slots(self.keys, keys, slots),
+            values=write_slots(self.values, values, slots),
+            lengths=lengths,
+        )
+        slot_index = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+        kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
+        return new, KVView(new.keys, new.values, MaskInfo(kv_positions))
+
+    @property
+    def max_rollback(self) -> None:
+        return None
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """``[B]`` bool: rows written past the buffer under jit (those tokens were dropped)."""
+        return self.lengths > self.keys.shape[2]
+
+    def rollback(self, num_tokens):
+        return self.replace(lengths=self.lengths - clamp_rollback(self, num_tokens))
+
+    def reset(self):
+        return jax.tree.map(jnp.zeros_like, self)
+
+
+def check_capacity(layer, positions, capacity: int) -> None:
+    """Trace-time (T > capacity) and eager (row length > capacity) overflow errors."""
+    name = type(layer).__name__
+    if positions.shape[1] > capacity:
+        raise ValueError(
+            f"{name}.update: {positions.shape[1]} new tokens cannot fit in a capacity of {capacity}; "
+            f"build the cache with max_length >= the longest sequence"
+        )
+    if not is_traced(positions):
+        needed = int(np.max(np.asarray(positions), initial=-1)) + 1
+        if needed > capacity:
+            raise ValueError(
+                f"{name}.update: a row would reach {needed} tokens but the capacity is {capacity}; "
+                f"build the cache with max_length >= {needed}"
+            )
+
+
+@struct.dataclass
+class StaticLayer(PositionalLayer):
+    """K/V for full attention in a fixed buffer ``[B, H_kv, S_max, D]``.
+
+    Attention sees the whole buffer; ``kv_positions`` hides slots not yet written. The
+    shape never changes, so one compiled step serves every length.
+
+    Overflow: a write past ``S_max`` raises where it is known (T > S_max at trace time,
+    or eagerly with concrete positions). Under ``jit`` the tokens past ``S_max`` are
+    dropped (never clamped onto live slots), ``lengths`` still counts them, and
+    ``Cache.overflowed`` reports the row; attention for those queries then misses their
+    own and later keys, so generation stops such rows.
+    """
+
+    keys: jax.Array  # [B, H_kv, S_max, D]
+    values: jax.Array  # [B, H_kv, S_max, D]
+    lengths: jax.Array  # [B] int32
+
+    MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + 4·B"
+
+    @classmethod
+    def create(cls, batch_size: int, num_kv_heads: int, head_dim: int, max_length: int, dtype=jnp.float32):
+        if max_length <= 0:
+            raise ValueError(f"StaticLayer: max_length must be positive, got {max_length}")
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32))
+
+    @staticmethod
+    def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, **_) -> int:
+        """K/V bytes for a cache preallocated to ``max_length`` (default: ``seq_len``)."""
+        slots = max_length or seq_len
+        return 2 * batch_size * slots * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize + 4 * batch_size
+
+    @property
+    def max_length(self) -> int:
+        return self.keys.shape[2]
+
+    def update(self, keys, values, positions):
+        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; return the full buffer."""
+        positions = jnp.asarray(positions, jnp.int32)
+        check_update_inputs(self, keys, values, positions)
+        check_capacity(self, positions, self.max_length)
+        return self.write(keys, values, positions)

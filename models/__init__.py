@@ -1,0 +1,1 @@
+"""Reference models that take and return a ``jaxkv.Cache`` explicitly."""

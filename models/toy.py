@@ -1,0 +1,99 @@
+"""A tiny decoder with random weights that exercises every attention layer type.
+
+It is the smallest model that uses the cache the way a real one does: one line per
+attention layer, ``cache, (k, v, mask_info) = cache.update(i, k, v, positions)``. Called
+without a cache it attends over its own input, which is the oracle for the cached path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv import Cache, MaskInfo, attention
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    vocab_size: int = 97
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    layer_types: tuple[str, ...] = ("full_attention", "sliding_attention", "chunked_attention", "full_attention")
+    sliding_window: int = 4
+    attention_chunk_size: int = 8
+    rope_theta: float = 10_000.0
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate ``x`` ``[B, H, T, D]`` by ``positions`` ``[B, T]`` (half-split RoPE)."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[:, None, :, None].astype(jnp.float32) * freqs
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: ToyConfig, layer_idx: int, rngs: nnx.Rngs):
+        self.config, self.layer_idx = config, layer_idx
+        dim, head_dim = config.hidden_size, config.head_dim
+        self.attn_norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.q_proj = nnx.Linear(dim, config.num_attention_heads * head_dim, use_bias=False, rngs=rngs)
+        self.kv_proj = nnx.Linear(dim, 2 * config.num_key_value_heads * head_dim, use_bias=False, rngs=rngs)
+        self.o_proj = nnx.Linear(config.num_attention_heads * head_dim, dim, use_bias=False, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(dim, rngs=rngs)
+        self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)
+        self.down = nnx.Linear(4 * dim, dim, rngs=rngs)
+
+    def __call__(self, x, positions, cache: Cache | None):
+        config = self.config
+        batch, length, _ = x.shape
+        heads = lambda t, n: t.reshape(batch, length, n, config.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+        h = self.attn_norm(x)
+        q = rope(heads(self.q_proj(h), config.num_attention_heads), positions, config.rope_theta)
+        k, v = jnp.split(self.kv_proj(h), 2, axis=-1)
+        k = rope(heads(k, config.num_key_value_heads), positions, config.rope_theta)
+        v = heads(v, config.num_key_value_heads)
+        if cache is None:  # no cache: attend over this input only (the oracle path)
+            mask_info = self.own_mask(positions)
+        else:
+            cache, (k, v, mask_info) = cache.update(self.layer_idx, k, v, positions)
+        out = attention(q, k, v, mask_info, positions)
+        x = x + self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+        return x, cache
+
+    def own_mask(self, positions) -> MaskInfo:
+        kind = self.config.layer_types[self.layer_idx]
+        window = self.config.sliding_window if kind == "sliding_attention" else None
+        chunk = self.config.attention_chunk_size if kind == "chunked_attention" else None
+        return MaskInfo(positions, window=window, chunk=chunk)
+
+
+class ToyDecoder(nnx.Module):
+    """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; padding positions are -1."""
+
+    def __init__(self, config: ToyConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.hidden_size, rngs=rngs)
+        self.blocks = nnx.List([Block(config, i, rngs) for i in range(config.num_hidden_layers)])
+        self.norm = nnx.RMSNorm(config.hidden_size, rngs=rngs)
+
+    def __call__(self, tokens, positions, cache: Cache | None = None):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x, cache = block(x, positions, cache)
+        return self.embed.attend(self.norm(x)), cache
