@@ -7,24 +7,27 @@ without a cache it attends over its own input, which is the oracle for the cache
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Annotated
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pydantic import Field, PositiveInt
 
 from jaxkv import Cache, MaskInfo, attention
+from jaxkv.config import Strict
 
 
-@dataclasses.dataclass(frozen=True)
-class ToyConfig:
-    vocab_size: int = 97
-    hidden_size: int = 32
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    layer_types: tuple[str, ...] = ("full_attention", "sliding_attention", "chunked_attention", "full_attention")
-    sliding_window: int = 4
-    attention_chunk_size: int = 8
+class ToyConfig(Strict):
+    vocab_size: PositiveInt = 97
+    hidden_size: PositiveInt = 32
+    num_attention_heads: PositiveInt = 4
+    num_key_value_heads: PositiveInt = 2
+    layer_types: Annotated[tuple[str, ...], Field(strict=False)] = (  # YAML gives a list
+        "full_attention", "sliding_attention", "chunked_attention", "full_attention",
+    )  # fmt: skip
+    sliding_window: PositiveInt = 4
+    attention_chunk_size: PositiveInt = 8
     rope_theta: float = 10_000.0
 
     @property
