@@ -1,0 +1,183 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in one readable file.
+
+Follow one token: ``embed`` -> for each layer (scanned): RMSNorm -> q/k/v projections ->
+RoPE -> ``cache.update`` -> attention -> output projection -> residual -> RMSNorm ->
+SwiGLU MLP -> residual; then the final RMSNorm and the LM head.
+
+The layer weights are stacked along a leading layer axis and the layers run in one
+``lax.scan``, so compile time does not grow with depth. The cache travels in the scan's
+carry (``cache.update(i, ...)`` writes layer i's slice in place), never as ``xs``/``ys``,
+which would rewrite the whole cache every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from jaxkv import Cache, attention
+
+
+class RopeScaling(BaseModel):
+    """``rope_scaling`` of a HF config; 'default', 'linear' and 'llama3' are supported."""
+
+    model_config = ConfigDict(extra="ignore")
+    rope_type: str = Field("default", validation_alias="type")
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+class LlamaConfig(BaseModel):
+    """The fields of a HF ``config.json`` this model reads (others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 sets qkv_bias through its model type
+    sliding_window: PositiveInt | None = None
+    use_sliding_window: bool = True
+    max_position_embeddings: PositiveInt = 2048
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+def rope_frequencies(config: LlamaConfig) -> jax.Array:
+    """Inverse frequencies ``[D/2]``, with the config's RoPE scaling applied."""
+    dim = config.dim_per_head
+    inv_freq = 1.0 / config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type == "default":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, scaled)
+    raise ValueError(f"rope_scaling type {scaling.rope_type!r} is not supported; use default, linear or llama3")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate ``x`` ``[B, H, T, D]`` at ``positions`` ``[B, T]`` (HF's rotate-half layout)."""
+    angles = positions[:, None, :, None].astype(jnp.float32) * inv_freq
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+# Per-layer weight names and shapes (without the leading layer axis); x @ w layout.
+def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    d, hd, ff = config.hidden_size, config.dim_per_head, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.kv_heads * hd
+    shapes = {
+        "attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "wo": (q, d),
+        "mlp_norm": (d,), "w_gate": (d, ff), "w_up": (d, ff), "w_down": (ff, d),
+    }  # fmt: skip
+    if config.attention_bias:
+        shapes |= {"bq": (q,), "bk": (kv,), "bv": (kv,)}
+    return shapes
+
+
+class Llama(nnx.Module):
+    """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        self.config = config
+        rngs = rngs or nnx.Rngs(0)
+        init = jax.nn.initializers.normal(0.02)
+        layers = config.num_hidden_layers
+        self.embed = nnx.Param(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
+        self.layers = nnx.Dict(
+            {
+                name: nnx.Param(
+                    jnp.ones((layers, *shape), dtype) if "norm" in name else init(rngs.params(), (layers, *shape), dtype)
+                )
+                for name, shape in layer_shapes(config).items()
+            }
+        )
+        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nnx.Param(init(rngs.params(), (config.hidden_size, config.vocab_size), dtype))
+        )
+
+    def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
+        """A cache for this model; ``cache_kwargs`` go to ``Cache.from_config``."""
+        config = self.config
+        layer_types = ["sliding_attention" if config.sliding_window and config.use_sliding_window else "full_attention"]
+        return Cache.from_layer_types(
+            layer_types * config.num_hidden_layers,
+            batch_size=batch_size,
+            num_kv_heads=config.kv_heads,
+            head_dim=config.dim_per_head,
+            max_length=max_length,
+            sliding_window=config.sliding_window,
+            dtype=cache_kwargs.pop("dtype", self.embed.value.dtype),
+            **cache_kwargs,
+        )
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache):
+        config = self.config
+        batch, length = tokens.shape
+        inv_freq = rope_frequencies(config)
+        heads = lambda t, n: t.reshape(batch, length, n, config.dim_per_head).transpose(0, 2, 1, 3)  # noqa: E731
+
+        def decoder_layer(carry, w):
+            x, cache, i = carry
+            h = rms_norm(x, w["attn_norm"], config.rms_norm_eps)
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            if config.attention_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = apply_rope(heads(q, config.num_attention_heads), positions, inv_freq)
+            k = apply_rope(heads(k, config.kv_heads), positions, inv_freq)
+            cache, (k, v, mask_info) = cache.update(i, k, heads(v, config.kv_heads), positions)
+            out = attention(q, k, v, mask_info, positions)
+            x = x + out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
+            h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            return (x, cache, i + 1), None
+
+        x = self.embed.value[tokens]
+        weights = {name: param.value for name, param in self.layers.items()}
+        (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
+        x = rms_norm(x, self.norm.value, config.rms_norm_eps)
+        head = self.embed.value.T if self.lm_head is None else self.lm_head.value
+        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        return logits, cache
