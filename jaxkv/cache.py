@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.dynamic import DynamicLayer
-from jaxkv.protocol import CacheLayer, KVView, is_traced
+from jaxkv.dynamic import DynamicLayer, bucket
+from jaxkv.protocol import CacheLayer, KVView, check_rollback, entry, is_traced
 from jaxkv.static import StaticLayer
 from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
 
@@ -96,16 +96,36 @@ def layer_types_of(config) -> list[str]:
     return list(layer_types)
 
 
+def pattern_period(layer_types: Sequence[str]) -> int:
+    """Length of the shortest prefix whose repetition gives ``layer_types`` (Gemma 3: 6)."""
+    n = len(layer_types)
+    return next(p for p in range(1, n + 1) if all(layer_types[i] == layer_types[i % p] for i in range(n)))
+
+
+def stack_layers(layers: Sequence[CacheLayer]) -> CacheLayer:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+
+
+def first_entry_shapes(group: CacheLayer) -> CacheLayer:
+    """The group's first layer with shapes only (for shape-derived properties, no compute)."""
+    return jax.eval_shape(lambda g: jax.tree.map(lambda leaf: leaf[0], g), group)
+
+
 @struct.dataclass
 class Cache:
-    """A tuple of cache layers, one per model layer, with batch-level operations.
+    """One cache layer per model layer, stored as stacks of same-kind layers.
 
-    All layers see the same tokens, so they agree on ``lengths``. Every method is pure and
-    jittable except ``reserve`` (it reads lengths to pick a shape).
+    Layer i lives in group ``i % period`` at index ``i // period``, where ``period`` is
+    the length of the repeating pattern of ``layer_types`` (1 for Llama, 6 for Gemma 3's
+    5 sliding : 1 global). A model can then ``lax.scan`` over repeats of its pattern with
+    the cache in the carry, and each ``update`` writes its layer's entry of the stack in
+    place. All layers see the same tokens, so they agree on ``lengths``. Every method is
+    pure and jittable except ``reserve`` (it reads lengths to pick a shape).
     """
 
-    layers: tuple
+    groups: tuple  # group g: a layer whose every leaf has a leading axis over its layers
     layer_types: tuple[str, ...] = struct.field(pytree_node=False)
+    period: int = struct.field(pytree_node=False)
 
     # --- construction -------------------------------------------------------------
     @classmethod
@@ -122,17 +142,24 @@ class Cache:
         attention_chunk_size: int | None = None,
         full_attention: str = "static",
         rollback_slots: int = 0,
+        stacked: bool = False,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
         ``full_attention``: 'static' (preallocated ``max_length``) or 'dynamic' (grows).
         ``rollback_slots``: extra ring slots, so windowed layers can undo that many tokens
         plus one (a bare ring already allows one).
+        ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
+        length), for models that scan over their layers. Unstacked (``period`` = number
+        of layers), each layer is its own buffer, which unrolled models read without a
+        copy; a stacked layer's K/V slice is copied when a dot reads it on CPU.
         """
         if full_attention not in FULL_ATTENTION_KINDS:
             raise ValueError(f"full_attention must be one of {FULL_ATTENTION_KINDS}, got {full_attention!r}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not layer_types:
+            raise ValueError("layer_types is empty: a cache needs at least one layer")
         unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown:
             raise ValueError(f"unknown layer type(s) {unknown}; known layer types: {sorted(LAYER_TYPES)}")
@@ -140,7 +167,13 @@ class Cache:
             batch_size, num_kv_heads, head_dim, jnp.dtype(dtype), max_length,
             sliding_window, attention_chunk_size, full_attention, rollback_slots,
         )  # fmt: skip
-        return cls(tuple(LAYER_TYPES[t](spec) for t in layer_types), tuple(layer_types))
+        period = pattern_period(layer_types) if stacked else len(layer_types)
+        groups = []
+        for g in range(period):
+            layer = LAYER_TYPES[layer_types[g]](spec)
+            count = len(range(g, len(layer_types), period))
+            groups.append(jax.tree.map(lambda leaf, n=count: jnp.broadcast_to(leaf, (n, *leaf.shape)), layer))
+        return cls(tuple(groups), tuple(layer_types), period)
 
     @classmethod
     def from_config(cls, config, batch_size: int, **kwargs) -> Cache:
@@ -171,27 +204,65 @@ class Cache:
         )
 
     # --- the one call model code makes -------------------------------------------
-    def update(self, layer_idx: int, keys, values, positions=None) -> tuple[Cache, KVView]:
-        """Store new K/V ``[B, H_kv, T, D]`` of layer ``layer_idx``; return what attention reads.
+    def locate(self, layer_idx) -> tuple[int, Any]:
+        """``(group, index in group)`` of a layer.
 
-        ``positions`` ``[B, T]`` (negative = padding) default to the T positions after this
-        layer's length. A model computes them once per forward (``next_positions``) before
-        the first layer runs: mid-forward, updated and not yet updated layers differ.
+        ``layer_idx``: an int; a traced scalar when the pattern period is 1 (a scan over
+        all layers); or ``(group, index)`` with a static group and a traced index (a scan
+        over repeats of the pattern, layer ``index * period + group``).
         """
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
-            raise IndexError(f"layer_idx must be an int in [0, {len(self.layers)}), got {layer_idx!r}")
-        layer = self.layers[layer_idx]
+        if isinstance(layer_idx, tuple):
+            group, index = layer_idx
+            if not 0 <= group < self.period:
+                raise IndexError(f"group {group} out of range: this cache repeats a pattern of {self.period} layers")
+            return group, index
+        if isinstance(layer_idx, int):
+            if not 0 <= layer_idx < len(self.layer_types):
+                raise IndexError(f"layer_idx must be an int in [0, {len(self.layer_types)}), got {layer_idx}")
+            return layer_idx % self.period, layer_idx // self.period
+        if self.period != 1:
+            raise TypeError(
+                f"a traced layer_idx needs a cache whose layers all share one kind; this one repeats a pattern "
+                f"of {self.period} layers: pass (group, index) with a static group"
+            )
+        return 0, layer_idx
+
+    def update(self, layer_idx, keys, values, positions=None) -> tuple[Cache, KVView]:
+        """Store new K/V ``[B, H_kv, T, D]`` of a layer; return what attention reads.
+
+        ``layer_idx``: see ``locate``. ``positions`` ``[B, T]`` (negative = padding)
+        default to the T positions after this layer's length. A model computes them once
+        per forward (``next_positions``) before the first layer runs: mid-forward, updated
+        and not yet updated layers differ.
+        """
+        group, index = self.locate(layer_idx)
+        stack = self.groups[group]
         if positions is None:
-            positions = layer.lengths[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
-        layer, view = layer.update(keys, values, positions)
-        layers = self.layers[:layer_idx] + (layer,) + self.layers[layer_idx + 1 :]
-        return self.replace(layers=layers), view
+            start = entry(stack.lengths, index)
+            positions = start[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
+        stack, view = stack.update_entry(index, keys, values, positions)
+        return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :]), view
+
+    # --- per-layer views ----------------------------------------------------------
+    def layer(self, layer_idx: int) -> CacheLayer:
+        """Layer ``layer_idx`` as a single (unstacked) layer, for inspection."""
+        group, index = self.locate(layer_idx)
+        return jax.tree.map(lambda leaf: leaf[index], self.groups[group])
+
+    @property
+    def layers(self) -> tuple[CacheLayer, ...]:
+        """Every layer in model order, unstacked (a copy: for inspection, not hot loops)."""
+        return tuple(self.layer(i) for i in range(len(self.layer_types)))
+
+    def _map_layers(self, fn) -> Cache:
+        """Apply a per-layer pure function to every layer of every group."""
+        return self.replace(groups=tuple(jax.vmap(fn)(group) for group in self.groups))
 
     # --- lengths, capacity, footprint --------------------------------------------
     @property
     def lengths(self) -> jax.Array:
         """``[B]`` int32: tokens each row has seen (absolute count, not stored slots)."""
-        return self.layers[0].lengths
+        return self.groups[0].lengths[0]
 
     @property
     def batch_size(self) -> int:
@@ -209,30 +280,37 @@ class Cache:
     @property
     def max_length(self) -> int | None:
         """Longest sequence every layer can hold (None: unbounded or growing)."""
-        bounds = [layer.max_length for layer in self.layers if layer.max_length is not None]
+        bounds = [first_entry_shapes(g).max_length for g in self.groups]
+        bounds = [b for b in bounds if b is not None]
         return min(bounds) if bounds else None
 
     @property
     def max_rollback(self) -> int | None:
         """Most tokens ``rollback`` may undo in every layer (None: unbounded)."""
-        budgets = [layer.max_rollback for layer in self.layers if layer.max_rollback is not None]
+        budgets = [first_entry_shapes(g).max_rollback for g in self.groups]
+        budgets = [b for b in budgets if b is not None]
         return min(budgets) if budgets else None
 
     @property
     def overflowed(self) -> jax.Array:
         """``[B]`` bool: rows some layer could not store (only possible under jit)."""
-        flags = jnp.stack([layer.overflowed for layer in self.layers])
-        return jnp.any(flags, axis=0)
+        flags = [jnp.any(jax.vmap(lambda layer: layer.overflowed)(g), axis=0) for g in self.groups]
+        return jnp.any(jnp.stack(flags), axis=0)
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
 
     def reserve(self, num_new_tokens: int) -> Cache:
         """Grow growing layers (outside jit) so each row can take ``num_new_tokens`` more."""
-        return self.replace(
-            layers=tuple(layer.reserve(num_new_tokens) if hasattr(layer, "reserve") else layer for layer in self.layers)
-        )
+        if is_traced(self.lengths):
+            raise RuntimeError("Cache.reserve reads the row lengths and must run outside jit")
+        needed = int(np.max(np.asarray(self.lengths), initial=0)) + int(num_new_tokens)
+        return self.grow(bucket(needed))
+
+    def grow(self, capacity: int) -> Cache:
+        """Growing layers with room for ``capacity`` tokens (never shrinks; others unchanged)."""
+        return self.replace(groups=tuple(g.grow(capacity) if hasattr(g, "grow") else g for g in self.groups))
 
     # --- batch and time edits -----------------------------------------------------
     def reorder(self, beam_indices) -> Cache:
@@ -242,7 +320,7 @@ class Cache:
             raise ValueError(f"reorder/select take a [B'] index vector, got shape {indices.shape}")
         if not is_traced(indices) and indices.size and (indices.min() < 0 or indices.max() >= self.batch_size):
             raise IndexError(f"row indices {np.asarray(indices).tolist()} out of range for batch {self.batch_size}")
-        return self.replace(layers=tuple(layer.gather_rows(indices) for layer in self.layers))
+        return self._map_layers(lambda layer: layer.gather_rows(indices))
 
     select = reorder
 
@@ -260,24 +338,32 @@ class Cache:
         tokens again at the positions ``next_positions`` gives.
         """
         n = jnp.asarray(num_tokens, jnp.int32)
+        for group in self.groups:  # eager checks, with the layer's own message
+            check_rollback(first_entry_shapes(group), n)
         budget = self.max_rollback
-        if budget is not None and is_traced(n):
+        if budget is not None:
             n = jnp.minimum(n, budget)
-        return self.replace(layers=tuple(layer.rollback(n) for layer in self.layers))
+        return self._map_layers(lambda layer: layer.rollback(n))
 
     def reset(self) -> Cache:
         """Empty every layer, keeping shapes (and so the compiled steps)."""
-        return self.replace(layers=tuple(layer.reset() for layer in self.layers))
+        return self._map_layers(lambda layer: layer.reset())
 
     # --- display ------------------------------------------------------------------
     def __repr__(self) -> str:
         lengths = "traced" if is_traced(self.lengths) else np.asarray(self.lengths).tolist()
-        rows = [f"Cache(batch={self.batch_size}, layers={len(self.layers)}, lengths={lengths}, {_human(self.nbytes)})"]
-        for i, (kind, layer) in enumerate(zip(self.layer_types, self.layers)):
+        rows = [
+            f"Cache(batch={self.batch_size}, layers={len(self.layer_types)}, lengths={lengths}, "
+            f"{_human(self.nbytes)})"
+        ]
+        for i, kind in enumerate(self.layer_types):
+            group = self.groups[i % self.period]
+            layer = first_entry_shapes(group)
             leaf = jax.tree.leaves(layer)[0]
+            per_layer = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
             rows.append(
                 f"  {i:>3} {kind:<18} {type(layer).__name__:<19} {_layer_detail(layer):<14} "
-                f"{str(list(leaf.shape)):<18} {str(leaf.dtype):<9} {_human(layer.nbytes):>10}"
+                f"{str(list(leaf.shape)):<18} {str(leaf.dtype):<9} {_human(per_layer):>10}"
             )
         return "\n".join(rows)
 

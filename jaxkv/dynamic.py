@@ -48,19 +48,15 @@ class DynamicLayer(PositionalLayer):
         return 2 * batch_size * bucket(seq_len) * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize + 4 * batch_size
 
     @property
-    def capacity(self) -> int:
-        return self.keys.shape[2]
-
-    @property
     def max_length(self) -> None:
         return None
 
     def grow(self, capacity: int) -> DynamicLayer:
-        """The same layer with room for ``capacity`` tokens (never shrinks)."""
+        """The same layer (or stack of layers) with room for ``capacity`` tokens; never shrinks."""
         extra = capacity - self.capacity
         if extra <= 0:
             return self
-        pad = ((0, 0), (0, 0), (0, extra), (0, 0))
+        pad = [(0, 0)] * (self.keys.ndim - 2) + [(0, extra), (0, 0)]
         return self.replace(keys=jnp.pad(self.keys, pad), values=jnp.pad(self.values, pad))
 
     def reserve(self, num_new_tokens: int) -> DynamicLayer:
@@ -73,18 +69,15 @@ class DynamicLayer(PositionalLayer):
         needed = int(np.max(np.asarray(self.lengths), initial=0)) + int(num_new_tokens)
         return self if needed <= self.capacity else self.grow(bucket(needed))
 
-    def update(self, keys, values, positions):
-        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; return the whole buffer."""
-        positions = jnp.asarray(positions, jnp.int32)
-        check_update_inputs(self, keys, values, positions)
+    def update_entry(self, index, keys, values, positions):
+        positions = check_update_inputs(self, index, keys, values, positions)
         layer = self
-        if is_traced(positions):
+        if is_traced(positions, index):
             if positions.shape[1] > self.capacity:
                 raise ValueError(
                     f"DynamicLayer.update under jit: {positions.shape[1]} new tokens exceed the "
                     f"capacity {self.capacity}; call cache.reserve({positions.shape[1]}) before the jitted step"
                 )
         else:
-            needed = int(np.max(np.asarray(positions), initial=-1)) + 1
-            layer = self.grow(needed)
-        return layer.write(keys, values, positions)
+            layer = self.grow(int(np.max(np.asarray(positions), initial=-1)) + 1)
+        return layer.write(index, keys, values, positions)

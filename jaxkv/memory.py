@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import Cache, layer_types_of
-from jaxkv.dynamic import DynamicLayer
+from jaxkv.dynamic import DynamicLayer, bucket
 from jaxkv.static import StaticLayer
 from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
 
@@ -49,9 +49,12 @@ def layer_bytes(
 
 
 def cache_bytes(config, batch_size: int, seq_len: int, dtype=jnp.bfloat16, **cache_kwargs) -> int:
-    """Exact bytes of ``Cache.from_config`` for ``seq_len`` tokens, without allocating it."""
+    """Exact bytes of ``Cache.from_config`` holding ``seq_len`` tokens (growing layers
+    reserved in buckets), without allocating it."""
     shapes = jax.eval_shape(
-        lambda: Cache.from_config(config, batch_size, max_length=seq_len, dtype=dtype, **cache_kwargs)
+        lambda: Cache.from_config(config, batch_size, max_length=seq_len, dtype=dtype, **cache_kwargs).grow(
+            bucket(seq_len)
+        )
     )
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
 

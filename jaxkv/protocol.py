@@ -14,7 +14,13 @@ A cache layer is an immutable pytree. Its ``update`` is a pure function:
   looking at the stored values, so what the layer returns and what the mask admits agree
   by construction.
 
-Every array leaf of a layer has the batch as its leading axis; that is what lets the
+The container stores layers of one kind stacked along a leading layer axis, so a model
+can scan over its layers with the cache in the carry. A layer therefore also implements
+``update_entry(index, keys, values, positions)``: the same update, applied to entry
+``index`` (an int or a traced scalar) of a stacked layer, writing that entry in place.
+``update`` on a single layer is ``update_entry`` on a stack of one.
+
+Every array leaf of a (single) layer has the batch as its leading axis; that is what lets the
 container reorder beams and select or repeat rows generically (``gather_rows``) without
 knowing the storage. A layer whose storage is not batch-major (a paged pool indexed
 through a block table) overrides ``gather_rows``.
@@ -65,6 +71,9 @@ class CacheLayer(Protocol):
 
     def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]: ...
 
+    def update_entry(self, index, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
+        """``update`` of entry ``index`` of a stacked layer (leaves ``[L, ...]``), in place."""
+
     def rollback(self, num_tokens: jax.Array | int) -> Self: ...
 
     def reset(self) -> Self: ...
@@ -85,6 +94,11 @@ class CacheLayer(Protocol):
 
 class BatchMajorLayer:
     """Shared behaviour of layers whose every array leaf is batch-major."""
+
+    def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
+        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; see the module docstring."""
+        stack, view = jax.tree.map(lambda leaf: leaf[None], self).update_entry(0, keys, values, positions)
+        return jax.tree.map(lambda leaf: leaf[0], stack), view
 
     def gather_rows(self, indices: jax.Array) -> Self:
         """Rows ``indices`` ``[B']`` of every leaf: beam reorder, select and repeat."""
@@ -110,31 +124,41 @@ def lengths_after(lengths: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.maximum(lengths, jnp.max(positions, axis=1).astype(jnp.int32) + 1)
 
 
-def write_slots(buffer: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Write ``new`` ``[B, H, T, D]`` into ``buffer`` ``[B, H, S, D]`` at ``slots`` ``[B, T]``.
+def entry(stack: jax.Array, index) -> jax.Array:
+    """Entry ``index`` (int or traced scalar) of a stacked leaf ``[L, ...]``."""
+    return jax.lax.dynamic_index_in_dim(stack, index, axis=0, keepdims=False)
+
+
+def write_slots(buffer: jax.Array, index, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Write ``new`` ``[B, H, T, D]`` into entry ``index`` of ``buffer`` ``[L, B, H, S, D]``
+    at ``slots`` ``[B, T]``.
 
     A slot outside ``[0, S)`` is dropped, never clamped: ``lax.dynamic_update_slice``
     would move an out-of-range write back inside the buffer and overwrite live tokens.
-    Per-row offsets lower to one scatter, which XLA performs in place on a donated buffer.
+    Per-row offsets lower to one scatter into the stack, which XLA performs in place on a
+    donated buffer (no copy of the layer's slice).
     """
-    rows = jnp.arange(buffer.shape[0])[:, None]
-    return buffer.at[rows, :, slots].set(jnp.swapaxes(new, 1, 2), mode="drop")
+    rows = jnp.arange(buffer.shape[1])[:, None]
+    return buffer.at[index, rows, :, slots].set(jnp.swapaxes(new, 1, 2), mode="drop")
 
 
-def check_update_inputs(layer, keys: jax.Array, values: jax.Array, positions: jax.Array) -> None:
-    """Shape and dtype checks (always, at trace time) and position checks (eagerly)."""
-    name = type(layer).__name__
-    expected = (layer.batch_size, layer.keys.shape[1], None, layer.keys.shape[3])
+def check_update_inputs(stack, index, keys: jax.Array, values: jax.Array, positions) -> jax.Array:
+    """Shape and dtype checks (always, at trace time) and position checks (eagerly) for an
+    update of entry ``index`` of a stacked layer whose ``keys`` are ``[L, B, H_kv, S, D]``.
+    Returns the positions as int32."""
+    name = type(stack).__name__
+    positions = jnp.asarray(positions)
+    expected = (stack.keys.shape[1], stack.keys.shape[2], None, stack.keys.shape[4])
     for what, x in (("keys", keys), ("values", values)):
         if x.ndim != 4 or x.shape[0] != expected[0] or x.shape[1] != expected[1] or x.shape[3] != expected[3]:
             raise ValueError(
                 f"{name}.update: {what} has shape {tuple(x.shape)}, expected [B, H_kv, T, D] = "
                 f"[{expected[0]}, {expected[1]}, T, {expected[3]}] as the cache was built"
             )
-        if x.dtype != layer.keys.dtype:
+        if x.dtype != stack.keys.dtype:
             raise TypeError(
                 f"{name}.update: {what} dtype {x.dtype} differs from the cache dtype "
-                f"{layer.keys.dtype}; cast them or build the cache with dtype={x.dtype}"
+                f"{stack.keys.dtype}; cast them or build the cache with dtype={x.dtype}"
             )
     if keys.shape != values.shape:
         raise ValueError(f"{name}.update: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
@@ -145,9 +169,10 @@ def check_update_inputs(layer, keys: jax.Array, values: jax.Array, positions: ja
         )
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise TypeError(f"{name}.update: positions must be integers, got {positions.dtype}")
-    if is_traced(positions, layer.lengths):
-        return
-    pos, lengths = np.asarray(positions), np.asarray(layer.lengths)
+    positions = positions.astype(jnp.int32)
+    if is_traced(positions, stack.lengths, index):
+        return positions
+    pos, lengths = np.asarray(positions), np.asarray(stack.lengths[index])
     for row in range(pos.shape[0]):
         valid = pos[row][pos[row] >= 0]
         want = np.arange(lengths[row], lengths[row] + valid.size)
@@ -157,6 +182,23 @@ def check_update_inputs(layer, keys: jax.Array, values: jax.Array, positions: ja
                 f"positions {lengths[row]}, {lengths[row] + 1}, ... (negative for padding); got "
                 f"{valid.tolist()}. Use Cache.next_positions, or rollback first to rewrite tokens"
             )
+    return positions
+
+
+def check_rollback(layer, num_tokens) -> None:
+    """Eager errors for a rollback request (int or ``[B]``); nothing when traced."""
+    n = np.asarray(num_tokens) if not is_traced(num_tokens) else None
+    if n is None:
+        return
+    name, budget = type(layer).__name__, layer.max_rollback
+    if np.any(n < 0):
+        raise ValueError(f"{name}.rollback: cannot roll back a negative count {n.tolist()}")
+    if budget is not None and np.any(n > budget):
+        raise ValueError(
+            f"{name}.rollback: asked to undo {np.max(n)} tokens but the layer can undo at most {budget}; build "
+            f"the cache with rollback_slots >= {np.max(n) - 1} (a ring of window + rollback_slots slots undoes "
+            f"rollback_slots + 1)"
+        )
 
 
 def clamp_rollback(layer, num_tokens) -> jax.Array:
@@ -165,16 +207,7 @@ def clamp_rollback(layer, num_tokens) -> jax.Array:
     Eagerly, asking for more than ``layer.max_rollback`` is an error; under jit the
     request is clamped to it (the container documents this).
     """
+    check_rollback(layer, num_tokens)
     n = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32), layer.lengths.shape)
-    budget = layer.max_rollback
-    if not is_traced(n):
-        if np.any(np.asarray(n) < 0):
-            raise ValueError(f"{type(layer).__name__}.rollback: cannot roll back a negative count {num_tokens}")
-        if budget is not None and np.any(np.asarray(n) > budget):
-            raise ValueError(
-                f"{type(layer).__name__}.rollback: asked to undo {np.max(np.asarray(n))} tokens but the "
-                f"layer can undo at most {budget}; build the cache with rollback_slots >= "
-                f"{np.max(np.asarray(n)) - 1} (a ring of window + rollback_slots slots undoes rollback_slots + 1)"
-            )
     n = jnp.clip(n, 0, layer.lengths)
-    return n if budget is None else jnp.minimum(n, budget)
+    return n if layer.max_rollback is None else jnp.minimum(n, layer.max_rollback)

@@ -13,6 +13,7 @@ from jaxkv.protocol import (
     MaskInfo,
     check_update_inputs,
     clamp_rollback,
+    entry,
     is_traced,
     lengths_after,
     write_slots,
@@ -22,23 +23,26 @@ from jaxkv.protocol import (
 class PositionalLayer(BatchMajorLayer):
     """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention)."""
 
-    def write(self, keys, values, positions):
-        """Write tokens at slot = position; return the whole buffer with its positions.
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[-2]
+
+    def write(self, index, keys, values, positions):
+        """Write tokens at slot = position in entry ``index``; return its whole buffer.
 
         Slots at or past a row's length hold nothing visible (``kv_positions`` -1), so
         tokens left behind by a rollback never leak.
         """
-        capacity = self.keys.shape[2]
-        slots = jnp.where(positions >= 0, positions, capacity)
-        lengths = lengths_after(self.lengths, positions)
+        slots = jnp.where(positions >= 0, positions, self.capacity)
+        lengths = lengths_after(entry(self.lengths, index), positions)
         new = self.replace(
-            keys=write_slots(self.keys, keys, slots),
-            values=write_slots(self.values, values, slots),
-            lengths=lengths,
+            keys=write_slots(self.keys, index, keys, slots),
+            values=write_slots(self.values, index, values, slots),
+            lengths=self.lengths.at[index].set(lengths),
         )
-        slot_index = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+        slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
-        return new, KVView(new.keys, new.values, MaskInfo(kv_positions))
+        return new, KVView(entry(new.keys, index), entry(new.values, index), MaskInfo(kv_positions))
 
     @property
     def max_rollback(self) -> None:
@@ -47,7 +51,7 @@ class PositionalLayer(BatchMajorLayer):
     @property
     def overflowed(self) -> jax.Array:
         """``[B]`` bool: rows written past the buffer under jit (those tokens were dropped)."""
-        return self.lengths > self.keys.shape[2]
+        return self.lengths > self.capacity
 
     def rollback(self, num_tokens):
         return self.replace(lengths=self.lengths - clamp_rollback(self, num_tokens))
@@ -108,11 +112,9 @@ class StaticLayer(PositionalLayer):
 
     @property
     def max_length(self) -> int:
-        return self.keys.shape[2]
+        return self.capacity
 
-    def update(self, keys, values, positions):
-        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; return the full buffer."""
-        positions = jnp.asarray(positions, jnp.int32)
-        check_update_inputs(self, keys, values, positions)
-        check_capacity(self, positions, self.max_length)
-        return self.write(keys, values, positions)
+    def update_entry(self, index, keys, values, positions):
+        positions = check_update_inputs(self, index, keys, values, positions)
+        check_capacity(self, positions, self.capacity)
+        return self.write(index, keys, values, positions)

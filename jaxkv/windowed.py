@@ -23,6 +23,7 @@ from jaxkv.protocol import (
     MaskInfo,
     check_update_inputs,
     clamp_rollback,
+    entry,
     lengths_after,
     write_slots,
 )
@@ -70,34 +71,35 @@ class RingBufferLayer(BatchMajorLayer):
     def overflowed(self) -> jax.Array:
         return jnp.zeros(self.lengths.shape, bool)
 
-    def update(self, keys, values, positions):
-        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` into the ring.
+    def update_entry(self, index, keys, values, positions):
+        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` into ring ``index``.
 
         Returns the ring after the write when every query's span is still in it (T <= R + 1:
-        decode, or verifying up to R draft tokens); otherwise the ring before the write
+        decode, or verifying up to R + 1 draft tokens); otherwise the ring before the write
         followed by the T new tokens, so a long prefill's first queries still see keys
         that the ring will not keep. Each row keeps only its own last N tokens, so no two
         writes of one update land on the same slot.
         """
-        positions = jnp.asarray(positions, jnp.int32)
-        check_update_inputs(self, keys, values, positions)
-        num_slots = self.keys.shape[2]
-        lengths = lengths_after(self.lengths, positions)
+        positions = check_update_inputs(self, index, keys, values, positions)
+        num_slots = self.keys.shape[-2]
+        old_lengths = entry(self.lengths, index)
+        lengths = lengths_after(old_lengths, positions)
         kept = (positions >= 0) & (positions >= lengths[:, None] - num_slots)
         slots = jnp.where(kept, positions % num_slots, num_slots)
-        rows = jnp.arange(self.batch_size)[:, None]
+        rows = jnp.arange(keys.shape[0])[:, None]
         new = self.replace(
-            keys=write_slots(self.keys, keys, slots),
-            values=write_slots(self.values, values, slots),
-            slot_positions=self.slot_positions.at[rows, slots].set(positions, mode="drop"),
-            lengths=lengths,
+            keys=write_slots(self.keys, index, keys, slots),
+            values=write_slots(self.values, index, values, slots),
+            slot_positions=self.slot_positions.at[index, rows, slots].set(positions, mode="drop"),
+            lengths=self.lengths.at[index].set(lengths),
         )
         if positions.shape[1] <= self.rollback_slots + 1:
-            kv_positions = visible_positions(new.slot_positions, lengths)
-            return new, KVView(new.keys, new.values, self.mask_info(kv_positions))
-        kv_positions = jnp.concatenate([visible_positions(self.slot_positions, self.lengths), positions], axis=1)
-        all_keys = jnp.concatenate([self.keys, keys], axis=2)
-        all_values = jnp.concatenate([self.values, values], axis=2)
+            kv_positions = visible_positions(entry(new.slot_positions, index), lengths)
+            return new, KVView(entry(new.keys, index), entry(new.values, index), self.mask_info(kv_positions))
+        old_positions = visible_positions(entry(self.slot_positions, index), old_lengths)
+        kv_positions = jnp.concatenate([old_positions, positions], axis=1)
+        all_keys = jnp.concatenate([entry(self.keys, index), keys], axis=2)
+        all_values = jnp.concatenate([entry(self.values, index), values], axis=2)
         return new, KVView(all_keys, all_values, self.mask_info(kv_positions))
 
     def rollback(self, num_tokens):

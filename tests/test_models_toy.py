@@ -23,8 +23,9 @@ def forward(graphdef, state, tokens, positions, cache):
 
 
 class ToyDecoderCachedEqualsUncached(chex.TestCase):
-    def check(self, full_attention, rollback_slots):
-        config = ToyConfig()
+    def check(self, full_attention, rollback_slots, stacked=False):
+        # Two repeats of the layer pattern, so a stacked cache really stacks.
+        config = ToyConfig(layer_types=ToyConfig().layer_types * 2)
         model = ToyDecoder(config, nnx.Rngs(1))
         graphdef, state = nnx.split(model)
         step = self.variant(forward, static_argnums=0)
@@ -33,7 +34,7 @@ class ToyDecoderCachedEqualsUncached(chex.TestCase):
         tokens = rng.integers(0, config.vocab_size, size=(2, max(lengths)))
         full = [model(jnp.asarray(tokens[r : r + 1, :n]), jnp.arange(n)[None])[0][0] for r, n in enumerate(lengths)]
         cache = Cache.from_config(
-            config, 2, max_length=32, full_attention=full_attention, rollback_slots=rollback_slots
+            config, 2, max_length=32, full_attention=full_attention, rollback_slots=rollback_slots, stacked=stacked
         )
         fed = np.zeros(2, int)
         for width in (7, 1, 3, 1, 8, 1):
@@ -61,6 +62,10 @@ class ToyDecoderCachedEqualsUncached(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_dynamic(self):
         self.check("dynamic", rollback_slots=1)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_stacked(self):
+        self.check("static", rollback_slots=1, stacked=True)
 
 
 def test_config_errors_name_the_key_and_file(tmp_path):

@@ -8,7 +8,6 @@ current sequence, float32, max abs error <= 1e-5, under jit and eagerly.
 """
 
 import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
