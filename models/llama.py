@@ -114,29 +114,39 @@ def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape; per-layer ones carry a leading layer axis."""
+    shapes = {"embed": (config.vocab_size, config.hidden_size), "norm": (config.hidden_size,)}
+    shapes |= {name: (config.num_hidden_layers, *shape) for name, shape in layer_shapes(config).items()}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
+
+
 class Llama(nnx.Module):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: LlamaConfig, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
+        """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
+        leading layer axis, ``x @ w`` layout), e.g. from ``models.weights``; random if None."""
         self.config = config
-        rngs = rngs or nnx.Rngs(0)
-        init = jax.nn.initializers.normal(0.02)
-        layers = config.num_hidden_layers
-        self.embed = nnx.Param(init(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
-        self.layers = nnx.Dict(
-            {
-                name: nnx.Param(
-                    jnp.ones((layers, *shape), dtype) if "norm" in name else init(rngs.params(), (layers, *shape), dtype)
-                )
-                for name, shape in layer_shapes(config).items()
+        shapes = param_shapes(config)
+        if params is None:
+            keys = iter(jax.random.split(jax.random.key(seed), len(shapes)))
+            params = {
+                name: jnp.ones(shape, dtype) if "norm" in name else 0.02 * jax.random.normal(next(keys), shape, dtype)
+                for name, shape in shapes.items()
             }
-        )
-        self.norm = nnx.Param(jnp.ones((config.hidden_size,), dtype))
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nnx.Param(init(rngs.params(), (config.hidden_size, config.vocab_size), dtype))
-        )
+        missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
+        if missing or extra:
+            raise ValueError(f"Llama params: missing {missing}, unexpected {extra}")
+        for name, shape in shapes.items():
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"Llama param {name!r} has shape {tuple(params[name].shape)}, expected {shape}")
+        self.embed = nnx.Param(jnp.asarray(params["embed"]))
+        self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
+        self.norm = nnx.Param(jnp.asarray(params["norm"]))
+        self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
 
     def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
         """A cache for this model; ``cache_kwargs`` go to ``Cache.from_config``."""
@@ -150,6 +160,7 @@ class Llama(nnx.Module):
             max_length=max_length,
             sliding_window=config.sliding_window,
             dtype=cache_kwargs.pop("dtype", self.embed.value.dtype),
+            stacked=True,
             **cache_kwargs,
         )
 
