@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
 
@@ -26,7 +26,7 @@ class RopeScaling(BaseModel):
     """``rope_scaling`` of a HF config; 'default', 'linear' and 'llama3' are supported."""
 
     model_config = ConfigDict(extra="ignore")
-    rope_type: str = Field("default", validation_alias="type")
+    rope_type: str = Field("default", validation_alias=AliasChoices("rope_type", "type"))
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -52,8 +52,30 @@ class LlamaConfig(BaseModel):
     sliding_window: PositiveInt | None = None
     use_sliding_window: bool = True
     max_position_embeddings: PositiveInt = 2048
+    layer_types: tuple[str, ...] | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def from_hf_names(cls, data):
+        """Accept what transformers writes: v5's ``rope_parameters``, Qwen2's implicit qkv
+        bias; refuse variants this model does not implement instead of ignoring them."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        rope = data.pop("rope_parameters", None)
+        if rope:
+            data.setdefault("rope_theta", rope.get("rope_theta", 10_000.0))
+            if rope.get("rope_type", "default") != "default":
+                data.setdefault("rope_scaling", rope)
+        if data.get("model_type") == "qwen2":
+            data.setdefault("attention_bias", True)
+        if data.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported by models.llama")
+        if data.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported by models.llama (silu only)")
+        return data
 
     @property
     def kv_heads(self) -> int:
@@ -151,9 +173,10 @@ class Llama(nnx.Module):
     def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
         """A cache for this model; ``cache_kwargs`` go to ``Cache.from_config``."""
         config = self.config
-        layer_types = ["sliding_attention" if config.sliding_window and config.use_sliding_window else "full_attention"]
+        sliding = config.sliding_window and config.use_sliding_window
+        layer_types = config.layer_types or ("sliding_attention" if sliding else "full_attention",) * config.num_hidden_layers
         return Cache.from_layer_types(
-            layer_types * config.num_hidden_layers,
+            layer_types,
             batch_size=batch_size,
             num_kv_heads=config.kv_heads,
             head_dim=config.dim_per_head,
@@ -164,7 +187,9 @@ class Llama(nnx.Module):
             **cache_kwargs,
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache):
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
+        """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
+        (a prefill needs only each row's last prompt token), and the updated cache."""
         config = self.config
         batch, length = tokens.shape
         inv_freq = rope_frequencies(config)
@@ -188,6 +213,8 @@ class Llama(nnx.Module):
         x = self.embed.value[tokens]
         weights = {name: param.value for name, param in self.layers.items()}
         (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         x = rms_norm(x, self.norm.value, config.rms_norm_eps)
         head = self.embed.value.T if self.lm_head is None else self.lm_head.value
         logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
