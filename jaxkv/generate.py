@@ -84,6 +84,7 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     compile_seconds: float
+    cache_bytes: int
 
     def row(self, i: int) -> list[int]:
         return self.tokens[i, : self.num_generated[i]].tolist()
@@ -212,4 +213,4 @@ def generate(
 
     finish = [Finish(int(r)) for r in np.asarray(reason)]
     generated = np.array([int(np.sum(row >= 0)) for row in out], np.int32)
-    return Generation(out, generated, finish, prefill_seconds, decode_seconds, compile_seconds)
+    return Generation(out, generated, finish, prefill_seconds, decode_seconds, compile_seconds, cache.nbytes)

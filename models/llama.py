@@ -182,7 +182,7 @@ class Llama(nnx.Module):
             head_dim=config.dim_per_head,
             max_length=max_length,
             sliding_window=config.sliding_window,
-            dtype=cache_kwargs.pop("dtype", self.embed.value.dtype),
+            dtype=cache_kwargs.pop("dtype", self.embed[...].dtype),
             stacked=True,
             **cache_kwargs,
         )
@@ -210,12 +210,12 @@ class Llama(nnx.Module):
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
             return (x, cache, i + 1), None
 
-        x = self.embed.value[tokens]
-        weights = {name: param.value for name, param in self.layers.items()}
+        x = self.embed[...][tokens]
+        weights = {name: param[...] for name, param in self.layers.items()}
         (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
-        x = rms_norm(x, self.norm.value, config.rms_norm_eps)
-        head = self.embed.value.T if self.lm_head is None else self.lm_head.value
+        x = rms_norm(x, self.norm[...], config.rms_norm_eps)
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
         return logits, cache

@@ -1,0 +1,25 @@
+"""One call from a model name or path to a ready model and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from models.defaults import resolve_model
+from models.llama import Llama
+from models.tokenizer import Tokenizer
+from models.weights import load_gguf, load_safetensors_checkpoint
+
+
+def load_pretrained(name_or_path: str | Path, dtype=jnp.float32) -> tuple[Llama, Tokenizer]:
+    """An embedded default's name (``smollm2``), a GGUF file or a HF checkpoint directory."""
+    path = resolve_model(name_or_path)
+    if path.suffix == ".gguf":
+        config, params = load_gguf(path, dtype)
+        tokenizer = Tokenizer.from_gguf(path)
+    else:
+        config, params = load_safetensors_checkpoint(path, dtype)
+        tokenizer_config = path / "tokenizer_config.json"
+        tokenizer = Tokenizer.from_file(path / "tokenizer.json", tokenizer_config if tokenizer_config.is_file() else None)
+    return Llama(config, params), tokenizer

@@ -1,0 +1,379 @@
+"""Load real checkpoints into ``models.llama`` parameters.
+
+Two sources, one parameter layout (``models.llama.param_shapes``):
+
+* a transformers checkpoint directory: ``config.json`` + ``model.safetensors`` (or a sharded
+  ``model.safetensors.index.json``) -> ``load_safetensors_checkpoint``;
+* a llama.cpp GGUF file (quantized or not) -> ``load_gguf``.
+
+Both are read as "torch layout" tensors (``[out, in]`` for linear weights), checked by name and
+shape against the config before any data is read, then transposed to ``x @ w`` layout and
+stacked along a leading layer axis. Every problem (missing file, corrupt file, missing,
+unexpected or mis-shaped tensor) is a ``FileNotFoundError`` or ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.llama import LlamaConfig, layer_shapes, param_shapes
+
+# Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
+_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+
+# Our name -> transformers tensor name; "{i}" is the layer index.
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "bq": "model.layers.{i}.self_attn.q_proj.bias",
+    "bk": "model.layers.{i}.self_attn.k_proj.bias",
+    "bv": "model.layers.{i}.self_attn.v_proj.bias",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+# Our name -> llama.cpp tensor name for the "llama" GGUF architecture.
+GGUF_LLAMA_NAMES = {
+    "embed": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "wq": "blk.{i}.attn_q.weight",
+    "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight",
+    "wo": "blk.{i}.attn_output.weight",
+    "bq": "blk.{i}.attn_q.bias",
+    "bk": "blk.{i}.attn_k.bias",
+    "bv": "blk.{i}.attn_v.bias",
+    "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight",
+    "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
+}
+
+# Tensors some checkpoints carry that the model recomputes (old transformers saved RoPE tables).
+_HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class _TensorSource(Protocol):
+    """Named tensors in torch layout; ``shape`` must not read the data."""
+
+    def names(self) -> set[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read(self, name: str) -> np.ndarray | jax.Array: ...
+
+
+def _plan(config: LlamaConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """For each parameter, its source tensors (one per layer for stacked ones) and the
+    torch-layout shape each must have."""
+    per_layer = layer_shapes(config)
+    plan = {}
+    for param, shape in param_shapes(config).items():
+        if param in per_layer:
+            shape = per_layer[param]
+        source_shape = tuple(reversed(shape)) if param in _TRANSPOSED else tuple(shape)
+        layers = range(config.num_hidden_layers) if param in per_layer else [None]
+        plan[param] = [(names[param].format(i=i), source_shape) for i in layers]
+    return plan
+
+
+def _assemble(
+    config: LlamaConfig,
+    source: _TensorSource,
+    names: Mapping[str, str],
+    dtype: Any,
+    *,
+    what: str,
+    ignored: Callable[[str], bool] = lambda name: False,
+    fixups: Mapping[str, Callable[[np.ndarray | jax.Array], np.ndarray | jax.Array]] | None = None,
+) -> dict[str, jax.Array]:
+    """Check every tensor's presence and shape first (cheap, and a clear error beats a
+    half-loaded model), then read, fix up, transpose, stack and cast."""
+    plan = _plan(config, names)
+    available = source.names()
+    wanted = {name for sources in plan.values() for name, _ in sources}
+    missing = sorted(wanted - available)
+    if missing:
+        raise ValueError(f"{what}: missing tensor(s) {_short_list(missing)}")
+    unexpected = sorted(name for name in available - wanted if not ignored(name))
+    if unexpected:
+        raise ValueError(f"{what}: unexpected tensor(s) {_short_list(unexpected)} (not part of this model's config)")
+    for sources in plan.values():
+        for name, expected in sources:
+            actual = source.shape(name)
+            if actual != expected:
+                raise ValueError(f"{what}: tensor {name!r} has shape {actual}, expected {expected}")
+
+    fixups = fixups or {}
+    params = {}
+    for param, sources in plan.items():
+        arrays = []
+        for name, _ in sources:
+            array = source.read(name)
+            if param in fixups:
+                array = fixups[param](array)
+            array = jnp.asarray(array, dtype)
+            arrays.append(array.T if param in _TRANSPOSED else array)
+        params[param] = jnp.stack(arrays) if param in layer_shapes(config) else arrays[0]
+    return params
+
+
+def _short_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers checkpoints (safetensors)
+
+
+class _SafetensorsSource:
+    """Tensors spread over one or more safetensors files, opened lazily via ``safe_open``.
+
+    framework="flax" because numpy has no bfloat16, the usual checkpoint dtype."""
+
+    def __init__(self, files: Mapping[str, Path], stack: contextlib.ExitStack):
+        from safetensors import SafetensorError, safe_open
+
+        self._handles: dict[str, Any] = {}  # tensor name -> open file
+        for path in sorted(set(files.values())):
+            try:
+                handle = stack.enter_context(safe_open(path, framework="flax"))
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {err}") from err
+            for name in handle.keys():
+                self._handles[name] = handle
+        listed = {name for name in files if name is not None}  # None: an unsharded file
+        not_found = sorted(listed - set(self._handles))
+        if not_found:
+            raise ValueError(f"safetensors index lists tensor(s) its shard files lack: {_short_list(not_found)}")
+
+    def names(self) -> set[str]:
+        return set(self._handles)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[name].get_slice(name).get_shape())
+
+    def read(self, name: str) -> jax.Array:
+        return self._handles[name].get_tensor(name)
+
+
+def _checkpoint_files(directory: Path) -> dict[str | None, Path]:
+    """Tensor name -> file for a sharded checkpoint, or ``{None: file}`` for a single file."""
+    single, index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+    if single.is_file():
+        return {None: single}
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} is not a safetensors index (no valid 'weight_map'): {err}") from err
+        files = {name: directory / shard for name, shard in weight_map.items()}
+        absent = sorted({str(p) for p in files.values() if not p.is_file()})
+        if absent:
+            raise FileNotFoundError(f"shard file(s) listed in {index} not found: {_short_list(absent)}")
+        return files
+    raise FileNotFoundError(
+        f"no model.safetensors or model.safetensors.index.json in {directory} "
+        "(only safetensors checkpoints are supported, not pytorch_model.bin)"
+    )
+
+
+def read_hf_config(directory: str | Path) -> LlamaConfig:
+    """``LlamaConfig`` from a checkpoint's ``config.json``."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    model_type = raw.get("model_type")
+    if model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: llama, mistral, qwen2")
+    if model_type == "qwen2":
+        # Qwen2's q/k/v projections always have a bias, but its config.json does not say so.
+        raw.setdefault("attention_bias", True)
+    return LlamaConfig.model_validate(raw)
+
+
+def load_safetensors_checkpoint(
+    directory: str | Path, dtype: Any = jnp.float32
+) -> tuple[LlamaConfig, dict[str, jax.Array]]:
+    """``(config, params)`` from a transformers checkpoint directory (Llama, Mistral, Qwen2).
+
+    ``params`` is named and shaped as ``models.llama.param_shapes(config)`` gives, cast to ``dtype``.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    config = read_hf_config(directory)
+    files = _checkpoint_files(directory)
+
+    def ignored(name: str) -> bool:
+        # A tied checkpoint may still carry lm_head.weight: it is the embedding again.
+        return name.endswith(_HF_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == HF_NAMES["lm_head"])
+
+    with contextlib.ExitStack() as stack:
+        source = _SafetensorsSource(files, stack)
+        params = _assemble(config, source, HF_NAMES, dtype, what=str(directory), ignored=ignored)
+    return config, params
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def open_gguf(path: str | Path):
+    """A ``gguf.GGUFReader`` for ``path``, with a clear error for a missing or non-GGUF file."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as err:  # the reader fails with assorted numpy errors on a cut-off file
+        raise ValueError(
+            f"{path} is not a readable GGUF file (truncated or corrupt?): {type(err).__name__}: {err}"
+        ) from err
+
+
+_NO_DEFAULT = object()
+
+
+def gguf_value(reader, key: str, default: Any = _NO_DEFAULT) -> Any:
+    """A metadata value (str, number, bool, or list for arrays)."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _NO_DEFAULT:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+class _GGUFSource:
+    """GGUF tensors, dequantized to float32 on read."""
+
+    def __init__(self, reader):
+        self._tensors = {t.name: t for t in reader.tensors}
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        # ggml lists dimensions fastest-first ([in, out]); numpy/torch order is the reverse.
+        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+
+    def read(self, name: str) -> np.ndarray:
+        import gguf
+
+        tensor = self._tensors[name]
+        return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name)).astype(np.float32)
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: ``[H*D, ...]`` -> ``[H*D, ...]``.
+
+    llama.cpp's converter reorders each head's rows from half-split RoPE order (dims
+    ``0..D/2-1`` pair with ``D/2..D-1``) to interleaved order (dim ``2j`` pairs with ``2j+1``),
+    because ggml rotates adjacent pairs. ``models.llama`` rotates halves like transformers, so
+    each head's rows, seen as ``[D/2, 2]`` pairs, are transposed back to ``[2, D/2]``.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama_gguf_config(reader, tensor_shapes: Mapping[str, tuple[int, ...]]) -> LlamaConfig:
+    """``LlamaConfig`` from the ``llama.*`` metadata (llama.cpp's key names)."""
+    arch = "llama"
+
+    def meta(key, default=_NO_DEFAULT):
+        return gguf_value(reader, f"{arch}.{key}", default)
+
+    scaling_type = meta("rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (none or linear only)")
+    if "rope_freqs.weight" in tensor_shapes:
+        raise ValueError("GGUF has rope_freqs.weight (Llama 3.1-style frequency factors), which is not supported yet")
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    rotary = int(meta("rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise ValueError(f"GGUF rope.dimension_count {rotary} != head dim {head_dim}: partial RoPE is not supported")
+    scaling = {"type": "linear", "factor": float(meta("rope.scaling.factor"))} if scaling_type == "linear" else None
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF: missing tensor 'token_embd.weight'")
+    return LlamaConfig(
+        vocab_size=tensor_shapes["token_embd.weight"][0],
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10_000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id", None),
+    )
+
+
+def _load_llama_gguf(reader, path: Path, dtype: Any) -> tuple[LlamaConfig, dict[str, jax.Array]]:
+    source = _GGUFSource(reader)
+    config = _llama_gguf_config(reader, {name: source.shape(name) for name in source.names()})
+    fixups = {
+        "wq": lambda w: unpermute_rope_rows(w, config.num_attention_heads),
+        "wk": lambda w: unpermute_rope_rows(w, config.kv_heads),
+    }
+    params = _assemble(config, source, GGUF_LLAMA_NAMES, dtype, what=str(path), fixups=fixups)
+    return config, params
+
+
+# general.architecture -> loader(reader, path, dtype) -> (config, params). A new architecture
+# (Gemma 3: no Q/K permutation, norms stored as 1+w, extra q/k norms) adds an entry here.
+GGUF_LOADERS: dict[str, Callable[[Any, Path, Any], tuple[Any, dict[str, jax.Array]]]] = {
+    "llama": _load_llama_gguf,
+}
+
+
+def load_gguf(path: str | Path, dtype: Any = jnp.float32) -> tuple[LlamaConfig, dict[str, jax.Array]]:
+    """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
+
+    ``params`` is named and shaped as ``models.llama.param_shapes(config)`` gives.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    architecture = gguf_value(reader, "general.architecture")
+    if architecture not in GGUF_LOADERS:
+        raise ValueError(
+            f"{path}: GGUF architecture {architecture!r} is not supported yet; supported: {sorted(GGUF_LOADERS)}"
+        )
+    return GGUF_LOADERS[architecture](reader, path, dtype)
