@@ -126,9 +126,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Functional KV caches for JAX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    bench = sub.add_parser("bench", help="decode benchmark against transformers (scripts/bench_decode.py)")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", help="decode benchmark against transformers (scripts/bench_decode.py ARGS)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command != "bench" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = [arg for arg in rest if arg != "--"]
     if args.command == "bench":  # the benchmark lives in the source checkout's scripts/
         script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
         if not script.is_file():

@@ -25,7 +25,7 @@ from jaxkv import Cache, attention
 class RopeScaling(BaseModel):
     """``rope_scaling`` of a HF config; 'default', 'linear' and 'llama3' are supported."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", frozen=True)  # hashable: the config is static under jit
     rope_type: str = Field("default", validation_alias=AliasChoices("rope_type", "type"))
     factor: float = 1.0
     low_freq_factor: float = 1.0
