@@ -26,6 +26,9 @@ def attention_mask(q_positions: jax.Array, mask_info: MaskInfo) -> jax.Array:
     return mask
 
 
+ATTENTION_BLOCK = 256
+
+
 def attention(
     queries: jax.Array,
     keys: jax.Array,
@@ -35,6 +38,7 @@ def attention(
     *,
     scale: float | None = None,
     logit_softcap: float | None = None,
+    block_size: int = ATTENTION_BLOCK,
 ) -> jax.Array:
     """Softmax attention of ``queries`` ``[B, H_q, T, D]`` over a layer's K/V ``[B, H_kv, S, D]``.
 
@@ -42,20 +46,59 @@ def attention(
     ``h // (H_q / H_kv)``. ``scale`` defaults to ``D ** -0.5``; ``logit_softcap`` applies
     ``c * tanh(logits / c)`` (Gemma 2). Logits and softmax run in float32. A query that
     may see no slot (padding) gets zeros, not NaN. Returns ``[B, H_q, T, D]``.
+
+    When the layer says how many leading slots are in use (``mask_info.slots_used``) and
+    the buffer spans several blocks, keys are read block by block up to that count with
+    an online softmax: cost follows the filled length, not the capacity, and no
+    ``[T, S]`` score matrix over the whole buffer is ever built.
     """
     batch, num_heads, length, head_dim = queries.shape
-    num_kv_heads = keys.shape[1]
+    num_kv_heads, num_slots = keys.shape[1], keys.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"attention: {num_heads} query heads is not a multiple of {num_kv_heads} K/V heads")
     scale = head_dim**-0.5 if scale is None else scale
     grouped = queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
-    logits = jnp.einsum("bhgtd,bhsd->bhgts", grouped, keys, preferred_element_type=jnp.float32) * scale
-    if logit_softcap is not None:
-        logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-    mask = attention_mask(q_positions, mask_info)[:, None, None]
-    logits = jnp.where(mask, logits, -jnp.inf)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
-    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    out = jnp.einsum("bhgts,bhsd->bhgtd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+    def scores(k_block, positions_block):
+        logits = jnp.einsum("bhgtd,bhsd->bhgts", grouped, k_block, preferred_element_type=jnp.float32) * scale
+        if logit_softcap is not None:
+            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+        mask = attention_mask(q_positions, mask_info.replace(kv_positions=positions_block))
+        return jnp.where(mask[:, None, None], logits, -jnp.inf)
+
+    def weighted(weights, v_block):
+        return jnp.einsum("bhgts,bhsd->bhgtd", weights.astype(v_block.dtype), v_block, preferred_element_type=jnp.float32)
+
+    blocked = mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
+    if not blocked:
+        logits = scores(keys, mask_info.kv_positions)
+        peak = jnp.max(logits, axis=-1, keepdims=True)
+        weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+        total = jnp.sum(weights, axis=-1, keepdims=True)
+        out = weighted(weights, values)
+    else:
+        # Online softmax over blocks: running max, running sum, running weighted values.
+        def step(block, carry):
+            peak, total, acc = carry
+            start = block * block_size
+            k_block = jax.lax.dynamic_slice_in_dim(keys, start, block_size, axis=2)
+            v_block = jax.lax.dynamic_slice_in_dim(values, start, block_size, axis=2)
+            positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=1)
+            logits = scores(k_block, positions)
+            new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1, keepdims=True))
+            safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+            rescale = jnp.exp(peak - safe_peak)
+            weights = jnp.exp(logits - safe_peak)
+            total = total * rescale + jnp.sum(weights, axis=-1, keepdims=True)
+            return new_peak, total, acc * rescale + weighted(weights, v_block)
+
+        shape = (batch, num_kv_heads, num_heads // num_kv_heads, length)
+        init = (
+            jnp.full((*shape, 1), -jnp.inf, jnp.float32),
+            jnp.zeros((*shape, 1), jnp.float32),
+            jnp.zeros((*shape, head_dim), jnp.float32),
+        )
+        num_blocks = (mask_info.slots_used + block_size - 1) // block_size
+        _, total, out = jax.lax.fori_loop(0, num_blocks, step, init)
+    out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
     return out.reshape(batch, num_heads, length, head_dim).astype(queries.dtype)

@@ -47,12 +47,15 @@ class MaskInfo(struct.PyTreeNode):
     ``kv_positions``: ``[B, S]`` int32, the absolute position held by each slot, -1 if the
     slot holds nothing attention may see. ``window``: a query at q sees keys with
     ``q - window < k <= q``. ``chunk``: a query sees only keys of its own chunk
-    (``k // chunk == q // chunk``). Both are static.
+    (``k // chunk == q // chunk``). Both are static. ``slots_used``: see below.
     """
 
     kv_positions: jax.Array
     window: int | None = struct.field(pytree_node=False, default=None)
     chunk: int | None = struct.field(pytree_node=False, default=None)
+    # Optional int32 scalar: no slot at or past it holds a visible token, so attention may
+    # stop reading there (a preallocated buffer is mostly empty). None: read every slot.
+    slots_used: jax.Array | None = None
 
 
 class KVView(NamedTuple):

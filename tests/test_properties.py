@@ -33,9 +33,9 @@ def mask_rule(kind, span):
     return {"sliding": {"window": span}, "chunked": {"chunk": span}}.get(kind, {})
 
 
-def update_and_attend(layer, q, k, v, positions):
+def update_and_attend(layer, q, k, v, positions, block_size=256):
     layer, (keys, values, mask_info) = layer.update(k, v, positions)
-    return layer, attention(q, keys, values, mask_info, positions)
+    return layer, attention(q, keys, values, mask_info, positions, block_size=block_size)
 
 
 @st.composite
@@ -61,7 +61,7 @@ def scenarios(draw):
 
 
 class IncrementalEqualsFullAttention(chex.TestCase):
-    def run_scenario(self, kind, scenario):
+    def run_scenario(self, kind, scenario, block_size=256):
         batch, num_kv_heads, group, span, rollback_slots, steps = scenario
         num_heads = num_kv_heads * group
         rng = np.random.default_rng(0)
@@ -72,7 +72,7 @@ class IncrementalEqualsFullAttention(chex.TestCase):
         layer = make_layer(kind, batch, num_kv_heads, span, rollback_slots)
         lengths = np.zeros(batch, int)
 
-        step = self.variant(update_and_attend)
+        step = self.variant(update_and_attend, static_argnames="block_size")
         for action, *args in steps:
             if action == "rollback":
                 layer = layer.rollback(jnp.asarray(args[0]))
@@ -92,7 +92,9 @@ class IncrementalEqualsFullAttention(chex.TestCase):
                     seq[row][:, pos] = arr[row, :, :count]
             if kind == "dynamic":
                 layer = layer.reserve(width)
-            layer, out = step(layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(positions))
+            layer, out = step(
+                layer, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(positions), block_size=block_size
+            )
             out = np.asarray(out)
             for row, count in enumerate(counts):
                 end = lengths[row] + count
@@ -125,3 +127,14 @@ class IncrementalEqualsFullAttention(chex.TestCase):
     @given(scenarios())
     def test_chunked(self, scenario):
         self.run_scenario("chunked", scenario)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(scenarios())
+    def test_static_blocked_attention(self, scenario):
+        """Blocks of 4 slots, read only up to the filled length, with an online softmax."""
+        self.run_scenario("static", scenario, block_size=4)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @given(scenarios())
+    def test_dynamic_blocked_attention(self, scenario):
+        self.run_scenario("dynamic", scenario, block_size=4)
