@@ -1,6 +1,6 @@
-"""Load real checkpoints into ``models.llama`` parameters.
+"""Load real checkpoints into ``models.llama`` or ``models.gemma3`` parameters.
 
-Two sources, one parameter layout (``models.llama.param_shapes``):
+Two sources, one parameter layout per model (its module's ``param_shapes``):
 
 * a transformers checkpoint directory: ``config.json`` + ``model.safetensors`` (or a sharded
   ``model.safetensors.index.json``) -> ``load_safetensors_checkpoint``;
@@ -24,7 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.llama import LlamaConfig, layer_shapes, param_shapes
+from models import gemma3, llama
+from models.gemma3 import Gemma3Config
+from models.llama import LlamaConfig
+
+ModelConfig = LlamaConfig | Gemma3Config
 
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
@@ -67,6 +71,46 @@ GGUF_LLAMA_NAMES = {
     "w_down": "blk.{i}.ffn_down.weight",
 }
 
+# Our name -> transformers tensor name for Gemma 3 (Gemma3ForCausalLM); norms hold w of (1 + w).
+GEMMA3_HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+
+# Our name -> llama.cpp tensor name for the "gemma3" GGUF architecture; norms hold 1 + w.
+GGUF_GEMMA3_NAMES = {
+    "embed": "token_embd.weight",
+    "norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "wq": "blk.{i}.attn_q.weight",
+    "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+    "wo": "blk.{i}.attn_output.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight",
+    "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
+}
+
 # Tensors some checkpoints carry that the model recomputes (old transformers saved RoPE tables).
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -79,12 +123,18 @@ class _TensorSource(Protocol):
     def read(self, name: str) -> np.ndarray | jax.Array: ...
 
 
-def _plan(config: LlamaConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+def _model_module(config: ModelConfig):
+    """The model module (``param_shapes``, ``layer_shapes``) a config belongs to."""
+    return gemma3 if isinstance(config, Gemma3Config) else llama
+
+
+def _plan(config: ModelConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """For each parameter, its source tensors (one per layer for stacked ones) and the
     torch-layout shape each must have."""
-    per_layer = layer_shapes(config)
+    module = _model_module(config)
+    per_layer = module.layer_shapes(config)
     plan = {}
-    for param, shape in param_shapes(config).items():
+    for param, shape in module.param_shapes(config).items():
         if param in per_layer:
             shape = per_layer[param]
         source_shape = tuple(reversed(shape)) if param in _TRANSPOSED else tuple(shape)
@@ -94,7 +144,7 @@ def _plan(config: LlamaConfig, names: Mapping[str, str]) -> dict[str, list[tuple
 
 
 def _assemble(
-    config: LlamaConfig,
+    config: ModelConfig,
     source: _TensorSource,
     names: Mapping[str, str],
     dtype: Any,
@@ -121,6 +171,7 @@ def _assemble(
                 raise ValueError(f"{what}: tensor {name!r} has shape {actual}, expected {expected}")
 
     fixups = fixups or {}
+    per_layer = _model_module(config).layer_shapes(config)
     params = {}
     for param, sources in plan.items():
         arrays = []
@@ -130,7 +181,7 @@ def _assemble(
                 array = fixups[param](array)
             array = jnp.asarray(array, dtype)
             arrays.append(array.T if param in _TRANSPOSED else array)
-        params[param] = jnp.stack(arrays) if param in layer_shapes(config) else arrays[0]
+        params[param] = jnp.stack(arrays) if param in per_layer else arrays[0]
     return params
 
 
@@ -195,8 +246,17 @@ def _checkpoint_files(directory: Path) -> dict[str | None, Path]:
     )
 
 
-def read_hf_config(directory: str | Path) -> LlamaConfig:
-    """``LlamaConfig`` from a checkpoint's ``config.json``."""
+# config.json model_type -> the config class that reads it.
+HF_MODEL_TYPES: dict[str, type[LlamaConfig] | type[Gemma3Config]] = {
+    "llama": LlamaConfig,
+    "mistral": LlamaConfig,
+    "qwen2": LlamaConfig,
+    "gemma3_text": Gemma3Config,
+}
+
+
+def read_hf_config(directory: str | Path) -> ModelConfig:
+    """``LlamaConfig`` or ``Gemma3Config`` from a checkpoint's ``config.json``."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}")
@@ -205,34 +265,39 @@ def read_hf_config(directory: str | Path) -> LlamaConfig:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
     model_type = raw.get("model_type")
-    if model_type not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: llama, mistral, qwen2")
+    if model_type not in HF_MODEL_TYPES:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
     if model_type == "qwen2":
         # Qwen2's q/k/v projections always have a bias, but its config.json does not say so.
         raw.setdefault("attention_bias", True)
-    return LlamaConfig.model_validate(raw)
+    return HF_MODEL_TYPES[model_type].model_validate(raw)
 
 
 def load_safetensors_checkpoint(
     directory: str | Path, dtype: Any = jnp.float32
-) -> tuple[LlamaConfig, dict[str, jax.Array]]:
-    """``(config, params)`` from a transformers checkpoint directory (Llama, Mistral, Qwen2).
+) -> tuple[ModelConfig, dict[str, jax.Array]]:
+    """``(config, params)`` from a transformers checkpoint directory (Llama, Mistral, Qwen2,
+    Gemma 3 text).
 
-    ``params`` is named and shaped as ``models.llama.param_shapes(config)`` gives, cast to ``dtype``.
+    ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
+    (``models.llama`` or ``models.gemma3``), cast to ``dtype``.
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     config = read_hf_config(directory)
+    names = GEMMA3_HF_NAMES if isinstance(config, Gemma3Config) else HF_NAMES
     files = _checkpoint_files(directory)
 
     def ignored(name: str) -> bool:
         # A tied checkpoint may still carry lm_head.weight: it is the embedding again.
-        return name.endswith(_HF_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == HF_NAMES["lm_head"])
+        return name.endswith(_HF_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == names["lm_head"])
 
     with contextlib.ExitStack() as stack:
         source = _SafetensorsSource(files, stack)
-        params = _assemble(config, source, HF_NAMES, dtype, what=str(directory), ignored=ignored)
+        params = _assemble(config, source, names, dtype, what=str(directory), ignored=ignored)
     return config, params
 
 

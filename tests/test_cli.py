@@ -94,3 +94,14 @@ def test_capacity_stops_a_row_with_a_reason():
     assert [f.name for f in result.finish] == ["CAPACITY", "CAPACITY"]
     # Every stored token fits; the last generated one is returned but never fed back.
     np.testing.assert_array_equal(result.num_generated, [16 - 10 + 1, 16 - 3 + 1])
+
+
+def test_prompt_lengths_share_compiled_code_within_a_bucket():
+    """A new prompt length in a seen bucket (and a new batch content) compiles nothing."""
+    model = Llama(TINY, seed=4)
+    first = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=6)
+    again = generate(model, [[9, 8, 7, 6, 5, 4, 3, 2, 1]], max_new_tokens=6)
+    assert first.compile_seconds > 0
+    assert again.compile_seconds == 0
+    other_bucket = generate(model, [list(range(1, 20))], max_new_tokens=6)
+    assert other_bucket.compile_seconds > 0

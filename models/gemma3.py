@@ -1,0 +1,252 @@
+"""Gemma 3 text decoder (e.g. Gemma 3 270M) in one readable file, built like ``models.llama``.
+
+Follow one token: ``embed * sqrt(hidden)`` -> for each layer: RMSNorm -> q/k/v projections
+-> per-head q/k RMSNorm -> RoPE (local base on sliding layers, global base on full ones) ->
+``cache.update`` -> attention (scale ``query_pre_attn_scalar ** -0.5``) -> output projection
+-> RMSNorm -> residual -> RMSNorm -> GeGLU MLP (gelu tanh) -> RMSNorm -> residual; then the
+final RMSNorm, the tied LM head and an optional logit soft-cap.
+
+Layers follow a repeating pattern (270M: 5 sliding, 1 full). The cache stores layer i in
+group ``i % period`` at index ``i // period``, so the model scans over repeats of the
+pattern with the pattern itself unrolled in the scan body: each layer's kind (window, RoPE
+base) is static, and compile time does not grow with depth. The layers after the last full
+repeat (e.g. 7 layers with a pattern of 6) run unrolled after the scan.
+
+Norm weights are kept as transformers stores them (``w``; the norm multiplies by ``1 + w``,
+in float32); the GGUF loader converts llama.cpp's stored ``1 + w`` back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
+
+from jaxkv import Cache, attention
+from models.llama import apply_rope
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class RopeParameters(BaseModel):
+    """RoPE of one layer type: 'default', or 'linear' (positions divided by ``factor``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)  # hashable: the config is static under jit
+    rope_type: str = "default"
+    rope_theta: float = 10_000.0
+    factor: float = 1.0
+
+    @model_validator(mode="after")
+    def supported(self):
+        if self.rope_type not in ("default", "linear"):
+            raise ValueError(f"Gemma 3 rope_type {self.rope_type!r} is not supported; use default or linear")
+        return self
+
+
+class LayerRope(BaseModel):
+    """transformers v5's per-layer-type ``rope_parameters`` of a Gemma 3 config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    sliding_attention: RopeParameters = RopeParameters(rope_theta=10_000.0)
+    full_attention: RopeParameters = RopeParameters(rope_theta=1_000_000.0)
+
+
+class Gemma3Config(BaseModel):
+    """The fields of a HF ``Gemma3TextConfig`` (``config.json``) this model reads."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt
+    head_dim: PositiveInt = 256
+    rms_norm_eps: float = 1e-6
+    rope_parameters: LayerRope = LayerRope()
+    sliding_window: PositiveInt = 4096
+    layer_types: tuple[str, ...]
+    query_pre_attn_scalar: float = 256
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    tie_word_embeddings: bool = True
+    max_position_embeddings: PositiveInt = 131_072
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def from_hf_names(cls, data):
+        """Accept v5's ``rope_parameters`` and older (v4) configs' ``rope_theta`` /
+        ``rope_local_base_freq`` / ``rope_scaling`` / ``sliding_window_pattern``; refuse
+        variants this model does not implement instead of ignoring them."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        rope = data.get("rope_parameters")
+        if rope is None or "rope_theta" in rope:  # v4 names, or one flat dict for the full layers
+            full = dict(rope or data.get("rope_scaling") or {})
+            full.setdefault("rope_theta", data.get("rope_theta", 1_000_000.0))
+            local = {"rope_theta": data.get("rope_local_base_freq", 10_000.0)}
+            data["rope_parameters"] = {SLIDING: local, FULL: full}
+        if data.get("layer_types") is None:
+            # Every `pattern`-th layer is global (Gemma 3: 6, i.e. 5 sliding : 1 full).
+            pattern = data.get("sliding_window_pattern", data.get("_sliding_window_pattern", 6))
+            data["layer_types"] = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(data["num_hidden_layers"])]
+        unknown = set(data["layer_types"]) - {SLIDING, FULL}
+        if unknown:
+            raise ValueError(f"Gemma 3 layer types {sorted(unknown)} are not supported (sliding/full attention only)")
+        if len(data["layer_types"]) != data["num_hidden_layers"]:
+            raise ValueError(f"{len(data['layer_types'])} layer_types for {data['num_hidden_layers']} layers")
+        activation = data.get("hidden_activation") or data.get("hidden_act") or "gelu_pytorch_tanh"
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation {activation!r} is not supported by models.gemma3 (gelu tanh only)")
+        if data.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported by models.gemma3")
+        if data.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=True is not supported by models.gemma3 (causal only)")
+        return data
+
+    # Names models.llama's config uses, so shared code (cache building, generate) reads both.
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim
+
+
+def rope_frequencies(rope: RopeParameters, head_dim: int) -> jax.Array:
+    """Inverse frequencies ``[D/2]`` of one layer type."""
+    inv_freq = 1.0 / rope.rope_theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    return inv_freq / rope.factor if rope.rope_type == "linear" else inv_freq
+
+
+def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of the last axis, scaled by ``1 + weight``, in float32 (as transformers does)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def layer_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Per-layer weight names and shapes (without the leading layer axis); ``x @ w`` layout."""
+    d, hd, ff = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    return {
+        "attn_norm": (d,), "wq": (d, q), "wk": (d, kv), "wv": (d, kv), "q_norm": (hd,), "k_norm": (hd,),
+        "wo": (q, d), "post_attn_norm": (d,),
+        "mlp_norm": (d,), "w_gate": (d, ff), "w_up": (d, ff), "w_down": (ff, d), "post_mlp_norm": (d,),
+    }  # fmt: skip
+
+
+def param_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape; per-layer ones carry a leading layer axis."""
+    shapes = {"embed": (config.vocab_size, config.hidden_size), "norm": (config.hidden_size,)}
+    shapes |= {name: (config.num_hidden_layers, *shape) for name, shape in layer_shapes(config).items()}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
+
+
+class Gemma3(nnx.Module):
+    """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
+
+    def __init__(self, config: Gemma3Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
+        """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
+        leading layer axis, ``x @ w`` layout, norms as ``w`` of ``1 + w``); random if None."""
+        self.config = config
+        shapes = param_shapes(config)
+        if params is None:
+            keys = iter(jax.random.split(jax.random.key(seed), len(shapes)))
+            params = {
+                name: jnp.zeros(shape, dtype) if "norm" in name else 0.02 * jax.random.normal(next(keys), shape, dtype)
+                for name, shape in shapes.items()
+            }
+        missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
+        if missing or extra:
+            raise ValueError(f"Gemma3 params: missing {missing}, unexpected {extra}")
+        for name, shape in shapes.items():
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"Gemma3 param {name!r} has shape {tuple(params[name].shape)}, expected {shape}")
+        self.embed = nnx.Param(jnp.asarray(params["embed"]))
+        self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
+        self.norm = nnx.Param(jnp.asarray(params["norm"]))
+        self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
+
+    def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
+        """A stacked cache for this model; ``cache_kwargs`` go to ``Cache.from_layer_types``."""
+        config = self.config
+        return Cache.from_layer_types(
+            config.layer_types,
+            batch_size=batch_size,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            max_length=max_length,
+            sliding_window=config.sliding_window,
+            dtype=cache_kwargs.pop("dtype", self.embed[...].dtype),
+            stacked=True,
+            **cache_kwargs,
+        )
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
+        """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
+        (a prefill needs only each row's last prompt token), and the updated cache."""
+        config = self.config
+        batch, length = tokens.shape
+        eps = config.rms_norm_eps
+        inv_freq = {kind: rope_frequencies(getattr(config.rope_parameters, kind), config.head_dim) for kind in (SLIDING, FULL)}
+        scale = config.query_pre_attn_scalar**-0.5
+        heads = lambda t, n: t.reshape(batch, length, n, config.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+
+        def decoder_layer(x, cache, w, group, index):
+            """Layer ``index * period + group``: ``group`` static (its kind), ``index`` may be traced."""
+            kind = config.layer_types[group]
+            h = gemma_rms_norm(x, w["attn_norm"], eps)
+            q = gemma_rms_norm(heads(h @ w["wq"], config.num_attention_heads), w["q_norm"], eps)
+            k = gemma_rms_norm(heads(h @ w["wk"], config.num_key_value_heads), w["k_norm"], eps)
+            q, k = apply_rope(q, positions, inv_freq[kind]), apply_rope(k, positions, inv_freq[kind])
+            cache, (k, v, mask_info) = cache.update(
+                (group, index), k, heads(h @ w["wv"], config.num_key_value_heads), positions
+            )
+            out = attention(q, k, v, mask_info, positions, scale=scale, logit_softcap=config.attn_logit_softcapping)
+            out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
+            x = x + gemma_rms_norm(out, w["post_attn_norm"], eps)
+            h = gemma_rms_norm(x, w["mlp_norm"], eps)
+            h = (jax.nn.gelu(h @ w["w_gate"], approximate=True) * (h @ w["w_up"])) @ w["w_down"]
+            return x + gemma_rms_norm(h, w["post_mlp_norm"], eps), cache
+
+        # Embeddings are scaled by sqrt(hidden) rounded to the weights' dtype, as transformers does.
+        embed = self.embed[...]
+        x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), embed.dtype)
+
+        period = cache.period
+        repeats, remainder = divmod(config.num_hidden_layers, period)
+        weights = {name: param[...] for name, param in self.layers.items()}
+        # [L, ...] -> [repeats, period, ...]: scan step r runs layers r * period + g, g < period.
+        scanned = {name: w[: repeats * period].reshape(repeats, period, *w.shape[1:]) for name, w in weights.items()}
+
+        def pattern_repeat(carry, w):
+            x, cache, r = carry
+            for group in range(period):
+                x, cache = decoder_layer(x, cache, {name: a[group] for name, a in w.items()}, group, r)
+            return (x, cache, r + 1), None
+
+        (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), scanned)
+        for group in range(remainder):  # layers repeats * period + group, after the last full repeat
+            layer = repeats * period + group
+            x, cache = decoder_layer(x, cache, {name: w[layer] for name, w in weights.items()}, group, repeats)
+
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
+        x = gemma_rms_norm(x, self.norm[...], eps)
+        head = embed.T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        if config.final_logit_softcapping is not None:
+            cap = config.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits, cache
