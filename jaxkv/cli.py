@@ -38,7 +38,7 @@ class GenerateConfig(Strict):
 def _generate_parser(sub) -> None:
     parser = sub.add_parser("generate", help="generate text with a model")
     parser.add_argument("--config", type=Path, help="YAML file (configs/*.yaml); flags below override it")
-    parser.add_argument("--model", help="embedded default name (smollm2), a checkpoint directory or a .gguf file")
+    parser.add_argument("--model", help="embedded default name (smollm2, gemma3), a checkpoint directory or a .gguf file")
     parser.add_argument("--prompt")
     parser.add_argument("--no-chat", dest="chat", action="store_false", default=None, help="no chat template")
     parser.add_argument("--cache", choices=["static", "dynamic"], help="full-attention cache kind")

@@ -12,6 +12,10 @@ pattern with the pattern itself unrolled in the scan body: each layer's kind (wi
 base) is static, and compile time does not grow with depth. The layers after the last full
 repeat (e.g. 7 layers with a pattern of 6) run unrolled after the scan.
 
+``attn_logit_softcapping`` is read but not applied: Gemma 3 replaced Gemma 2's attention
+soft-capping with the q/k norms, and transformers' Gemma 3 ignores the field too (the
+reference this model must match). ``final_logit_softcapping`` is applied when set.
+
 Norm weights are kept as transformers stores them (``w``; the norm multiplies by ``1 + w``,
 in float32); the GGUF loader converts llama.cpp's stored ``1 + w`` back.
 """
@@ -71,7 +75,7 @@ class Gemma3Config(BaseModel):
     layer_types: tuple[str, ...]
     query_pre_attn_scalar: float = 256
     final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # not applied (see the module docstring)
     tie_word_embeddings: bool = True
     max_position_embeddings: PositiveInt = 131_072
     bos_token_id: int | None = 2
@@ -213,7 +217,7 @@ class Gemma3(nnx.Module):
             cache, (k, v, mask_info) = cache.update(
                 (group, index), k, heads(h @ w["wv"], config.num_key_value_heads), positions
             )
-            out = attention(q, k, v, mask_info, positions, scale=scale, logit_softcap=config.attn_logit_softcapping)
+            out = attention(q, k, v, mask_info, positions, scale=scale)
             out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
             x = x + gemma_rms_norm(out, w["post_attn_norm"], eps)
             h = gemma_rms_norm(x, w["mlp_norm"], eps)

@@ -7,13 +7,15 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from models.defaults import resolve_model
+from models.gemma3 import Gemma3, Gemma3Config
 from models.llama import Llama
 from models.tokenizer import Tokenizer
 from models.weights import load_gguf, load_safetensors_checkpoint
 
 
-def load_pretrained(name_or_path: str | Path, dtype=jnp.float32) -> tuple[Llama, Tokenizer]:
-    """An embedded default's name (``smollm2``), a GGUF file or a HF checkpoint directory."""
+def load_pretrained(name_or_path: str | Path, dtype=jnp.float32) -> tuple[Llama | Gemma3, Tokenizer]:
+    """An embedded default's name (``smollm2``, ``gemma3``), a GGUF file or a HF checkpoint
+    directory; the model class follows the config (``Gemma3`` for Gemma 3, else ``Llama``)."""
     path = resolve_model(name_or_path)
     if path.suffix == ".gguf":
         config, params = load_gguf(path, dtype)
@@ -22,4 +24,5 @@ def load_pretrained(name_or_path: str | Path, dtype=jnp.float32) -> tuple[Llama,
         config, params = load_safetensors_checkpoint(path, dtype)
         tokenizer_config = path / "tokenizer_config.json"
         tokenizer = Tokenizer.from_file(path / "tokenizer.json", tokenizer_config if tokenizer_config.is_file() else None)
-    return Llama(config, params), tokenizer
+    model_class = Gemma3 if isinstance(config, Gemma3Config) else Llama
+    return model_class(config, params), tokenizer

