@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
 from models.llama import apply_rope
+from models.params import checked_params
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -164,19 +165,7 @@ class Gemma3(nnx.Module):
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
         leading layer axis, ``x @ w`` layout, norms as ``w`` of ``1 + w``); random if None."""
         self.config = config
-        shapes = param_shapes(config)
-        if params is None:
-            keys = iter(jax.random.split(jax.random.key(seed), len(shapes)))
-            params = {
-                name: jnp.zeros(shape, dtype) if "norm" in name else 0.02 * jax.random.normal(next(keys), shape, dtype)
-                for name, shape in shapes.items()
-            }
-        missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
-        if missing or extra:
-            raise ValueError(f"Gemma3 params: missing {missing}, unexpected {extra}")
-        for name, shape in shapes.items():
-            if tuple(params[name].shape) != shape:
-                raise ValueError(f"Gemma3 param {name!r} has shape {tuple(params[name].shape)}, expected {shape}")
+        params = checked_params("Gemma3", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=0.0)
         self.embed = nnx.Param(jnp.asarray(params["embed"]))
         self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
         self.norm = nnx.Param(jnp.asarray(params["norm"]))

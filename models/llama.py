@@ -20,6 +20,7 @@ from flax import nnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
+from models.params import checked_params
 
 
 class RopeScaling(BaseModel):
@@ -152,19 +153,7 @@ class Llama(nnx.Module):
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
         leading layer axis, ``x @ w`` layout), e.g. from ``models.weights``; random if None."""
         self.config = config
-        shapes = param_shapes(config)
-        if params is None:
-            keys = iter(jax.random.split(jax.random.key(seed), len(shapes)))
-            params = {
-                name: jnp.ones(shape, dtype) if "norm" in name else 0.02 * jax.random.normal(next(keys), shape, dtype)
-                for name, shape in shapes.items()
-            }
-        missing, extra = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
-        if missing or extra:
-            raise ValueError(f"Llama params: missing {missing}, unexpected {extra}")
-        for name, shape in shapes.items():
-            if tuple(params[name].shape) != shape:
-                raise ValueError(f"Llama param {name!r} has shape {tuple(params[name].shape)}, expected {shape}")
+        params = checked_params("Llama", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=1.0)
         self.embed = nnx.Param(jnp.asarray(params["embed"]))
         self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
