@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.protocol import MaskInfo
+from jaxkv.protocol import KVView, MaskInfo
 
 
 def attention_mask(q_positions: jax.Array, mask_info: MaskInfo) -> jax.Array:
@@ -31,16 +31,15 @@ ATTENTION_BLOCK = 256
 
 def attention(
     queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
-    mask_info: MaskInfo,
+    kv: KVView,
     q_positions: jax.Array,
     *,
     scale: float | None = None,
     logit_softcap: float | None = None,
     block_size: int = ATTENTION_BLOCK,
 ) -> jax.Array:
-    """Softmax attention of ``queries`` ``[B, H_q, T, D]`` over a layer's K/V ``[B, H_kv, S, D]``.
+    """Softmax attention of ``queries`` ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over
+    the K/V ``[B, H_kv, S, D]`` of the view a cache update returned.
 
     GQA/MQA: ``H_q`` is a multiple of ``H_kv``; query head h reads K/V head
     ``h // (H_q / H_kv)``. ``scale`` defaults to ``D ** -0.5``; ``logit_softcap`` applies
@@ -48,12 +47,13 @@ def attention(
     may see no slot (padding) gets zeros, not NaN. Returns ``[B, H_q, T, D]``.
 
     When the layer says how many leading slots are in use (``mask_info.slots_used``) and
-    the buffer spans several blocks, keys are read block by block up to that count with
-    an online softmax: cost follows the filled length, not the capacity, and no
-    ``[T, S]`` score matrix over the whole buffer is ever built.
+    the buffer spans several blocks, K/V are read block by block (``kv.read``) up to that
+    count with an online softmax: cost follows the filled length, not the capacity, and
+    neither the layer's whole buffer nor a ``[T, S]`` score matrix over it is built.
     """
+    mask_info = kv.mask_info
     batch, num_heads, length, head_dim = queries.shape
-    num_kv_heads, num_slots = keys.shape[1], keys.shape[2]
+    _, num_kv_heads, num_slots, _ = kv.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"attention: {num_heads} query heads is not a multiple of {num_kv_heads} K/V heads")
     scale = head_dim**-0.5 if scale is None else scale
@@ -71,18 +71,17 @@ def attention(
 
     blocked = mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
     if not blocked:
-        logits = scores(keys, mask_info.kv_positions)
+        logits = scores(kv.keys, mask_info.kv_positions)
         peak = jnp.max(logits, axis=-1, keepdims=True)
         weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
         total = jnp.sum(weights, axis=-1, keepdims=True)
-        out = weighted(weights, values)
+        out = weighted(weights, kv.values)
     else:
         # Online softmax over blocks: running max, running sum, running weighted values.
         def step(block, carry):
             peak, total, acc = carry
             start = block * block_size
-            k_block = jax.lax.dynamic_slice_in_dim(keys, start, block_size, axis=2)
-            v_block = jax.lax.dynamic_slice_in_dim(values, start, block_size, axis=2)
+            k_block, v_block = kv.read(start, block_size)
             positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=1)
             logits = scores(k_block, positions)
             new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1, keepdims=True))

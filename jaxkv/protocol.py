@@ -33,7 +33,7 @@ table): the container only calls the methods below.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, Self, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +58,53 @@ class MaskInfo(struct.PyTreeNode):
     slots_used: jax.Array | None = None
 
 
-class KVView(NamedTuple):
-    """What one ``update`` hands to attention: ``keys``/``values`` ``[B, H_kv, S, D]``."""
+class KVView(struct.PyTreeNode):
+    """What one ``update`` hands to attention: a layer's K/V slots and their ``MaskInfo``.
 
-    keys: jax.Array
-    values: jax.Array
+    ``keys``/``values`` are ``[B, H_kv, S, D]``; ``k, v, mask_info = view`` unpacks them.
+    The view keeps them as entry ``index`` of a stack ``[L, B, H_kv, S, D]`` (the
+    container's storage, a stack of one for a single layer) instead of slicing the entry
+    out: ``read(start, size)`` cuts a block straight from the stack, so blocked attention
+    over a stacked cache never copies the layer's whole buffer, and a decode step costs
+    the filled length, not the capacity. Storage that cannot be read as plain slots (a
+    quantized layer dequantizing block by block) provides its own view with the same
+    ``mask_info``, ``shape``, ``read``, ``keys`` and ``values``.
+    """
+
+    key_stack: jax.Array  # [L, B, H_kv, S, D]
+    value_stack: jax.Array
+    index: jax.Array | int
     mask_info: MaskInfo
+
+    @classmethod
+    def of(cls, keys: jax.Array, values: jax.Array, mask_info: MaskInfo) -> KVView:
+        """A view of plain ``[B, H_kv, S, D]`` arrays."""
+        return cls(keys[None], values[None], 0, mask_info)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, H_kv, S, D)`` of ``keys``."""
+        return self.key_stack.shape[1:]
+
+    @property
+    def keys(self) -> jax.Array:
+        return entry(self.key_stack, self.index)
+
+    @property
+    def values(self) -> jax.Array:
+        return entry(self.value_stack, self.index)
+
+    def read(self, start, size: int) -> tuple[jax.Array, jax.Array]:
+        """Keys and values ``[B, H_kv, size, D]`` of slots ``[start, start + size)``."""
+        _, batch, heads, _, dim = self.key_stack.shape
+        corner, shape = (self.index, 0, 0, start, 0), (1, batch, heads, size, dim)
+        return (
+            jax.lax.dynamic_slice(self.key_stack, corner, shape)[0],
+            jax.lax.dynamic_slice(self.value_stack, corner, shape)[0],
+        )
+
+    def __iter__(self):
+        return iter((self.keys, self.values, self.mask_info))
 
 
 @runtime_checkable
@@ -197,11 +238,14 @@ def check_rollback(layer, num_tokens) -> None:
     if np.any(n < 0):
         raise ValueError(f"{name}.rollback: cannot roll back a negative count {n.tolist()}")
     if budget is not None and np.any(n > budget):
-        raise ValueError(
-            f"{name}.rollback: asked to undo {np.max(n)} tokens but the layer can undo at most {budget}; build "
-            f"the cache with rollback_slots >= {np.max(n) - 1} (a ring of window + rollback_slots slots undoes "
-            f"rollback_slots + 1)"
+        # A layer whose budget is not a ring's rollback_slots + 1 says how to size it (linear states).
+        fix = (
+            layer.rollback_hint(int(np.max(n)))
+            if hasattr(layer, "rollback_hint")
+            else f"build the cache with rollback_slots >= {np.max(n) - 1} (a ring of window + rollback_slots slots "
+            f"undoes rollback_slots + 1)"
         )
+        raise ValueError(f"{name}.rollback: asked to undo {np.max(n)} tokens but the layer can undo at most {budget}; {fix}")
 
 
 def clamp_rollback(layer, num_tokens) -> jax.Array:

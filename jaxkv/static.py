@@ -43,7 +43,7 @@ class PositionalLayer(BatchMajorLayer):
         slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
         used = jnp.minimum(jnp.max(lengths), self.capacity)
-        return new, KVView(entry(new.keys, index), entry(new.values, index), MaskInfo(kv_positions, slots_used=used))
+        return new, KVView(new.keys, new.values, index, MaskInfo(kv_positions, slots_used=used))
 
     @property
     def max_rollback(self) -> None:

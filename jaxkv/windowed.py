@@ -95,12 +95,12 @@ class RingBufferLayer(BatchMajorLayer):
         )
         if positions.shape[1] <= self.rollback_slots + 1:
             kv_positions = visible_positions(entry(new.slot_positions, index), lengths)
-            return new, KVView(entry(new.keys, index), entry(new.values, index), self.mask_info(kv_positions))
+            return new, KVView(new.keys, new.values, index, self.mask_info(kv_positions))
         old_positions = visible_positions(entry(self.slot_positions, index), old_lengths)
         kv_positions = jnp.concatenate([old_positions, positions], axis=1)
         all_keys = jnp.concatenate([entry(self.keys, index), keys], axis=2)
         all_values = jnp.concatenate([entry(self.values, index), values], axis=2)
-        return new, KVView(all_keys, all_values, self.mask_info(kv_positions))
+        return new, KVView.of(all_keys, all_values, self.mask_info(kv_positions))
 
     def rollback(self, num_tokens):
         return self.replace(lengths=self.lengths - clamp_rollback(self, num_tokens))

@@ -203,10 +203,8 @@ class Gemma3(nnx.Module):
             q = gemma_rms_norm(heads(h @ w["wq"], config.num_attention_heads), w["q_norm"], eps)
             k = gemma_rms_norm(heads(h @ w["wk"], config.num_key_value_heads), w["k_norm"], eps)
             q, k = apply_rope(q, positions, inv_freq[kind]), apply_rope(k, positions, inv_freq[kind])
-            cache, (k, v, mask_info) = cache.update(
-                (group, index), k, heads(h @ w["wv"], config.num_key_value_heads), positions
-            )
-            out = attention(q, k, v, mask_info, positions, scale=scale)
+            cache, kv = cache.update((group, index), k, heads(h @ w["wv"], config.num_key_value_heads), positions)
+            out = attention(q, kv, positions, scale=scale)
             out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
             x = x + gemma_rms_norm(out, w["post_attn_norm"], eps)
             h = gemma_rms_norm(x, w["mlp_norm"], eps)

@@ -176,10 +176,16 @@ class Llama(nnx.Module):
             **cache_kwargs,
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
-        (a prefill needs only each row's last prompt token), and the updated cache."""
+        (a prefill needs only each row's last prompt token), and the updated cache.
+
+        ``num_layers``: run only the first ``num_layers`` layers, then the final norm and
+        head: an early-exit draft for self-speculative decoding. Later layers' cache
+        entries are left as they were."""
         config = self.config
+        if num_layers is not None and not 1 <= num_layers <= config.num_hidden_layers:
+            raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
         batch, length = tokens.shape
         inv_freq = rope_frequencies(config)
         heads = lambda t, n: t.reshape(batch, length, n, config.dim_per_head).transpose(0, 2, 1, 3)  # noqa: E731
@@ -192,15 +198,15 @@ class Llama(nnx.Module):
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = apply_rope(heads(q, config.num_attention_heads), positions, inv_freq)
             k = apply_rope(heads(k, config.kv_heads), positions, inv_freq)
-            cache, (k, v, mask_info) = cache.update(i, k, heads(v, config.kv_heads), positions)
-            out = attention(q, k, v, mask_info, positions)
+            cache, kv = cache.update(i, k, heads(v, config.kv_heads), positions)
+            out = attention(q, kv, positions)
             x = x + out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
             return (x, cache, i + 1), None
 
         x = self.embed[...][tokens]
-        weights = {name: param[...] for name, param in self.layers.items()}
+        weights = {name: param[...][:num_layers] for name, param in self.layers.items()}
         (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)

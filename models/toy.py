@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import Field, PositiveInt
 
-from jaxkv import Cache, MaskInfo, attention
+from jaxkv import Cache, KVView, MaskInfo, attention
 from jaxkv.config import Strict
 
 
@@ -71,10 +71,10 @@ class Block(nnx.Module):
         k = rope(heads(k, config.num_key_value_heads), positions, config.rope_theta)
         v = heads(v, config.num_key_value_heads)
         if cache is None:  # no cache: attend over this input only (the oracle path)
-            mask_info = self.own_mask(positions)
+            kv = KVView.of(k, v, self.own_mask(positions))
         else:
-            cache, (k, v, mask_info) = cache.update(self.layer_idx, k, v, positions)
-        out = attention(q, k, v, mask_info, positions)
+            cache, kv = cache.update(self.layer_idx, k, v, positions)
+        out = attention(q, kv, positions)
         x = x + self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
         x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
         return x, cache

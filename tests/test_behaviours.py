@@ -21,6 +21,7 @@ from jaxkv import (
     Cache,
     ChunkedLayer,
     DynamicLayer,
+    KVView,
     MaskInfo,
     SlidingWindowLayer,
     StaticLayer,
@@ -425,7 +426,7 @@ class MaskFromPositionsTest(chex.TestCase):
             )
             m = mask_of(pos([p]), view.mask_info)
             outs.append(
-                attend(jnp.asarray(q[None, None, p]), view.keys, view.values, view.mask_info, pos([p]), scale=1.0)
+                attend(jnp.asarray(q[None, None, p]), view, pos([p]), scale=1.0)
             )
             masks.append(np.asarray(m)[0, -1][np.asarray(view.mask_info.kv_positions)[0] >= 0])
         assert masks[1].sum() == 3, "the decode query at 2 must see all three tokens, zeros included"
@@ -449,7 +450,7 @@ class MaskFromPositionsTest(chex.TestCase):
         p = pos([[0, 1, -1], [-1, -1, -1]])
         layer, view = layer.update(k, k, p)
         q = jnp.asarray(rng.normal(size=(2, 2, 3, 2)) * 50, jnp.float32)
-        out = np.asarray(attend(q, view.keys, view.values, view.mask_info, p))
+        out = np.asarray(attend(q, view, p))
         assert np.all(np.isfinite(out))
         np.testing.assert_array_equal(out[0, :, 2], 0.0)
         np.testing.assert_array_equal(out[1], 0.0)
@@ -492,8 +493,8 @@ def test_gqa_equals_explicitly_repeated_kv_heads():
     v = jnp.asarray(rng.normal(size=(2, 2, 5, 8)), jnp.float32)
     info = MaskInfo(jnp.asarray([[0, 1, 2, 3, 4], [0, 1, 2, 3, -1]], jnp.int32))
     qp = pos([[2, 3, 4], [1, 2, 3]])
-    out = attend(q, k, v, info, qp)
-    repeated = attend(q, jnp.repeat(k, 2, axis=1), jnp.repeat(v, 2, axis=1), info, qp)
+    out = attend(q, KVView.of(k, v, info), qp)
+    repeated = attend(q, KVView.of(jnp.repeat(k, 2, axis=1), jnp.repeat(v, 2, axis=1), info), qp)
     chex.assert_shape(out, (2, 4, 3, 8))
     chex.assert_trees_all_close(out, repeated, atol=1e-6)
     mask = np.asarray(mask_of(qp, info))
@@ -501,10 +502,10 @@ def test_gqa_equals_explicitly_repeated_kv_heads():
         for h in range(4):
             want = np_attention(q[b, h], k[b, h // 2], v[b, h // 2], mask[b], scale=8**-0.5)
             np.testing.assert_allclose(out[b, h], want, atol=1e-5)
-    tiled = attend(q, jnp.tile(k, (1, 2, 1, 1)), jnp.tile(v, (1, 2, 1, 1)), info, qp)
+    tiled = attend(q, KVView.of(jnp.tile(k, (1, 2, 1, 1)), jnp.tile(v, (1, 2, 1, 1)), info), qp)
     assert np.abs(np.asarray(out - tiled)).max() > 1e-2
     with pytest.raises(ValueError, match="multiple"):
-        attend(q[:, :3], k, v, info, qp)
+        attend(q[:, :3], KVView.of(k, v, info), qp)
 
 
 def test_logit_softcap_is_c_tanh_x_over_c():
@@ -516,8 +517,8 @@ def test_logit_softcap_is_c_tanh_x_over_c():
     info = MaskInfo(jnp.asarray([[0, 1, 2, 3]], jnp.int32))
     qp = pos([[2, 3]])
     mask = np.asarray(mask_of(qp, info))[0]
-    capped = attend(q, k, v, info, qp, scale=0.5, logit_softcap=2.0)
-    plain = attend(q, k, v, info, qp, scale=0.5)
+    capped = attend(q, KVView.of(k, v, info), qp, scale=0.5, logit_softcap=2.0)
+    plain = attend(q, KVView.of(k, v, info), qp, scale=0.5)
     for h in range(2):
         np.testing.assert_allclose(capped[0, h], np_attention(q[0, h], k[0, 0], v[0, 0], mask, 0.5, 2.0), atol=1e-5)
         np.testing.assert_allclose(plain[0, h], np_attention(q[0, h], k[0, 0], v[0, 0], mask, 0.5), atol=1e-5)

@@ -65,7 +65,7 @@ def feed(cache, q, k, v, positions):
     for i in range(len(cache.layers)):
         cache, view = cache.update(i, k, v, positions)
         views.append(view)
-        outs.append(attend(q, view.keys, view.values, view.mask_info, positions))
+        outs.append(attend(q, view, positions))
     return cache, views, outs
 
 
@@ -550,6 +550,38 @@ def test_donated_decode_step_updates_in_place(layer_type):
     np.testing.assert_array_equal(new_cache.lengths, [1, 1])
     chex.assert_shape(outs, [(2, 8, 1, 64)] * 2)
     np.testing.assert_allclose(outs[0], jnp.repeat(v, 2, axis=1), atol=1e-6)  # one key: output = its value
+
+
+def test_scanned_decode_temporaries_do_not_grow_with_capacity():
+    """A decode step scanning over a stacked cache (as the models do) reads each layer's
+    K/V in blocks straight from the stack: its temporaries are the same at 1k and 8k
+    capacity (slicing the layer out of the stack first would copy it, 8x more at 8k)."""
+
+    def temp_bytes(capacity):
+        cache = Cache.from_layer_types(
+            ["full_attention"] * 4, batch_size=1, num_kv_heads=2, head_dim=64, max_length=capacity, stacked=True
+        )
+        q, k, v = rand_tokens(np.random.default_rng(15), 1, 1, heads=2, head_dim=64)
+
+        def step(cache, q, k, v):
+            positions = cache.next_positions(1)
+
+            def layer(carry, i):
+                cache, x = carry
+                cache, kv = cache.update(i, k, v, positions)
+                return (cache, x + attention(q, kv, positions)), None
+
+            (cache, x), _ = jax.lax.scan(layer, (cache, q), jnp.arange(4))
+            return cache, x
+
+        stats = jax.jit(step, donate_argnums=0).lower(cache, q, k, v).compile().memory_analysis()
+        assert stats.alias_size_in_bytes >= kv_bytes(cache)
+        return stats.temp_size_in_bytes
+
+    small, large = temp_bytes(1024), temp_bytes(8192)
+    layer_slice = 2 * 1 * 2 * 8192 * 64 * 4  # one layer's K+V at 8k: 8 MiB
+    assert large <= small + 64 * 1024, (small, large)
+    assert large < layer_slice / 8
 
 
 # --- footprint -------------------------------------------------------------------------

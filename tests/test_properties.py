@@ -34,8 +34,8 @@ def mask_rule(kind, span):
 
 
 def update_and_attend(layer, q, k, v, positions, block_size=256):
-    layer, (keys, values, mask_info) = layer.update(k, v, positions)
-    return layer, attention(q, keys, values, mask_info, positions, block_size=block_size)
+    layer, kv = layer.update(k, v, positions)
+    return layer, attention(q, kv, positions, block_size=block_size)
 
 
 @st.composite
