@@ -149,13 +149,27 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 class Llama(nnx.Module):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
-    def __init__(self, config: LlamaConfig, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
+    def __init__(
+        self, config: LlamaConfig, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0, scan_layers=True
+    ):
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
-        leading layer axis, ``x @ w`` layout), e.g. from ``models.weights``; random if None."""
+        leading layer axis, ``x @ w`` layout), e.g. from ``models.weights``; random if None.
+
+        ``scan_layers``: run the layers in one ``lax.scan`` over the stacked weights, so
+        compile time does not grow with depth. On CPU each scan step copies its layer's
+        weight slice before the matmuls read it (XLA's CPU dot needs a whole buffer), which
+        roughly doubles the weight traffic of a memory-bound decode step; ``False`` keeps
+        one buffer per layer and unrolls the layers: faster steps, longer compiles."""
         self.config = config
         params = checked_params("Llama", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=1.0)
         self.embed = nnx.Param(jnp.asarray(params["embed"]))
-        self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
+        if scan_layers:
+            self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
+        else:
+            self.layers = nnx.List(
+                nnx.Dict({name: nnx.Param(jnp.asarray(params[name][i])) for name in layer_shapes(config)})
+                for i in range(config.num_hidden_layers)
+            )
         self.norm = nnx.Param(jnp.asarray(params["norm"]))
         self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
 
@@ -206,8 +220,12 @@ class Llama(nnx.Module):
             return (x, cache, i + 1), None
 
         x = self.embed[...][tokens]
-        weights = {name: param[...][:num_layers] for name, param in self.layers.items()}
-        (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
+        if isinstance(self.layers, nnx.List):
+            for i, layer in enumerate(self.layers[:num_layers]):
+                (x, cache, _), _ = decoder_layer((x, cache, i), {name: param[...] for name, param in layer.items()})
+        else:
+            weights = {name: param[...][:num_layers] for name, param in self.layers.items()}
+            (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         x = rms_norm(x, self.norm[...], config.rms_norm_eps)

@@ -9,13 +9,16 @@ import jax.numpy as jnp
 from models.defaults import resolve_model
 from models.gemma3 import Gemma3, Gemma3Config
 from models.llama import Llama
+from models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from models.tokenizer import Tokenizer
 from models.weights import load_gguf, load_safetensors_checkpoint
 
 
-def load_pretrained(name_or_path: str | Path, dtype=jnp.float32) -> tuple[Llama | Gemma3, Tokenizer]:
+def load_pretrained(name_or_path: str | Path, dtype=jnp.float32, **model_kwargs) -> tuple[Llama | Gemma3 | Qwen3_5, Tokenizer]:
     """An embedded default's name (``smollm2``, ``gemma3``), a GGUF file or a HF checkpoint
-    directory; the model class follows the config (``Gemma3`` for Gemma 3, else ``Llama``)."""
+    directory; the model class follows the config (``Gemma3`` for Gemma 3, ``Qwen3_5`` for
+    Qwen3.5 text, else ``Llama``).
+    ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``)."""
     path = resolve_model(name_or_path)
     if path.suffix == ".gguf":
         config, params = load_gguf(path, dtype)
@@ -24,5 +27,5 @@ def load_pretrained(name_or_path: str | Path, dtype=jnp.float32) -> tuple[Llama 
         config, params = load_safetensors_checkpoint(path, dtype)
         tokenizer_config = path / "tokenizer_config.json"
         tokenizer = Tokenizer.from_file(path / "tokenizer.json", tokenizer_config if tokenizer_config.is_file() else None)
-    model_class = Gemma3 if isinstance(config, Gemma3Config) else Llama
-    return model_class(config, params), tokenizer
+    model_class = {Gemma3Config: Gemma3, Qwen3_5Config: Qwen3_5}.get(type(config), Llama)
+    return model_class(config, params, **model_kwargs), tokenizer

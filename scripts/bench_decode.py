@@ -61,12 +61,13 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: jaxkv and models
     sys.path.insert(0, str(ROOT))
 
 RESULT_PREFIX = "BENCH_RESULT "
-# name -> (system, cache kind); the order is the table's.
+# name -> (system, cache kind, jaxkv layer loop scanned?); the order is the table's.
 CONFIGS = {
-    "jaxkv-static": ("jaxkv", "static"),
-    "jaxkv-dynamic": ("jaxkv", "dynamic"),
-    "hf-dynamic": ("transformers", "dynamic"),
-    "hf-static": ("transformers", "static"),
+    "jaxkv-static": ("jaxkv", "static", True),
+    "jaxkv-dynamic": ("jaxkv", "dynamic", True),
+    "jaxkv-unrolled": ("jaxkv", "static", False),  # one weight buffer per layer, no per-step slice copies
+    "hf-dynamic": ("transformers", "dynamic", None),
+    "hf-static": ("transformers", "static", None),
 }
 BASELINE = "hf-dynamic"
 TARGET_SPEEDUP = {1: 2.5, 8: 2.0}  # batch -> jaxkv decode tok/s / HF dynamic decode tok/s
@@ -148,10 +149,11 @@ def _jaxkv_model(spec):
     if spec["model"] == TINY:
         from models.llama import Llama, LlamaConfig
 
-        return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]))
+        return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]), scan_layers=spec["scan_layers"])
     from models.load import load_pretrained
 
-    return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]))[0]
+    kwargs = {} if spec["scan_layers"] else {"scan_layers": False}  # Llama only
+    return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]), **kwargs)[0]
 
 
 def worker_jaxkv(spec: dict) -> dict:
@@ -389,12 +391,13 @@ def markdown_table(rows: list[dict]) -> str:
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
     for row in rows:
+        system = "jaxkv unrolled" if row["name"] == "jaxkv-unrolled" else row["system"]
         if "error" in row:
-            cells = [row["system"], row["cache"], str(row["batch"]), f"failed: {row['error'][:60]}"] + ["-"] * 6
+            cells = [system, row["cache"], str(row["batch"]), f"failed: {row['error'][:60]}"] + ["-"] * 6
         else:
             speedup = row.get("speedup_vs_hf_dynamic")
             cells = [
-                row["system"], row["cache"], str(row["batch"]), _fmt(row["prefill_tok_s"]), _fmt(row["decode_tok_s"]),
+                system, row["cache"], str(row["batch"]), _fmt(row["prefill_tok_s"]), _fmt(row["decode_tok_s"]),
                 _fmt(row["compile_s"], ".2f"), _fmt(row["ttft_s"], ".2f"), _fmt(row["peak_rss_mib"], ".0f"),
                 _fmt(row["cache_bytes"] / 2**20, ".2f"), "-" if speedup is None else f"{speedup:.2f}x",
             ]  # fmt: skip
@@ -407,7 +410,7 @@ def check_targets(rows: list[dict], long: dict | None) -> list[dict]:
     find = lambda name, batch: next((r for r in ok if r["name"] == name and r["batch"] == batch), None)  # noqa: E731
     targets = []
     for batch, factor in TARGET_SPEEDUP.items():
-        for name in ("jaxkv-static", "jaxkv-dynamic"):
+        for name in ("jaxkv-static", "jaxkv-dynamic", "jaxkv-unrolled"):
             row = find(name, batch)
             value = row.get("speedup_vs_hf_dynamic") if row else None
             targets.append(
@@ -589,9 +592,9 @@ def main(argv=None) -> int:
     rows = []
     for batch in args.batch:
         for name in args.systems:
-            system, cache = CONFIGS[name]
+            system, cache, scan_layers = CONFIGS[name]
             spec = dict(
-                kind="generate", system=system, cache=cache, batch=batch, prompt=prompt,
+                kind="generate", system=system, cache=cache, scan_layers=scan_layers, batch=batch, prompt=prompt,
                 new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
             )  # fmt: skip
             result = run_worker(spec, timeout=timeout, verbose=verbose)
@@ -614,7 +617,7 @@ def main(argv=None) -> int:
                   f"{small_capacity} for a {args.long_prompt}-token prompt", file=sys.stderr)  # fmt: skip
         for which, capacity in (("small", None), ("large", args.long_capacity)):
             spec = dict(
-                kind="long", system="jaxkv", cache="static", batch=1, prompt=None, prompt_tokens=args.long_prompt,
+                kind="long", system="jaxkv", cache="static", scan_layers=True, batch=1, prompt=None, prompt_tokens=args.long_prompt,
                 new_tokens=args.long_new_tokens, max_length=capacity,
                 label=f"long jaxkv-static capacity {capacity or small_capacity}", **common,
             )  # fmt: skip

@@ -12,17 +12,19 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
 def test_bench_decode_tiny_jaxkv(tmp_path):
     out = tmp_path / "bench"
     args = [
-        "--model", "tiny-random", "--systems", "jaxkv-static", "--batch", "2",
+        "--model", "tiny-random", "--systems", "jaxkv-static", "jaxkv-unrolled", "--batch", "2",
         "--new-tokens", "3", "--prompt-tokens", "5", "--membw-mib", "8", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| jaxkv | static | 2 |" in proc.stdout
+    assert "| jaxkv | static | 2 |" in proc.stdout and "| jaxkv unrolled | static | 2 |" in proc.stdout
     report = json.loads(out.with_suffix(".json").read_text())
-    (row,) = report["rows"]
-    assert "error" not in row, row
-    assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["cache_bytes"] > 0
-    assert row["tokens_head"] and row["rows_identical"]
+    scanned, unrolled = report["rows"]
+    for row in (scanned, unrolled):
+        assert "error" not in row, row
+        assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["cache_bytes"] > 0
+        assert row["tokens_head"] and row["rows_identical"]
+    assert scanned["tokens_head"] == unrolled["tokens_head"]  # same weights, same greedy tokens
     assert report["bandwidth_bound"]["tok_s_upper_bound_b1"] > 0
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").stat().st_size > 0

@@ -34,8 +34,10 @@ CONFIGS = {
     "mistral-window-8": transformers.MistralConfig(**SMALL, sliding_window=8),
     "qwen2-bias": transformers.Qwen2Config(**SMALL),
 }
-CACHE_KINDS = {"llama": ["static", "dynamic"], "llama3-rope-tied": ["static"], "qwen2-bias": ["static", "dynamic"]}
-CACHE_KINDS["mistral-window-8"] = ["static", "dynamic"]  # full_attention kind unused: every layer slides
+# "-unrolled": the model built with scan_layers=False (one weight buffer per layer).
+CACHE_KINDS = {"llama": ["static", "dynamic", "static-unrolled"], "llama3-rope-tied": ["static"]}
+CACHE_KINDS["qwen2-bias"] = ["static", "dynamic"]
+CACHE_KINDS["mistral-window-8"] = ["static", "dynamic", "dynamic-unrolled"]  # every layer slides
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
 
@@ -57,8 +59,9 @@ def checkpoint(request, tmp_path_factory):
 def test_prefill_and_decode_logits_match_transformers(checkpoint):
     name, directory, sequences, expected, _ = checkpoint
     config, params = load_safetensors_checkpoint(directory)
-    model = Llama(config, params)
-    for kind in CACHE_KINDS[name]:
+    for variant in CACHE_KINDS[name]:
+        kind, _, loop = variant.partition("-")
+        model = Llama(config, params, scan_layers=loop != "unrolled")
         cache = model.init_cache(len(PROMPTS), max_length=64, full_attention=kind)
         width = max(PROMPTS)
         tokens = np.zeros((len(PROMPTS), width), np.int32)
@@ -68,13 +71,13 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
         positions = cache.next_positions(width, num_new=PROMPTS)
         logits, cache = model(jnp.asarray(tokens), positions, cache)
         for row, n in enumerate(PROMPTS):
-            np.testing.assert_allclose(logits[row, :n], expected[row][:n], atol=1e-4, rtol=0, err_msg=f"{name} {kind}")
+            np.testing.assert_allclose(logits[row, :n], expected[row][:n], atol=1e-4, rtol=0, err_msg=f"{name} {variant}")
         for step in range(DECODE_STEPS):
             token = jnp.asarray([[seq[n + step]] for seq, n in zip(sequences, PROMPTS)], jnp.int32)
             logits, cache = model(token, cache.lengths[:, None], cache)
             for row, n in enumerate(PROMPTS):
                 np.testing.assert_allclose(
-                    logits[row, 0], expected[row][n + step], atol=1e-4, rtol=0, err_msg=f"{name} {kind} step {step}"
+                    logits[row, 0], expected[row][n + step], atol=1e-4, rtol=0, err_msg=f"{name} {variant} step {step}"
                 )
 
 
