@@ -3,8 +3,12 @@
 from jaxkv.attention import attention, attention_mask
 from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, layer_types_of
 from jaxkv.dynamic import DynamicLayer
+from jaxkv.encoder_decoder import EncoderDecoderCache
+from jaxkv.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.memory import cache_bytes, layer_bytes
+from jaxkv.persist import load_cache, save_cache
 from jaxkv.protocol import CacheLayer, KVView, MaskInfo
+from jaxkv.quantized import QuantizedLayer, QuantSpec
 from jaxkv.static import StaticLayer
 from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
 
@@ -14,9 +18,14 @@ __all__ = [
     "CacheLayer",
     "ChunkedLayer",
     "DynamicLayer",
+    "EncoderDecoderCache",
+    "HybridLayer",
     "KVView",
     "LayerSpec",
+    "LinearAttentionLayer",
     "MaskInfo",
+    "QuantSpec",
+    "QuantizedLayer",
     "SlidingWindowLayer",
     "StaticLayer",
     "attention",
@@ -24,4 +33,6 @@ __all__ = [
     "cache_bytes",
     "layer_bytes",
     "layer_types_of",
+    "load_cache",
+    "save_cache",
 ]

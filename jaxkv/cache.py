@@ -20,7 +20,9 @@ import numpy as np
 from flax import struct
 
 from jaxkv.dynamic import DynamicLayer, bucket
+from jaxkv.linear import HybridLayer, LinearAttentionLayer, limit_rollback
 from jaxkv.protocol import CacheLayer, KVView, check_rollback, entry, is_traced
+from jaxkv.quantized import QuantizedLayer, QuantSpec
 from jaxkv.static import StaticLayer
 from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
 
@@ -40,9 +42,27 @@ class LayerSpec:
     attention_chunk_size: int | None = None
     full_attention: str = "static"
     rollback_slots: int = 0
+    # Linear-attention state: conv width K, conv channels C, per-row recurrent state shapes.
+    conv_width: int | None = None
+    conv_channels: int | None = None
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    # Store full and sliding attention K/V quantized (jaxkv.quantized); None: the cache dtype.
+    quantization: QuantSpec | None = None
+
+
+def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
+    return QuantizedLayer.create(
+        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.quantization, spec.dtype, **extent
+    )
 
 
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
+    if spec.quantization is not None:
+        if spec.full_attention != "static" or spec.max_length is None:
+            raise ValueError(
+                "a quantized full-attention cache is preallocated: use full_attention='static' and pass max_length"
+            )
+        return _quantized_layer(spec, max_length=spec.max_length)
     if spec.full_attention == "dynamic":
         return DynamicLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
     if spec.max_length is None:
@@ -53,6 +73,8 @@ def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
 def _sliding_layer(spec: LayerSpec) -> CacheLayer:
     if not spec.sliding_window:
         raise ValueError("layer type 'sliding_attention' needs the config's sliding_window (a positive int)")
+    if spec.quantization is not None:
+        return _quantized_layer(spec, window=spec.sliding_window, rollback_slots=spec.rollback_slots)
     return SlidingWindowLayer.create(
         spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.sliding_window, spec.dtype, spec.rollback_slots
     )
@@ -61,9 +83,43 @@ def _sliding_layer(spec: LayerSpec) -> CacheLayer:
 def _chunked_layer(spec: LayerSpec) -> CacheLayer:
     if not spec.attention_chunk_size:
         raise ValueError("layer type 'chunked_attention' needs the config's attention_chunk_size (a positive int)")
+    if spec.quantization is not None:
+        raise ValueError(
+            "quantization covers full and sliding attention; chunked_attention layers are not quantized yet"
+        )
     return ChunkedLayer.create(
         spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.attention_chunk_size, spec.dtype, spec.rollback_slots
     )
+
+
+def _conv_state(spec: LayerSpec, state_shapes) -> LinearAttentionLayer:
+    if not spec.conv_width or not spec.conv_channels:
+        raise ValueError(
+            "linear-attention and conv layer types need conv_width and conv_channels (and state_shapes for a "
+            "recurrent state): pass them to Cache.from_layer_types, or give from_config a config with "
+            "linear_conv_kernel_dim and the linear_* head sizes"
+        )
+    return LinearAttentionLayer.create(
+        spec.batch_size, spec.conv_channels, spec.conv_width, state_shapes, spec.dtype, spec.rollback_slots
+    )
+
+
+def _linear_layer(spec: LayerSpec) -> CacheLayer:
+    if not spec.state_shapes:
+        raise ValueError("layer type 'linear_attention' needs state_shapes (use 'conv' for a conv-only layer)")
+    return _conv_state(spec, spec.state_shapes)
+
+
+def _conv_layer(spec: LayerSpec) -> CacheLayer:
+    return _conv_state(spec, ())
+
+
+def _hybrid_layer(spec: LayerSpec) -> CacheLayer:
+    return HybridLayer(_linear_layer(spec), _full_attention_layer(spec))
+
+
+def _hybrid_sliding_layer(spec: LayerSpec) -> CacheLayer:
+    return HybridLayer(_linear_layer(spec), _sliding_layer(spec))
 
 
 # The config's layer_types value -> how to build that layer. Later layer families
@@ -72,6 +128,10 @@ LAYER_TYPES: dict[str, Callable[[LayerSpec], CacheLayer]] = {
     "full_attention": _full_attention_layer,
     "sliding_attention": _sliding_layer,
     "chunked_attention": _chunked_layer,
+    "linear_attention": _linear_layer,
+    "conv": _conv_layer,
+    "hybrid": _hybrid_layer,
+    "hybrid_sliding": _hybrid_sliding_layer,
 }
 
 
@@ -79,6 +139,22 @@ def _config_value(config, key, default=None):
     if isinstance(config, Mapping):
         return config.get(key, default)
     return getattr(config, key, default)
+
+
+def _linear_state_of(config) -> dict:
+    """Conv width, channels and state shape of a gated-DeltaNet config (Qwen3-Next,
+    Qwen3.5: ``linear_conv_kernel_dim``, ``linear_num_key_heads``, ...); empty otherwise.
+    The conv runs over q, k and v; the state is ``[H_v, D_k, D_v]``."""
+    width = _config_value(config, "linear_conv_kernel_dim")
+    if width is None:
+        return {}
+    key_heads, value_heads = _config_value(config, "linear_num_key_heads"), _config_value(config, "linear_num_value_heads")
+    key_dim, value_dim = _config_value(config, "linear_key_head_dim"), _config_value(config, "linear_value_head_dim")
+    return {
+        "conv_width": width,
+        "conv_channels": 2 * key_heads * key_dim + value_heads * value_dim,
+        "state_shapes": ((value_heads, key_dim, value_dim),),
+    }
 
 
 def layer_types_of(config) -> list[str]:
@@ -143,12 +219,22 @@ class Cache:
         full_attention: str = "static",
         rollback_slots: int = 0,
         stacked: bool = False,
+        conv_width: int | None = None,
+        conv_channels: int | None = None,
+        state_shapes: tuple[tuple[int, ...], ...] = (),
+        quantization: QuantSpec | None = None,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
         ``full_attention``: 'static' (preallocated ``max_length``) or 'dynamic' (grows).
         ``rollback_slots``: extra ring slots, so windowed layers can undo that many tokens
-        plus one (a bare ring already allows one).
+        plus one (a bare ring already allows one); linear-attention layers keep the
+        states of that many past tokens and undo exactly that many.
+        ``conv_width``, ``conv_channels``, ``state_shapes``: the linear-attention state
+        (conv of width K over C channels, recurrent states of per-row shapes), for the
+        ``linear_attention``, ``conv`` and ``hybrid*`` layer types.
+        ``quantization``: a ``QuantSpec`` stores full (static) and sliding attention
+        layers as ``QuantizedLayer`` (int8/4/2 or fp8 codes, group scales, a residual).
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a
@@ -166,6 +252,7 @@ class Cache:
         spec = LayerSpec(
             batch_size, num_kv_heads, head_dim, jnp.dtype(dtype), max_length,
             sliding_window, attention_chunk_size, full_attention, rollback_slots,
+            conv_width, conv_channels, tuple(tuple(shape) for shape in state_shapes), quantization,
         )  # fmt: skip
         period = pattern_period(layer_types) if stacked else len(layer_types)
         groups = []
@@ -200,7 +287,7 @@ class Cache:
             head_dim=head_dim,
             sliding_window=_config_value(config, "sliding_window"),
             attention_chunk_size=_config_value(config, "attention_chunk_size"),
-            **kwargs,
+            **{**_linear_state_of(config), **kwargs},
         )
 
     # --- the one call model code makes -------------------------------------------
@@ -242,6 +329,14 @@ class Cache:
             positions = start[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
         stack, view = stack.update_entry(index, keys, values, positions)
         return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :]), view
+
+    def update_state(self, layer_idx, conv_inputs, positions, conv_fn, step_fn) -> tuple[Cache, Any]:
+        """Feed a linear-attention (or hybrid) layer's conv inputs ``[B, T, C]`` at
+        ``positions`` ``[B, T]``; return the cache and the layer's outputs. ``layer_idx``:
+        see ``locate``; ``conv_fn``/``step_fn``: see ``jaxkv.linear``."""
+        group, index = self.locate(layer_idx)
+        stack, outputs = self.groups[group].update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
+        return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :]), outputs
 
     # --- per-layer views ----------------------------------------------------------
     def layer(self, layer_idx: int) -> CacheLayer:
@@ -318,8 +413,11 @@ class Cache:
         indices = jnp.asarray(beam_indices, jnp.int32)
         if indices.ndim != 1:
             raise ValueError(f"reorder/select take a [B'] index vector, got shape {indices.shape}")
-        if not is_traced(indices) and indices.size and (indices.min() < 0 or indices.max() >= self.batch_size):
-            raise IndexError(f"row indices {np.asarray(indices).tolist()} out of range for batch {self.batch_size}")
+        # Check the caller's value, not ``indices``: under jit even a constant becomes a tracer.
+        if not is_traced(beam_indices):
+            given = np.asarray(beam_indices)
+            if given.size and (given.min() < 0 or given.max() >= self.batch_size):
+                raise IndexError(f"row indices {given.tolist()} out of range for batch {self.batch_size}")
         return self._map_layers(lambda layer: layer.gather_rows(indices))
 
     select = reorder
@@ -343,6 +441,9 @@ class Cache:
         budget = self.max_rollback
         if budget is not None:
             n = jnp.minimum(n, budget)
+        for group in self.groups:  # per-row budgets (linear states): every layer undoes the same count
+            if hasattr(group, "rollback_budget"):
+                n = limit_rollback(type(group).__name__, jnp.min(group.rollback_budget, axis=0), n)
         return self._map_layers(lambda layer: layer.rollback(n))
 
     def reset(self) -> Cache:
@@ -369,7 +470,7 @@ class Cache:
 
 
 def _layer_detail(layer) -> str:
-    parts = [f"{name}={getattr(layer, name)}" for name in ("window", "chunk") if hasattr(layer, name)]
+    parts = [f"{name}={getattr(layer, name)}" for name in ("window", "chunk") if getattr(layer, name, None)]
     if getattr(layer, "rollback_slots", 0):
         parts.append(f"R={layer.rollback_slots}")
     return " ".join(parts) or "-"

@@ -2,6 +2,8 @@
 
     jaxkv generate --model smollm2 --prompt "What is a KV cache?" --max-new-tokens 64
     jaxkv generate --config configs/smollm2.yaml --stream
+    jaxkv generate --num-beams 4 --num-return-sequences 2 --early-stopping true
+    jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
     jaxkv bench --batch 1 8 --new-tokens 256          (scripts/bench_decode.py)
 """
 
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from jaxkv.config import CacheConfig, Strict, load_config
 
@@ -33,6 +35,30 @@ class GenerateConfig(Strict):
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    speculative: Literal["prompt_lookup", "draft", "self"] | None = None  # see jaxkv.speculative
+    num_draft_tokens: PositiveInt = 4
+    draft_model: str | None = None  # --speculative draft: a model with the same vocabulary
+    exit_layer: PositiveInt | None = None  # --speculative self: layers that draft
+    num_beams: PositiveInt = 1  # > 1: beam search (jaxkv.beam), transformers' semantics
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    num_return_sequences: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def beams_are_deterministic(self):
+        if self.num_beams > 1 and (self.temperature > 0 or self.speculative is not None):
+            raise ValueError("num_beams > 1 is deterministic beam search: drop temperature / speculative")
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences {self.num_return_sequences} exceeds num_beams {self.num_beams}")
+        return self
+
+    @model_validator(mode="after")
+    def speculative_needs_its_model(self):
+        if self.speculative == "draft" and self.draft_model is None:
+            raise ValueError("speculative 'draft' needs draft_model (--draft-model NAME_OR_PATH)")
+        if self.speculative == "self" and self.exit_layer is None:
+            raise ValueError("speculative 'self' needs exit_layer (--exit-layer N: the first N layers draft)")
+        return self
 
 
 def _generate_parser(sub) -> None:
@@ -41,7 +67,14 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--model", help="embedded default name (smollm2, gemma3), a checkpoint directory or a .gguf file")
     parser.add_argument("--prompt")
     parser.add_argument("--no-chat", dest="chat", action="store_false", default=None, help="no chat template")
-    parser.add_argument("--cache", choices=["static", "dynamic"], help="full-attention cache kind")
+    parser.add_argument(
+        "--cache",
+        choices=["static", "dynamic", "quantized"],
+        help="full-attention cache kind; quantized: static, K/V quantized",
+    )
+    quant = parser.add_argument_group("quantized cache (--cache quantized; defaults: the reference's)")
+    for flag, key, kind, help_text in QUANT_FLAGS:
+        quant.add_argument(flag, dest=f"kv_{key}", type=kind, help=help_text)
     parser.add_argument("--max-length", type=int, help="cache capacity in tokens (default: prompt + new, bucketed)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
@@ -51,17 +84,59 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--min-p", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stream", action="store_true", help="print tokens as they are produced")
+    beams = parser.add_argument_group("beam search (--num-beams > 1)")
+    beams.add_argument("--num-beams", type=int, help="beams kept per prompt (default 1: no beam search)")
+    beams.add_argument("--length-penalty", type=float, help="score = log p / length ** penalty (default 1)")
+    beams.add_argument(
+        "--early-stopping", choices=["true", "false", "never"], help="transformers' semantics (default false)"
+    )
+    beams.add_argument("--num-return-sequences", type=int, help="best hypotheses printed (default 1)")
+    spec = parser.add_argument_group("speculative decoding (greedy output unchanged)")
+    spec.add_argument("--speculative", choices=["prompt_lookup", "draft", "self"], help="how drafts are made")
+    spec.add_argument("--num-draft-tokens", type=int, help="drafts verified per target pass (default 4)")
+    spec.add_argument("--draft-model", help="--speculative draft: a smaller model with the same vocabulary")
+    spec.add_argument("--exit-layer", type=int, help="--speculative self: the first N layers draft")
+
+
+# Flag, QuantizationConfig field, type, help.
+QUANT_FLAGS = (
+    ("--kv-bits", "nbits", int, "2, 4 or 8 (int; default 4); fp8 formats are 8"),
+    ("--kv-format", "format", str, "int, e4m3 or e5m2"),
+    ("--kv-axis-key", "axis_key", int, "0 per token, -1 per channel"),
+    ("--kv-axis-value", "axis_value", int, "0 per token, -1 per channel"),
+    ("--kv-group-size", "q_group_size", int, "values per scale group (default 64)"),
+    ("--kv-residual", "residual_length", int, "recent tokens kept in full precision (default 128)"),
+)
 
 
 def resolve_config(args) -> GenerateConfig:
     """The YAML config (if any) with the command-line flags on top, validated as a whole."""
     merged = (load_config(args.config, GenerateConfig) if args.config else GenerateConfig()).model_dump()
-    for key in ("model", "prompt", "chat", "max_new_tokens", "dtype", "temperature", "top_k", "top_p", "min_p", "seed"):
+    for key in (
+        "model", "prompt", "chat", "max_new_tokens", "dtype", "temperature", "top_k", "top_p", "min_p", "seed",
+        "speculative", "num_draft_tokens", "draft_model", "exit_layer", "num_beams", "length_penalty",
+        "num_return_sequences",
+    ):  # fmt: skip
         if getattr(args, key) is not None:
             merged[key] = getattr(args, key)
-    for key, flag in (("full_attention", args.cache), ("max_length", args.max_length)):
+    if args.early_stopping is not None:
+        merged["early_stopping"] = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
+    quantized = args.cache == "quantized"
+    for key, flag in (("full_attention", "static" if quantized else args.cache), ("max_length", args.max_length)):
         if flag is not None:
             merged["cache"][key] = flag
+    if args.cache in ("static", "dynamic"):
+        merged["cache"]["quantization"] = None
+    elif quantized and merged["cache"]["quantization"] is None:
+        merged["cache"]["quantization"] = {}
+    flags = {key: getattr(args, f"kv_{key}") for _, key, _, _ in QUANT_FLAGS}
+    options = {key: value for key, value in flags.items() if value is not None}
+    if options and merged["cache"]["quantization"] is None:
+        raise ValueError(
+            "the --kv-* options set a quantized cache: add --cache quantized (or a cache.quantization config)"
+        )
+    if options:
+        merged["cache"]["quantization"] = {**merged["cache"]["quantization"], **options}
     return GenerateConfig.model_validate(merged)
 
 
@@ -83,20 +158,23 @@ def run_generate(args) -> int:
         else config.prompt
     )
     prompt = tokenizer.encode(text)
+    if config.num_beams > 1:
+        return run_beams(config, model, tokenizer, prompt)
 
     streamed: list[int] = []
     printed = [0]
 
     def stream(tokens: np.ndarray) -> None:
-        if tokens[0] >= 0 and tokens[0] not in tokenizer.eos_token_ids:
-            streamed.append(int(tokens[0]))
-            text_so_far = tokenizer.decode(streamed)
-            sys.stdout.write(text_so_far[printed[0] :])
-            sys.stdout.flush()
-            printed[0] = len(text_so_far)
+        """Row 0's tokens of one step (a scalar), or of one speculative round (a vector)."""
+        streamed.extend(int(t) for t in np.ravel(tokens[0]) if t >= 0 and t not in tokenizer.eos_token_ids)
+        text_so_far = tokenizer.decode(streamed)
+        sys.stdout.write(text_so_far[printed[0] :])
+        sys.stdout.flush()
+        printed[0] = len(text_so_far)
 
     cache = config.cache
-    result = generate(
+    decoder = generate if config.speculative is None else speculative_decoder(config)
+    result = decoder(
         model,
         [prompt],
         max_new_tokens=config.max_new_tokens,
@@ -106,6 +184,7 @@ def run_generate(args) -> int:
         cache_kind=cache.full_attention,
         max_length=cache.max_length,
         rollback_slots=cache.rollback_slots,
+        quantization=cache.quantization_spec(),
         stream=stream if args.stream else None,
     )
     if args.stream:
@@ -119,6 +198,111 @@ def run_generate(args) -> int:
         f"compile {result.compile_seconds:.1f} s, load {load_seconds:.1f} s; cache {result.cache_bytes / 2**20:.1f} MiB",
         file=sys.stderr,
     )
+    if config.speculative:
+        print(
+            f"[{config.speculative}, k={config.num_draft_tokens}] acceptance {result.acceptance_rate:.2f}, "
+            f"{result.tokens_per_step:.2f} tokens per target pass",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> int:
+    """Beam search for ``jaxkv generate --num-beams N``: each returned hypothesis and its score."""
+    from jaxkv.beam import beam_search
+
+    cache = config.cache
+    result = beam_search(
+        model,
+        [prompt],
+        max_new_tokens=config.max_new_tokens,
+        num_beams=config.num_beams,
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        num_return_sequences=config.num_return_sequences,
+        stop_tokens=tokenizer.eos_token_ids,
+        cache_kind=cache.full_attention,
+        max_length=cache.max_length,
+        rollback_slots=cache.rollback_slots,
+        quantization=cache.quantization_spec(),
+    )
+    for rank in range(config.num_return_sequences):
+        if config.num_return_sequences > 1:
+            print(f"--- hypothesis {rank} (score {result.scores[0, rank]:.4f})")
+        print(tokenizer.decode(result.sequence(0, rank)))
+    print(
+        f"\n[{config.model}] prompt {len(prompt)} tok, {config.num_beams} beams; prefill {result.prefill_seconds:.2f} s, "
+        f"search {result.search_seconds:.2f} s, compile {result.compile_seconds:.1f} s; cache {result.cache_bytes / 2**20:.1f} MiB",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def speculative_decoder(config: GenerateConfig):
+    """``generate_speculative`` with the configured drafter, called like ``generate``."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from jaxkv.speculative import DraftModel, PromptLookup, SelfSpeculation, generate_speculative
+    from models.load import load_pretrained
+
+    if config.speculative == "prompt_lookup":
+        drafter = PromptLookup()
+    elif config.speculative == "self":
+        drafter = SelfSpeculation(config.exit_layer)
+    else:
+        drafter = DraftModel(load_pretrained(config.draft_model, dtype=jnp.dtype(config.dtype))[0])
+    return functools.partial(generate_speculative, drafter=drafter, num_draft_tokens=config.num_draft_tokens)
+
+
+def _chat_parser(sub) -> None:
+    parser = sub.add_parser("chat", help="multi-turn chat on stdin; each turn continues the previous turn's cache")
+    parser.add_argument("--model", default="smollm2", help="as for generate")
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
+    parser.add_argument("--max-length", type=int, default=2048, help="tokens the whole conversation may hold")
+    parser.add_argument("--cache", choices=["static", "dynamic"], default="static", help="full-attention cache kind")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--load-cache", type=Path, help="resume from a cache file (jaxkv.persist) made for this model")
+    parser.add_argument("--save-cache", type=Path, help="write the conversation's cache here at the end")
+
+
+def run_chat(args) -> int:
+    """One user message per stdin line; a reply feeds only the tokens the cache lacks."""
+    import jax.numpy as jnp
+
+    from jaxkv.generate import Session
+    from jaxkv.persist import load_cache, save_cache
+    from models.load import load_pretrained
+
+    model, tokenizer = load_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+    if args.load_cache:
+        cache, tokens = load_cache(args.load_cache, model)
+        if tokens is None:
+            raise ValueError(f"{args.load_cache} stores no token ids; save it with save_cache(..., tokens=...)")
+        session = Session(model, cache=cache, tokens=tokens[0])
+    else:
+        session = Session(model, max_length=args.max_length, cache_kind=args.cache)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    for turn, line in enumerate(sys.stdin):
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        conversation = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        result = session.reply(conversation, max_new_tokens=args.max_new_tokens, stop_tokens=tokenizer.eos_token_ids)
+        answer = tokenizer.decode([t for t in result.row(0) if t not in tokenizer.eos_token_ids])
+        messages.append({"role": "assistant", "content": answer})
+        print(answer, flush=True)
+        print(
+            f"[turn {turn}] prefilled {session.fed_tokens} of {len(conversation)} conversation tokens (the rest "
+            f"from the cache) in {result.prefill_seconds:.2f} s; {int(result.num_generated[0])} new "
+            f"({result.finish[0].name.lower()}) in {result.decode_seconds:.2f} s",
+            file=sys.stderr,
+        )
+    if args.save_cache:
+        save_cache(args.save_cache, session.cache, model, tokens=[session.tokens])
+        print(f"[chat] cache of {len(session.tokens)} tokens saved to {args.save_cache}", file=sys.stderr)
     return 0
 
 
@@ -126,6 +310,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Functional KV caches for JAX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _chat_parser(sub)
     sub.add_parser("bench", help="decode benchmark against transformers (scripts/bench_decode.py ARGS)")
     args, rest = parser.parse_known_args(argv)
     if args.command != "bench" and rest:
@@ -140,7 +325,7 @@ def main(argv=None) -> int:
         runpy.run_path(str(script), run_name="__main__")
         return 0
     try:
-        return run_generate(args)
+        return run_chat(args) if args.command == "chat" else run_generate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2

@@ -6,13 +6,36 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, model_validator
+
+from jaxkv.quantized import QuantSpec
 
 
 class Strict(BaseModel):
     """Unknown keys and wrong types are errors, not silently ignored or coerced."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class QuantizationConfig(Strict):
+    """A quantized K/V cache (``jaxkv.quantized.QuantSpec``; the reference's option names
+    and defaults): ``nbits`` 2/4/8 for 'int' (default 4), 8 for 'e4m3'/'e5m2'; axes 0 per
+    token, -1 per channel."""
+
+    nbits: Literal[2, 4, 8] | None = None
+    format: Literal["int", "e4m3", "e5m2"] = "int"
+    axis_key: Literal[0, -1] = 0
+    axis_value: Literal[0, -1] = 0
+    q_group_size: PositiveInt = 64
+    residual_length: NonNegativeInt = 128
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        self.spec()  # cross-field rules (fp8 bits, per-channel residual) raise here
+        return self
+
+    def spec(self) -> QuantSpec:
+        return QuantSpec(**self.model_dump())
 
 
 class CacheConfig(Strict):
@@ -22,6 +45,10 @@ class CacheConfig(Strict):
     max_length: PositiveInt | None = None
     rollback_slots: NonNegativeInt = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    quantization: QuantizationConfig | None = None
+
+    def quantization_spec(self) -> QuantSpec | None:
+        return None if self.quantization is None else self.quantization.spec()
 
 
 Schema = TypeVar("Schema", bound=BaseModel)

@@ -7,6 +7,9 @@ import jax.numpy as jnp
 
 from jaxkv.cache import Cache, layer_types_of
 from jaxkv.dynamic import DynamicLayer, bucket
+from jaxkv.encoder_decoder import EncoderDecoderCache
+from jaxkv.linear import LinearAttentionLayer
+from jaxkv.quantized import QuantizedLayer, QuantSpec
 from jaxkv.static import StaticLayer
 from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
 
@@ -16,6 +19,10 @@ LAYER_CLASSES = {
     ("full_attention", "dynamic"): DynamicLayer,
     ("sliding_attention", None): SlidingWindowLayer,
     ("chunked_attention", None): ChunkedLayer,
+    ("cross_attention", None): EncoderDecoderCache,
+    ("linear_attention", None): LinearAttentionLayer,
+    ("conv", None): LinearAttentionLayer,
+    ("full_attention", "quantized"): QuantizedLayer,
 }
 
 
@@ -38,13 +45,24 @@ def layer_bytes(
     chunk: int | None = None,
     rollback_slots: int = 0,
     full_attention: str = "static",
+    quantization: QuantSpec | None = None,
+    **linear_state,
 ) -> int:
     """Bytes one layer of ``layer_type`` holds for ``batch_size`` rows of ``seq_len`` tokens
-    (a static layer sized exactly ``seq_len``). Equals the allocated layer's ``nbytes``."""
-    cls = layer_class(layer_type, full_attention)
+    (a static layer sized exactly ``seq_len``). Equals the allocated layer's ``nbytes``.
+    ``linear_state``: ``conv_width``, ``conv_channels``, ``state_shapes`` of a
+    linear-attention or conv layer (its bytes do not depend on ``seq_len``). ``quantization``:
+    a ``QuantSpec`` for full or sliding attention stored quantized."""
+    if quantization is not None:  # full or sliding attention stored quantized
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"quantization covers full_attention and sliding_attention layers, not {layer_type!r}")
+        linear_state["quantization"] = quantization
+    elif full_attention == "quantized":
+        raise ValueError("full_attention='quantized' needs quantization=QuantSpec(...) to size its codes and scales")
+    cls = QuantizedLayer if quantization is not None else layer_class(layer_type, full_attention)
     return cls.kv_bytes(
         batch_size, seq_len, num_kv_heads, head_dim, dtype,
-        span=window if layer_type == "sliding_attention" else chunk, rollback_slots=rollback_slots,
+        span=window if layer_type == "sliding_attention" else chunk, rollback_slots=rollback_slots, **linear_state,
     )  # fmt: skip
 
 

@@ -206,23 +206,28 @@ def check_update_inputs(stack, index, keys: jax.Array, values: jax.Array, positi
             )
     if keys.shape != values.shape:
         raise ValueError(f"{name}.update: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
-    if positions.shape != (keys.shape[0], keys.shape[2]):
-        raise ValueError(
-            f"{name}.update: positions has shape {tuple(positions.shape)}, expected [B, T] = "
-            f"[{keys.shape[0]}, {keys.shape[2]}]"
-        )
+    return check_positions(f"{name}.update", positions, (keys.shape[0], keys.shape[2]), stack.lengths, index)
+
+
+def check_positions(caller: str, positions, shape: tuple[int, int], lengths_stack, index) -> jax.Array:
+    """``positions`` must be ``shape`` ``[B, T]`` integers; eagerly, each row's valid ones
+    must continue its length (entry ``index`` of ``lengths_stack`` ``[L, B]``). Returns
+    them as int32; ``caller`` names the method in the errors."""
+    positions = jnp.asarray(positions)
+    if positions.shape != shape:
+        raise ValueError(f"{caller}: positions has shape {tuple(positions.shape)}, expected [B, T] = {list(shape)}")
     if not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise TypeError(f"{name}.update: positions must be integers, got {positions.dtype}")
+        raise TypeError(f"{caller}: positions must be integers, got {positions.dtype}")
     positions = positions.astype(jnp.int32)
-    if is_traced(positions, stack.lengths, index):
+    if is_traced(positions, lengths_stack, index):
         return positions
-    pos, lengths = np.asarray(positions), np.asarray(stack.lengths[index])
+    pos, lengths = np.asarray(positions), np.asarray(lengths_stack[index])
     for row in range(pos.shape[0]):
         valid = pos[row][pos[row] >= 0]
         want = np.arange(lengths[row], lengths[row] + valid.size)
         if not np.array_equal(valid, want):
             raise ValueError(
-                f"{name}.update: row {row} has length {lengths[row]}, so its new tokens must sit at "
+                f"{caller}: row {row} has length {lengths[row]}, so its new tokens must sit at "
                 f"positions {lengths[row]}, {lengths[row] + 1}, ... (negative for padding); got "
                 f"{valid.tolist()}. Use Cache.next_positions, or rollback first to rewrite tokens"
             )

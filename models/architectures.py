@@ -11,4 +11,19 @@ GEMMA3_270M = {
     "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
 }
 
-DEFAULT_MODELS = {"SmolLM2-135M": SMOLLM2_135M, "Gemma-3-270M": GEMMA3_270M}
+# Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults): gated DeltaNet layers, every
+# 4th full attention; a linear layer's state is a conv over q, k, v plus [32, 128, 128].
+QWEN3_NEXT_80B = {
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12,
+    "linear_conv_kernel_dim": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+}
+
+DEFAULT_MODELS = {"SmolLM2-135M": SMOLLM2_135M, "Gemma-3-270M": GEMMA3_270M, "Qwen3-Next-80B": QWEN3_NEXT_80B}

@@ -11,7 +11,7 @@ from models.gemma3 import Gemma3, Gemma3Config
 from models.llama import Llama
 from models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from models.tokenizer import Tokenizer
-from models.weights import load_gguf, load_safetensors_checkpoint
+from models.weights import load_gguf, load_safetensors_checkpoint, open_gguf
 
 
 def load_pretrained(name_or_path: str | Path, dtype=jnp.float32, **model_kwargs) -> tuple[Llama | Gemma3 | Qwen3_5, Tokenizer]:
@@ -21,8 +21,9 @@ def load_pretrained(name_or_path: str | Path, dtype=jnp.float32, **model_kwargs)
     ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``)."""
     path = resolve_model(name_or_path)
     if path.suffix == ".gguf":
-        config, params = load_gguf(path, dtype)
-        tokenizer = Tokenizer.from_gguf(path)
+        reader = open_gguf(path)  # parsed once for both
+        config, params = load_gguf(path, dtype, reader)
+        tokenizer = Tokenizer.from_gguf(path, reader)
     else:
         config, params = load_safetensors_checkpoint(path, dtype)
         tokenizer_config = path / "tokenizer_config.json"

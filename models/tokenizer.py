@@ -190,10 +190,11 @@ class Tokenizer:
                 raise ValueError(f"{source}: special token {token!r} is not in the vocabulary")
 
     @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata."""
+    def from_gguf(cls, path: str | Path, reader=None) -> Tokenizer:
+        """The tokenizer described by a GGUF file's ``tokenizer.*`` metadata (``reader``:
+        the file's ``open_gguf`` reader, if already open)."""
         path = Path(path)
-        reader = open_gguf(path)
+        reader = reader or open_gguf(path)
         kind = gguf_value(reader, "tokenizer.ggml.model", None)
         if kind not in GGUF_TOKENIZERS:
             raise ValueError(

@@ -24,14 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import gemma3, llama
+from models import gemma3, llama, qwen3_5
 from models.gemma3 import Gemma3Config
 from models.llama import LlamaConfig
+from models.qwen3_5 import Qwen3_5Config
 
-ModelConfig = LlamaConfig | Gemma3Config
+ModelConfig = LlamaConfig | Gemma3Config | Qwen3_5Config
 
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
-_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
+_TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_qkv", "in_z", "in_b", "in_a", "out"}
 
 # Our name -> transformers tensor name; "{i}" is the layer index.
 HF_NAMES = {
@@ -111,6 +112,34 @@ GGUF_GEMMA3_NAMES = {
     "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
 }
 
+# Our name -> transformers tensor name for Qwen3.5 text (Qwen3_5ForCausalLM); mixer weights
+# exist only on the layers of their kind (see models.qwen3_5.param_layers).
+QWEN3_5_HF_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "in_qkv": "model.layers.{i}.linear_attn.in_proj_qkv.weight",
+    "in_z": "model.layers.{i}.linear_attn.in_proj_z.weight",
+    "in_b": "model.layers.{i}.linear_attn.in_proj_b.weight",
+    "in_a": "model.layers.{i}.linear_attn.in_proj_a.weight",
+    "conv": "model.layers.{i}.linear_attn.conv1d.weight",
+    "dt_bias": "model.layers.{i}.linear_attn.dt_bias",
+    "A_log": "model.layers.{i}.linear_attn.A_log",
+    "gated_norm": "model.layers.{i}.linear_attn.norm.weight",
+    "out": "model.layers.{i}.linear_attn.out_proj.weight",
+}
+
 # Tensors some checkpoints carry that the model recomputes (old transformers saved RoPE tables).
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -125,7 +154,7 @@ class _TensorSource(Protocol):
 
 def _model_module(config: ModelConfig):
     """The model module (``param_shapes``, ``layer_shapes``) a config belongs to."""
-    return gemma3 if isinstance(config, Gemma3Config) else llama
+    return {Gemma3Config: gemma3, Qwen3_5Config: qwen3_5}.get(type(config), llama)
 
 
 def _plan(config: ModelConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -138,7 +167,10 @@ def _plan(config: ModelConfig, names: Mapping[str, str]) -> dict[str, list[tuple
         if param in per_layer:
             shape = per_layer[param]
         source_shape = tuple(reversed(shape)) if param in _TRANSPOSED else tuple(shape)
-        layers = range(config.num_hidden_layers) if param in per_layer else [None]
+        layers = [None]
+        if param in per_layer:  # a hybrid model stacks each mixer's weights over its kind's layers only
+            has_own = hasattr(module, "param_layers")
+            layers = module.param_layers(config, param) if has_own else range(config.num_hidden_layers)
         plan[param] = [(names[param].format(i=i), source_shape) for i in layers]
     return plan
 
@@ -252,6 +284,7 @@ HF_MODEL_TYPES: dict[str, type[LlamaConfig] | type[Gemma3Config]] = {
     "mistral": LlamaConfig,
     "qwen2": LlamaConfig,
     "gemma3_text": Gemma3Config,
+    "qwen3_5_text": Qwen3_5Config,
 }
 
 
@@ -288,7 +321,7 @@ def load_safetensors_checkpoint(
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     config = read_hf_config(directory)
-    names = GEMMA3_HF_NAMES if isinstance(config, Gemma3Config) else HF_NAMES
+    names = {Gemma3Config: GEMMA3_HF_NAMES, Qwen3_5Config: QWEN3_5_HF_NAMES}.get(type(config), HF_NAMES)
     files = _checkpoint_files(directory)
 
     def ignored(name: str) -> bool:
@@ -372,124 +405,110 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _llama_gguf_config(reader, tensor_shapes: Mapping[str, tuple[int, ...]]) -> LlamaConfig:
-    """``LlamaConfig`` from the ``llama.*`` metadata (llama.cpp's key names)."""
-    arch = "llama"
+def _gguf_decoder_fields(reader, arch: str, tensor_shapes: Mapping[str, tuple[int, ...]], *, rms_eps, context):
+    """Config fields every decoder reads alike from ``{arch}.*`` metadata (llama.cpp's
+    key names), after the checks all loaders need. Returns ``(fields, meta, rope scaling type)``."""
 
     def meta(key, default=_NO_DEFAULT):
         return gguf_value(reader, f"{arch}.{key}", default)
 
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError("GGUF: missing tensor 'token_embd.weight'")
     scaling_type = meta("rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):
         raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (none or linear only)")
-    if "rope_freqs.weight" in tensor_shapes:
-        raise ValueError("GGUF has rope_freqs.weight (Llama 3.1-style frequency factors), which is not supported yet")
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // heads))
-    rotary = int(meta("rope.dimension_count", head_dim))
-    if rotary != head_dim:
-        raise ValueError(f"GGUF rope.dimension_count {rotary} != head dim {head_dim}: partial RoPE is not supported")
-    scaling = {"type": "linear", "factor": float(meta("rope.scaling.factor"))} if scaling_type == "linear" else None
-    if "token_embd.weight" not in tensor_shapes:
-        raise ValueError("GGUF: missing tensor 'token_embd.weight'")
-    return LlamaConfig(
+    fields = dict(
         vocab_size=tensor_shapes["token_embd.weight"][0],
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(meta("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta("rope.freq_base", 10_000.0)),
-        rope_scaling=scaling,
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", rms_eps)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
-        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
-        max_position_embeddings=int(meta("context_length", 2048)),
+        max_position_embeddings=int(meta("context_length", context)),
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
         eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id", None),
     )
+    return fields, meta, scaling_type
 
 
-def _load_llama_gguf(reader, path: Path, dtype: Any) -> tuple[LlamaConfig, dict[str, jax.Array]]:
-    source = _GGUFSource(reader)
-    config = _llama_gguf_config(reader, {name: source.shape(name) for name in source.names()})
-    fixups = {
-        "wq": lambda w: unpermute_rope_rows(w, config.num_attention_heads),
-        "wk": lambda w: unpermute_rope_rows(w, config.kv_heads),
-    }
-    params = _assemble(config, source, GGUF_LLAMA_NAMES, dtype, what=str(path), fixups=fixups)
-    return config, params
+def _llama_gguf_config(reader, tensor_shapes: Mapping[str, tuple[int, ...]]) -> LlamaConfig:
+    """``LlamaConfig`` from the ``llama.*`` metadata."""
+    fields, meta, scaling_type = _gguf_decoder_fields(reader, "llama", tensor_shapes, rms_eps=1e-5, context=2048)
+    if "rope_freqs.weight" in tensor_shapes:
+        raise ValueError("GGUF has rope_freqs.weight (Llama 3.1-style frequency factors), which is not supported yet")
+    rotary = int(meta("rope.dimension_count", fields["head_dim"]))
+    if rotary != fields["head_dim"]:
+        raise ValueError(
+            f"GGUF rope.dimension_count {rotary} != head dim {fields['head_dim']}: partial RoPE is not supported"
+        )
+    scaling = {"type": "linear", "factor": float(meta("rope.scaling.factor"))} if scaling_type == "linear" else None
+    return LlamaConfig(
+        **fields,
+        rope_theta=float(meta("rope.freq_base", 10_000.0)),
+        rope_scaling=scaling,
+        attention_bias="blk.0.attn_q.bias" in tensor_shapes,
+    )
 
 
 def _gemma3_gguf_config(reader, tensor_shapes: Mapping[str, tuple[int, ...]]) -> Gemma3Config:
-    """``Gemma3Config`` from the ``gemma3.*`` metadata (llama.cpp's key names).
+    """``Gemma3Config`` from the ``gemma3.*`` metadata.
 
     The file lacks what llama.cpp hard-codes for gemma3 (local RoPE base 10000, every 6th
     layer global, query scale head_dim ** -0.5, no soft-capping); those come from
     ``Gemma3Config``'s defaults, as transformers fills them from ``Gemma3TextConfig``'s."""
-    arch = "gemma3"
-
-    def meta(key, default=_NO_DEFAULT):
-        return gguf_value(reader, f"{arch}.{key}", default)
-
-    if "token_embd.weight" not in tensor_shapes:
-        raise ValueError("GGUF: missing tensor 'token_embd.weight'")
-    scaling_type = meta("rope.scaling.type", "none")
-    if scaling_type not in ("none", "linear"):
-        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported (none or linear only)")
+    fields, meta, scaling_type = _gguf_decoder_fields(reader, "gemma3", tensor_shapes, rms_eps=1e-6, context=131_072)
     full_rope = {"rope_theta": float(meta("rope.freq_base", 1_000_000.0))}
     if scaling_type == "linear":  # llama.cpp scales the global layers only
         full_rope |= {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length"))
     return Gemma3Config(
-        vocab_size=tensor_shapes["token_embd.weight"][0],
-        hidden_size=int(meta("embedding_length")),
-        intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        **fields,
         rope_parameters={"full_attention": full_rope},  # sliding layers: the default base 10000
         sliding_window=int(meta("attention.sliding_window")),
-        query_pre_attn_scalar=head_dim,
-        tie_word_embeddings="output.weight" not in tensor_shapes,
-        max_position_embeddings=int(meta("context_length", 131_072)),
-        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id", None),
+        query_pre_attn_scalar=fields["head_dim"],
     )
 
 
-def _load_gemma3_gguf(reader, path: Path, dtype: Any) -> tuple[Gemma3Config, dict[str, jax.Array]]:
-    source = _GGUFSource(reader)
-    config = _gemma3_gguf_config(reader, {name: source.shape(name) for name in source.names()})
-    # llama.cpp stores Gemma's norm weights as the multiplier 1 + w; ours hold w (as transformers).
-    # Gemma's Q/K rows are not permuted (ggml's NeoX-style RoPE rotates halves, as we do).
-    fixups = {name: (lambda w: w - 1.0) for name in GGUF_GEMMA3_NAMES if name == "norm" or name.endswith("_norm")}
-    params = _assemble(config, source, GGUF_GEMMA3_NAMES, dtype, what=str(path), fixups=fixups)
-    return config, params
+def _llama_gguf_fixups(config: LlamaConfig) -> dict:
+    """llama.cpp permutes Q/K rows for its interleaved RoPE; ours rotates halves (as HF)."""
+    return {
+        "wq": lambda w: unpermute_rope_rows(w, config.num_attention_heads),
+        "wk": lambda w: unpermute_rope_rows(w, config.kv_heads),
+    }
 
 
-# general.architecture -> loader(reader, path, dtype) -> (config, params).
-GGUF_LOADERS: dict[str, Callable[[Any, Path, Any], tuple[Any, dict[str, jax.Array]]]] = {
-    "llama": _load_llama_gguf,
-    "gemma3": _load_gemma3_gguf,
+def _gemma3_gguf_fixups(config: Gemma3Config) -> dict:
+    """llama.cpp stores Gemma's norm weights as the multiplier 1 + w; ours hold w (as HF).
+    Gemma's Q/K rows are not permuted (ggml's NeoX-style RoPE rotates halves, as we do)."""
+    return {name: (lambda w: w - 1.0) for name in GGUF_GEMMA3_NAMES if name == "norm" or name.endswith("_norm")}
+
+
+# general.architecture -> (config from metadata, tensor names, per-tensor fixups).
+GGUF_LOADERS: dict[str, tuple[Callable, Mapping[str, str], Callable]] = {
+    "llama": (_llama_gguf_config, GGUF_LLAMA_NAMES, _llama_gguf_fixups),
+    "gemma3": (_gemma3_gguf_config, GGUF_GEMMA3_NAMES, _gemma3_gguf_fixups),
 }
 
 
-def load_gguf(path: str | Path, dtype: Any = jnp.float32) -> tuple[ModelConfig, dict[str, jax.Array]]:
+def load_gguf(path: str | Path, dtype: Any = jnp.float32, reader=None) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
-    (``models.llama`` for "llama" files, ``models.gemma3`` for "gemma3").
+    (``models.llama`` for "llama" files, ``models.gemma3`` for "gemma3"). ``reader``: the
+    file's ``open_gguf`` reader if the caller has one (parsing a large vocabulary's
+    metadata takes seconds; the tokenizer reads the same file).
     """
     path = Path(path)
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     architecture = gguf_value(reader, "general.architecture")
     if architecture not in GGUF_LOADERS:
         raise ValueError(
             f"{path}: GGUF architecture {architecture!r} is not supported yet; supported: {sorted(GGUF_LOADERS)}"
         )
-    return GGUF_LOADERS[architecture](reader, path, dtype)
+    make_config, names, fixups = GGUF_LOADERS[architecture]
+    source = _GGUFSource(reader)
+    config = make_config(reader, {name: source.shape(name) for name in source.names()})
+    return config, _assemble(config, source, names, dtype, what=str(path), fixups=fixups(config))

@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv.generate import generate
 from models.gemma3 import Gemma3, Gemma3Config
 from models.weights import load_safetensors_checkpoint
+from tests.parity import check_teacher_forced, save_tiny_hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -58,20 +57,12 @@ def forward(graphdef, state, tokens, positions, cache):
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    torch.manual_seed(0)
-    config = CONFIGS[request.param]
-    # Eager attention: the reference for soft-capped attention logits.
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():  # transformers initialises norm weights to 0 (a no-op 1 + w); exercise them
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.normal_(0.0, 0.5)
     directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
-    rng = np.random.default_rng(0)
-    sequences = [rng.integers(0, SMALL["vocab_size"], n + DECODE_STEPS) for n in PROMPTS]
-    with torch.no_grad():
-        expected = [hf(torch.tensor(seq)[None]).logits[0].numpy() for seq in sequences]
+    # Eager attention: the reference for soft-capped attention logits.
+    sequences, expected, hf = save_tiny_hf_model(
+        CONFIGS[request.param], directory, SMALL["vocab_size"], PROMPTS, DECODE_STEPS,
+        perturb_norms=True, attn_implementation="eager",
+    )  # fmt: skip
     return request.param, directory, sequences, expected, hf
 
 
@@ -110,22 +101,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     for kind in ("static", "dynamic"):
         cache = model.init_cache(len(PROMPTS), max_length=64, full_attention=kind)
         assert cache.period == 6  # the scan runs one repeat of 6, then layer 6 alone
-        width = max(PROMPTS)
-        tokens = np.zeros((len(PROMPTS), width), np.int32)
-        for row, n in enumerate(PROMPTS):
-            tokens[row, :n] = sequences[row][:n]
-        cache = cache.reserve(width + DECODE_STEPS)
-        positions = cache.next_positions(width, num_new=PROMPTS)
-        logits, cache = forward(graphdef, state, jnp.asarray(tokens), positions, cache)
-        for row, n in enumerate(PROMPTS):
-            np.testing.assert_allclose(logits[row, :n], expected[row][:n], atol=1e-4, rtol=0, err_msg=f"{name} {kind}")
-        for step in range(DECODE_STEPS):
-            token = jnp.asarray([[seq[n + step]] for seq, n in zip(sequences, PROMPTS)], jnp.int32)
-            logits, cache = forward(graphdef, state, token, cache.lengths[:, None], cache)
-            for row, n in enumerate(PROMPTS):
-                np.testing.assert_allclose(
-                    logits[row, 0], expected[row][n + step], atol=1e-4, rtol=0, err_msg=f"{name} {kind} step {step}"
-                )
+        step = functools.partial(forward, graphdef, state)
+        cache = check_teacher_forced(step, cache, sequences, PROMPTS, expected, DECODE_STEPS, f"{name} {kind}")
         assert np.asarray(cache.lengths).tolist() == [n + DECODE_STEPS for n in PROMPTS]
 
 

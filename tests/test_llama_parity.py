@@ -6,16 +6,14 @@ steps fed the same (teacher-forced) tokens. Every step's logits must match trans
 full-sequence logits at those positions within 1e-4 (float32).
 """
 
-import numpy as np
 import pytest
 import torch
 import transformers
 
-import jax.numpy as jnp
-
 from jaxkv.generate import generate
 from models.llama import Llama
 from models.weights import load_safetensors_checkpoint
+from tests.parity import check_teacher_forced, save_tiny_hf_model
 
 SMALL = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -44,15 +42,10 @@ DECODE_STEPS = 32
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    torch.manual_seed(0)
-    config = CONFIGS[request.param]
-    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
     directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory)
-    rng = np.random.default_rng(0)
-    sequences = [rng.integers(0, SMALL["vocab_size"], n + DECODE_STEPS) for n in PROMPTS]
-    with torch.no_grad():
-        expected = [hf(torch.tensor(seq)[None]).logits[0].numpy() for seq in sequences]
+    sequences, expected, hf = save_tiny_hf_model(
+        CONFIGS[request.param], directory, SMALL["vocab_size"], PROMPTS, DECODE_STEPS
+    )
     return request.param, directory, sequences, expected, hf
 
 
@@ -63,22 +56,7 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
         kind, _, loop = variant.partition("-")
         model = Llama(config, params, scan_layers=loop != "unrolled")
         cache = model.init_cache(len(PROMPTS), max_length=64, full_attention=kind)
-        width = max(PROMPTS)
-        tokens = np.zeros((len(PROMPTS), width), np.int32)
-        for row, n in enumerate(PROMPTS):
-            tokens[row, :n] = sequences[row][:n]
-        cache = cache.reserve(width + DECODE_STEPS)
-        positions = cache.next_positions(width, num_new=PROMPTS)
-        logits, cache = model(jnp.asarray(tokens), positions, cache)
-        for row, n in enumerate(PROMPTS):
-            np.testing.assert_allclose(logits[row, :n], expected[row][:n], atol=1e-4, rtol=0, err_msg=f"{name} {variant}")
-        for step in range(DECODE_STEPS):
-            token = jnp.asarray([[seq[n + step]] for seq, n in zip(sequences, PROMPTS)], jnp.int32)
-            logits, cache = model(token, cache.lengths[:, None], cache)
-            for row, n in enumerate(PROMPTS):
-                np.testing.assert_allclose(
-                    logits[row, 0], expected[row][n + step], atol=1e-4, rtol=0, err_msg=f"{name} {variant} step {step}"
-                )
+        check_teacher_forced(model, cache, sequences, PROMPTS, expected, DECODE_STEPS, f"{name} {variant}")
 
 
 def test_greedy_generate_matches_transformers(checkpoint):

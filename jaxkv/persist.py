@@ -1,0 +1,199 @@
+"""Save a prefilled cache to disk and load it in another process (safetensors).
+
+    save_cache("prefix.safetensors", cache, model, tokens=[prefix_ids])
+    cache, tokens = load_cache("prefix.safetensors", model)      # another process
+
+The file is plain safetensors: one tensor per array leaf of the cache, named by its path
+in the pytree (``groups.0.keys``), and string metadata describing the rest:
+
+* ``jaxkv.format``: ``"jaxkv.cache/1"``, the format and its version.
+* ``jaxkv.structure``: the pytree as JSON: each node's class (``module:qualname``, only
+  classes under ``jaxkv.`` are ever imported back), its static fields (window, layer
+  types, a quantization spec, ...) and its children. Any cache whose nodes are
+  dataclasses with static fields of numbers, strings, tuples or such dataclasses
+  round-trips (quantized, linear, encoder-decoder layers too) with no change here.
+* ``jaxkv.layer_types``: the per-layer types, checked against the loading model's.
+* ``jaxkv.model``: the model class, its config (JSON) and a fingerprint of its weights
+  (a SHA-256 over each parameter's shape, dtype and first 4096 values: cheap, and it tells
+  fine-tunes of one architecture apart).
+* ``jaxkv.tokens``: optionally, the token ids each row holds (JSON), so a loader can
+  continue the right text.
+
+On load every check names what differs and what to do: a different model config, other
+weights, other layer types, or a file that is not a jaxkv cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import nnx
+
+FORMAT = "jaxkv.cache/1"
+FINGERPRINT_VALUES = 4096
+
+
+def model_identity(model: nnx.Module) -> dict:
+    """The model class, its config as JSON-able data and a fingerprint of its weights."""
+    config = model.config
+    if hasattr(config, "model_dump"):
+        config = config.model_dump(mode="json")
+    elif dataclasses.is_dataclass(config):
+        config = dataclasses.asdict(config)
+    config = json.loads(json.dumps(config, sort_keys=True, default=str))
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        sample = np.asarray(jnp.ravel(leaf)[:FINGERPRINT_VALUES])
+        digest.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
+        digest.update(sample.tobytes())
+    return {"class": type(model).__name__, "config": config, "weights": digest.hexdigest()}
+
+
+def _describe(node, name: str, tensors: dict) -> dict:
+    """JSON description of a pytree node; its arrays go to ``tensors`` under their path."""
+    if node is None:
+        return {"none": True}
+    if isinstance(node, tuple | list):
+        return {"tuple": [_describe(child, f"{name}.{i}", tensors) for i, child in enumerate(node)]}
+    if dataclasses.is_dataclass(node):
+        static, children = {}, {}
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            if field.metadata.get("pytree_node", True):
+                children[field.name] = _describe(value, f"{name}.{field.name}" if name else field.name, tensors)
+            else:
+                static[field.name] = _encode_static(value)
+        return {"class": _class_name(type(node)), "static": static, "children": children}
+    tensors[name] = np.asarray(node)
+    return {"tensor": name}
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import_class(name: str, path: Path) -> type:
+    """The class ``module:qualname`` names; only jaxkv's own classes are ever imported."""
+    module, qualname = name.split(":")
+    if module != "jaxkv" and not module.startswith("jaxkv."):
+        raise ValueError(f"{path}: refusing to import {name}: cache classes must come from jaxkv")
+    cls = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    return cls
+
+
+def _encode_static(value):
+    """A static (non-array) field as JSON: numbers, strings, None, tuples, and dataclasses
+    of those (e.g. a quantization spec)."""
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: _encode_static(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"dataclass": _class_name(type(value)), "fields": fields}
+    if isinstance(value, tuple | list):
+        return [_encode_static(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot save a static cache field of type {type(value).__name__}: {value!r}")
+
+
+def _decode_static(value, path: Path):
+    """``_encode_static`` undone; JSON lists become tuples (static fields stay hashable)."""
+    if isinstance(value, dict):
+        fields = {key: _decode_static(v, path) for key, v in value["fields"].items()}
+        return _import_class(value["dataclass"], path)(**fields)
+    if isinstance(value, list):
+        return tuple(_decode_static(v, path) for v in value)
+    return value
+
+
+def _build(description: dict, tensors, path: Path):
+    """The pytree ``_describe`` described, with arrays read from ``tensors``."""
+    if "none" in description:
+        return None
+    if "tuple" in description:
+        return tuple(_build(child, tensors, path) for child in description["tuple"])
+    if "tensor" in description:
+        return jnp.asarray(tensors.get_tensor(description["tensor"]))
+    children = {key: _build(child, tensors, path) for key, child in description["children"].items()}
+    static = {key: _decode_static(value, path) for key, value in description["static"].items()}
+    return _import_class(description["class"], path)(**children, **static)
+
+
+def save_cache(path: str | Path, cache, model: nnx.Module, *, tokens: Sequence[Sequence[int]] | None = None) -> None:
+    """Write ``cache`` (built for ``model``) to ``path`` as safetensors; see the module docstring.
+
+    ``tokens``: the token ids each row holds, stored so a loader can continue from them.
+    """
+    if tokens is not None and len(tokens) != cache.batch_size:
+        raise ValueError(f"tokens has {len(tokens)} rows but the cache has {cache.batch_size}")
+    tensors: dict[str, np.ndarray] = {}
+    structure = _describe(cache, "", tensors)
+    metadata = {
+        "jaxkv.format": FORMAT,
+        "jaxkv.structure": json.dumps(structure),
+        "jaxkv.layer_types": json.dumps(list(cache.layer_types)),
+        "jaxkv.model": json.dumps(model_identity(model), sort_keys=True),
+    }
+    if tokens is not None:
+        metadata["jaxkv.tokens"] = json.dumps([[int(t) for t in row] for row in tokens])
+    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
+
+
+def _config_differences(saved: dict, current: dict) -> str:
+    keys = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    return ", ".join(f"{k}: file {saved.get(k)!r} vs model {current.get(k)!r}" for k in keys[:8])
+
+
+def load_cache(path: str | Path, model: nnx.Module):
+    """Read a cache saved by ``save_cache`` for ``model``; returns ``(cache, tokens or None)``.
+
+    Raises ``ValueError`` naming the difference when the file was saved for another model
+    (class, config or weights) or with other layer types, or is not a jaxkv cache.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"cache file {path} does not exist")
+    with safetensors.safe_open(str(path), framework="np") as tensors:
+        metadata = tensors.metadata() or {}
+        if metadata.get("jaxkv.format") != FORMAT:
+            raise ValueError(
+                f"{path}: not a jaxkv cache file of format {FORMAT} (found {metadata.get('jaxkv.format')!r}); "
+                f"write it with jaxkv.persist.save_cache"
+            )
+        saved, current = json.loads(metadata["jaxkv.model"]), model_identity(model)
+        if saved["class"] != current["class"] or saved["config"] != current["config"]:
+            raise ValueError(
+                f"{path}: the cache was saved for a {saved['class']} with another config than this "
+                f"{current['class']} ({_config_differences(saved['config'], current['config'])}); "
+                f"load it with the model it was saved for, or prefill again"
+            )
+        if saved["weights"] != current["weights"]:
+            raise ValueError(
+                f"{path}: the cache was saved for a model with the same config but other weights, or the same "
+                f"weights in another dtype (fingerprint {saved['weights'][:12]} vs {current['weights'][:12]}); its "
+                f"K/V do not apply here, prefill again with this model"
+            )
+        file_types = json.loads(metadata["jaxkv.layer_types"])
+        model_types = list(jax.eval_shape(lambda: model.init_cache(1, 16)).layer_types)
+        if file_types != model_types:
+            first = next((i for i, (a, b) in enumerate(zip(file_types, model_types)) if a != b), None)
+            where = (
+                f"; first at layer {first}: {file_types[first]} vs {model_types[first]}" if first is not None else ""
+            )
+            raise ValueError(
+                f"{path}: the file's layer types differ from the model's ({len(file_types)} vs {len(model_types)} "
+                f"layers{where}); this cache cannot serve this model, prefill again"
+            )
+        cache = _build(json.loads(metadata["jaxkv.structure"]), tensors, path)
+    tokens = json.loads(metadata["jaxkv.tokens"]) if "jaxkv.tokens" in metadata else None
+    return cache, tokens
