@@ -19,6 +19,7 @@ import transformers
 from flax import nnx
 
 from jaxkv.generate import Sampling, generate
+from jaxkv.speculative import PromptLookup, generate_speculative
 from models.qwen3_5 import Qwen3_5
 from models.weights import load_safetensors_checkpoint
 
@@ -104,3 +105,17 @@ def test_greedy_and_sampled_generate(checkpoint):
         top3 = np.argsort(-logits, axis=-1)[:, :3]
         assert all(token in top for token, top in zip(sampled.row(row), top3)), (sampled.row(row), top3)
     assert sampled.tokens.tolist() != greedy.tokens.tolist()
+
+
+def test_speculative_greedy_equals_plain_greedy(checkpoint):
+    """Speculative decoding on the hybrid model: every rejected draft rolls the
+    linear-attention states back (they keep the states of the last k steps), and the
+    output equals plain greedy decoding token for token."""
+    model, _, sequences, _ = checkpoint
+    # Repeated halves give prompt lookup matches to propose; the random model rejects most.
+    prompts = [seq[: n // 2].tolist() * 2 for seq, n in zip(sequences, PROMPTS)]
+    plain = generate(model, prompts, max_new_tokens=16)
+    spec = generate_speculative(model, prompts, drafter=PromptLookup(), num_draft_tokens=3, max_new_tokens=16)
+    np.testing.assert_array_equal(spec.tokens, plain.tokens)
+    assert spec.finish == plain.finish
+    assert np.sum(spec.accepted) < 3 * np.sum(spec.target_steps), "no draft was rejected: rollback not exercised"
