@@ -386,6 +386,14 @@ class Cache:
         budgets = [b for b in budgets if b is not None]
         return min(budgets) if budgets else None
 
+    def exact_chunk_lengths(self) -> jax.Array | None:
+        """``[B]`` int32: the most tokens the next update of each row may bring so that every
+        query sees the cache exactly as it would decoding token by token; None when any
+        number may (only quantized layers with a residual limit it; see
+        ``QuantizedLayer.exact_chunk_lengths``). Speculative verification stays within it."""
+        limits = [g.exact_chunk_lengths for g in self.groups if getattr(g, "exact_chunk_lengths", None) is not None]
+        return jnp.min(jnp.stack([jnp.min(limit, axis=0) for limit in limits]), axis=0) if limits else None
+
     @property
     def overflowed(self) -> jax.Array:
         """``[B]`` bool: rows some layer could not store (only possible under jit)."""

@@ -307,6 +307,10 @@ class HybridLayer(BatchMajorLayer):
     def overflowed(self) -> jax.Array:
         return self.attention.overflowed
 
+    @property
+    def exact_chunk_lengths(self) -> jax.Array | None:
+        return getattr(self.attention, "exact_chunk_lengths", None)
+
     def rollback_hint(self, num_tokens: int) -> str:
         return self.linear.rollback_hint(num_tokens)
 

@@ -18,8 +18,10 @@ whole: a row of length L holds ``Q = R·floor((L - 1) / R)`` quantized tokens an
 
 What attention sees: the layer's state after the update (quantized tokens dequantized,
 residual tokens as they came). A query therefore sees a key quantized exactly when that
-key's block of R was flushed by the end of the update; feeding aligned chunks of R
-tokens gives the same result as decoding token by token.
+key's block of R was flushed by the end of the update. An update that stays between two
+flushes (``exact_chunk_lengths`` tokens at most, e.g. aligned chunks of R) gives every
+query what decoding token by token would; speculative decoding verifies its drafts in
+such chunks so that its greedy output equals plain greedy decoding.
 
 Scales and zero points are stored in float16 (4 bytes per int group, 2 per fp8 group):
 float16 keeps 11 significant bits, so rounding a scale moves an int8 code by at most
@@ -432,6 +434,20 @@ class QuantizedLayer(BatchMajorLayer):
         if self.window is None:
             return self.lengths > self.capacity
         return jnp.zeros(self.lengths.shape, bool)
+
+    @property
+    def exact_chunk_lengths(self) -> jax.Array | None:
+        """``[B]`` (``[L, B]`` stacked): the most tokens the next update of each row may
+        bring and still show every one of its queries what token-by-token decoding would.
+
+        One update shows all its queries the state after it, and a block of R turns from
+        full precision to quantized at the token that flushes it (position R·m): a chunk
+        may therefore start at a flush but not run past the next one. It also never needs
+        a rollback past a flush, the one rollback that loses precision. None with R = 0
+        (every token is quantized on arrival, whatever the chunking).
+        """
+        residual_length = self.spec.residual_length
+        return None if residual_length == 0 else residual_length - self.lengths % residual_length
 
     # --- update ------------------------------------------------------------------------
     def update_entry(self, index, keys, values, positions):

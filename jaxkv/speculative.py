@@ -33,6 +33,11 @@ which the verification pass then overwrites).
 
 Cache requirements: the verification writes k + 1 tokens and may undo k, so windowed
 (ring) layers need ``rollback_slots >= k`` (``generate_speculative`` builds them so).
+Quantized layers with a full-precision residual show a query a key block quantized only
+from the token that flushes it on, which one multi-token update cannot show to some
+queries and not others: a round verifies no further than ``Cache.exact_chunk_lengths``
+(its later drafts count as rejected), so greedy output still equals plain greedy and a
+rollback never crosses a flush.
 A static cache near its capacity drops the verification's writes past it; those tokens
 are never kept, and a row stops with ``Finish.CAPACITY`` exactly where plain decoding
 would.
@@ -81,6 +86,7 @@ class Round(NamedTuple):
     key: jax.Array
     sampling: Sampling
     num_draft: int
+    num_verified: jax.Array  # [B] tokens the verification writes: k + 1, fewer within exact_chunk_lengths
 
 
 class Proposal(NamedTuple):
@@ -128,13 +134,14 @@ def lookup_drafts(history, lengths, num_draft: int, max_ngram: int, min_ngram: i
     return drafts
 
 
-def draft_tokens(forward, tokens, positions, cache, next_position, rnd: Round):
+def draft_tokens(forward, tokens, positions, cache, next_position, rnd: Round, write_until=None):
     """Run a draft model autoregressively: feed ``tokens`` ``[B, T]`` at ``positions``, then
     its own k - 1 samples. Returns the k drafts ``[B, k]``, their logits ``[B, k, V]`` and
     the draft cache (it then holds k - 1 + T more tokens per running row).
 
     ``forward(tokens, positions, cache) -> (logits [B, T, V], cache)``; ``next_position``
-    ``[B]`` is the position of the first sampled draft.
+    ``[B]`` is the position of the first sampled draft. With ``write_until`` ``[B]``, a
+    sample at or past it is fed as padding (not stored); such drafts go unverified.
     """
     keys = jax.random.split(rnd.key, rnd.num_draft)
     logits, cache = forward(tokens, positions, cache)
@@ -143,7 +150,8 @@ def draft_tokens(forward, tokens, positions, cache, next_position, rnd: Round):
 
     def step(carry, step_key):
         token, position, cache = carry
-        logits, cache = forward(token[:, None], jnp.where(rnd.running, position, -1)[:, None], cache)
+        stored = rnd.running if write_until is None else rnd.running & (position < write_until)
+        logits, cache = forward(token[:, None], jnp.where(stored, position, -1)[:, None], cache)
         new = sample(logits[:, -1], step_key, rnd.sampling)
         return (new, position + 1, cache), (new, logits[:, -1])
 
@@ -206,6 +214,8 @@ class SelfSpeculation(Drafter):
     The target must accept ``num_layers=`` (``models.llama.Llama`` does). Those layers'
     K/V are exactly the target's, so the draft writes them into the target's cache;
     the verification pass rewrites the same positions, and the rollback undoes both.
+    Drafts past what the round verifies are not stored, so the draft never writes a
+    position the verification does not rewrite.
     """
 
     exit_layer: int
@@ -229,7 +239,9 @@ class SelfSpeculation(Drafter):
         lengths = rnd.cache.lengths
         positions = jnp.where(rnd.running, lengths, -1)[:, None]
         last = latest_tokens(rnd.history, rnd.lengths)
-        drafts, logits, cache = draft_tokens(forward, last[:, None], positions, rnd.cache, lengths + 1, rnd)
+        drafts, logits, cache = draft_tokens(
+            forward, last[:, None], positions, rnd.cache, lengths + 1, rnd, write_until=lengths + rnd.num_verified
+        )
         return Proposal(drafts, logits, rnd.draft_state, cache)
 
 
@@ -302,21 +314,24 @@ class DraftModel(Drafter):
         return DraftState(cache, pending)
 
 
-def verify(target_logits, drafts, draft_logits, key, sampling: Sampling) -> tuple[jax.Array, jax.Array]:
+def verify(target_logits, drafts, draft_logits, key, sampling: Sampling, num_checked=None) -> tuple[jax.Array, jax.Array]:
     """Which drafts the target accepts, and the row's tokens for this round.
 
     ``target_logits`` ``[B, k+1, V]`` (position j scores the token after ``x, d_1..d_j``),
-    ``drafts`` ``[B, k]``, ``draft_logits`` ``[B, k, V]`` or None (one-hot q). Returns
-    ``num_accepted`` ``[B]`` (n) and ``tokens`` ``[B, k+1]``: ``tokens[:, :n]`` are the
-    accepted drafts and ``tokens[:, n]`` the target's own next token (later entries are
-    unspecified).
+    ``drafts`` ``[B, k]``, ``draft_logits`` ``[B, k, V]`` or None (one-hot q). With
+    ``num_checked`` ``[B]``, only a row's first ``num_checked`` drafts were verified: the
+    rest count as never proposed. Returns ``num_accepted`` ``[B]`` (n) and ``tokens``
+    ``[B, k+1]``: ``tokens[:, :n]`` are the accepted drafts and ``tokens[:, n]`` the
+    target's own next token (later entries are unspecified).
     """
-    if sampling.temperature == 0:
-        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
-        num_accepted = jnp.sum(jnp.cumprod((drafts == best[:, :-1]).astype(jnp.int32), axis=1), axis=1)
-        return num_accepted, best  # where accepted, the draft is the argmax
     batch, width, vocab = target_logits.shape
     k = width - 1
+    checked = jnp.arange(k)[None, :] < (k if num_checked is None else num_checked[:, None])
+    if sampling.temperature == 0:
+        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+        agree = (drafts == best[:, :-1]) & checked
+        num_accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+        return num_accepted, best  # where accepted, the draft is the argmax
 
     def probs(logits):
         flat = sampling_logits(logits.reshape(-1, vocab), sampling)
@@ -328,11 +343,14 @@ def verify(target_logits, drafts, draft_logits, key, sampling: Sampling) -> tupl
     q_draft = jnp.take_along_axis(q, drafts[..., None], axis=2)[..., 0]
     accept_key, residual_key = jax.random.split(key)
     # Accept with probability min(1, p/q): u < p/q, written without dividing by q.
-    accepted = jax.random.uniform(accept_key, (batch, k)) * q_draft < p_draft
+    accepted = (jax.random.uniform(accept_key, (batch, k)) * q_draft < p_draft) & checked
     num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
     rows = jnp.arange(batch)
     p_next = p[rows, num_accepted]
-    q_next = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, num_accepted]  # q = 0 after k drafts
+    # q = 0 after the last checked draft: the row's token then comes from p, as after k acceptances.
+    q_next = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)[rows, num_accepted]
+    if num_checked is not None:
+        q_next = jnp.where((num_accepted < num_checked)[:, None], q_next, 0.0)
     residual = jnp.maximum(p_next - q_next, 0.0)
     # p == q makes a rejection impossible, but rounding could still empty the residual.
     residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_next)
@@ -381,15 +399,21 @@ def speculative_decode(
         running = carry["reason"] == Finish.RUNNING
         key, draft_key, verify_key = jax.random.split(carry["key"], 3)
         start = carry["cache"].lengths
+        exact = carry["cache"].exact_chunk_lengths()
+        num_verified = jnp.full((batch,), num_draft + 1) if exact is None else jnp.minimum(exact, num_draft + 1)
         rnd = Round(
             target, carry["cache"], draft_params, carry["draft_state"], carry["history"], carry["lengths"],
-            running, draft_key, sampling, num_draft,
+            running, draft_key, sampling, num_draft, num_verified,
         )  # fmt: skip
         proposal = drafter.propose(rnd)
         tokens = jnp.concatenate([latest_tokens(carry["history"], carry["lengths"])[:, None], proposal.drafts], axis=1)
-        positions = jnp.where(running[:, None], start[:, None] + offsets, -1)
+        written = running[:, None] & (offsets < num_verified[:, None])
+        positions = jnp.where(written, start[:, None] + offsets, -1)
         logits, cache = target(tokens, positions, proposal.cache)
-        num_accepted, new = verify(logits, proposal.drafts, proposal.logits, verify_key, sampling)
+        num_accepted, new = verify(
+            logits, proposal.drafts, proposal.logits, verify_key, sampling,
+            None if exact is None else num_verified - 1,
+        )  # fmt: skip
 
         # Keep the accepted drafts and the target's token, cut at a stop token, at
         # max_new_tokens and at the capacity (a query past it missed its own key).
@@ -404,7 +428,7 @@ def speculative_decode(
 
         slots = jnp.where(offsets < kept[:, None], carry["lengths"][:, None] + offsets, size)
         history = carry["history"].at[rows, slots].set(new, mode="drop")
-        cache = cache.rollback(jnp.where(running, num_draft + 1 - kept, 0))
+        cache = cache.rollback(jnp.where(running, num_verified - kept, 0))
         count = carry["count"] + kept
         latest = jnp.take_along_axis(new, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
         finished = row_finish(latest, count, cache.lengths, stop_tokens, max_new_tokens, capacity)
