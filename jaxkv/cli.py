@@ -150,7 +150,8 @@ def run_generate(args) -> int:
     config = resolve_config(args)
     sampling = Sampling(config.temperature, config.top_k, config.top_p, config.min_p)
     start = time.perf_counter()
-    model, tokenizer = load_pretrained(config.model, dtype=jnp.dtype(config.dtype))
+    single_row = config.num_beams == 1 and config.speculative is None  # one prompt, one token per step
+    model, tokenizer = load_pretrained(config.model, dtype=jnp.dtype(config.dtype), single_row_decode=single_row)
     load_seconds = time.perf_counter() - start
     text = (
         tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}])

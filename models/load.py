@@ -14,11 +14,16 @@ from models.tokenizer import Tokenizer
 from models.weights import load_gguf, load_safetensors_checkpoint, open_gguf
 
 
-def load_pretrained(name_or_path: str | Path, dtype=jnp.float32, **model_kwargs) -> tuple[Llama | Gemma3 | Qwen3_5, Tokenizer]:
+def load_pretrained(
+    name_or_path: str | Path, dtype=jnp.float32, *, single_row_decode: bool = False, **model_kwargs
+) -> tuple[Llama | Gemma3 | Qwen3_5, Tokenizer]:
     """An embedded default's name (``smollm2``, ``gemma3``), a GGUF file or a HF checkpoint
     directory; the model class follows the config (``Gemma3`` for Gemma 3, ``Qwen3_5`` for
     Qwen3.5 text, else ``Llama``).
-    ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``)."""
+    ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``).
+    ``single_row_decode``: the model will decode one row one token at a time (no batch,
+    beams or speculative rounds); a ``Llama`` then stores its matrices in the layout that
+    step reads fastest (``weight_layout="out_in"``)."""
     path = resolve_model(name_or_path)
     if path.suffix == ".gguf":
         reader = open_gguf(path)  # parsed once for both
@@ -29,4 +34,6 @@ def load_pretrained(name_or_path: str | Path, dtype=jnp.float32, **model_kwargs)
         tokenizer_config = path / "tokenizer_config.json"
         tokenizer = Tokenizer.from_file(path / "tokenizer.json", tokenizer_config if tokenizer_config.is_file() else None)
     model_class = {Gemma3Config: Gemma3, Qwen3_5Config: Qwen3_5}.get(type(config), Llama)
+    if single_row_decode and model_class is Llama:
+        model_kwargs.setdefault("weight_layout", "out_in")
     return model_class(config, params, **model_kwargs), tokenizer

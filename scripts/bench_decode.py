@@ -61,14 +61,16 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: jaxkv and models
     sys.path.insert(0, str(ROOT))
 
 RESULT_PREFIX = "BENCH_RESULT "
-# name -> (system, cache kind, jaxkv layer loop scanned?); the order is the table's.
+# name -> (system, cache kind, jaxkv model options); the order is the table's.
 CONFIGS = {
-    "jaxkv-static": ("jaxkv", "static", True),
-    "jaxkv-dynamic": ("jaxkv", "dynamic", True),
-    "jaxkv-unrolled": ("jaxkv", "static", False),  # one weight buffer per layer, no per-step slice copies
+    "jaxkv-static": ("jaxkv", "static", {}),
+    "jaxkv-out-in": ("jaxkv", "static", {"weight_layout": "out_in"}),  # scanned, weights read in place at batch 1
+    "jaxkv-dynamic": ("jaxkv", "dynamic", {}),
+    "jaxkv-unrolled": ("jaxkv", "static", {"scan_layers": False}),  # one weight buffer per layer, no slice copies
     "hf-dynamic": ("transformers", "dynamic", None),
     "hf-static": ("transformers", "static", None),
 }
+JAXKV_LABELS = {"jaxkv-out-in": "jaxkv [out, in] weights", "jaxkv-unrolled": "jaxkv unrolled"}
 BASELINE = "hf-dynamic"
 TARGET_SPEEDUP = {1: 2.5, 8: 2.0}  # batch -> jaxkv decode tok/s / HF dynamic decode tok/s
 TARGET_TTFT_S = 10.0
@@ -149,11 +151,10 @@ def _jaxkv_model(spec):
     if spec["model"] == TINY:
         from models.llama import Llama, LlamaConfig
 
-        return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]), scan_layers=spec["scan_layers"])
+        return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])
     from models.load import load_pretrained
 
-    kwargs = {} if spec["scan_layers"] else {"scan_layers": False}  # Llama only
-    return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]), **kwargs)[0]
+    return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])[0]  # Llama options
 
 
 def worker_jaxkv(spec: dict) -> dict:
@@ -391,7 +392,7 @@ def markdown_table(rows: list[dict]) -> str:
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
     for row in rows:
-        system = "jaxkv unrolled" if row["name"] == "jaxkv-unrolled" else row["system"]
+        system = JAXKV_LABELS.get(row["name"], row["system"])
         if "error" in row:
             cells = [system, row["cache"], str(row["batch"]), f"failed: {row['error'][:60]}"] + ["-"] * 6
         else:
@@ -410,7 +411,7 @@ def check_targets(rows: list[dict], long: dict | None) -> list[dict]:
     find = lambda name, batch: next((r for r in ok if r["name"] == name and r["batch"] == batch), None)  # noqa: E731
     targets = []
     for batch, factor in TARGET_SPEEDUP.items():
-        for name in ("jaxkv-static", "jaxkv-dynamic", "jaxkv-unrolled"):
+        for name in ("jaxkv-static", "jaxkv-out-in", "jaxkv-dynamic", "jaxkv-unrolled"):
             row = find(name, batch)
             value = row.get("speedup_vs_hf_dynamic") if row else None
             targets.append(
@@ -592,9 +593,9 @@ def main(argv=None) -> int:
     rows = []
     for batch in args.batch:
         for name in args.systems:
-            system, cache, scan_layers = CONFIGS[name]
+            system, cache, model_kwargs = CONFIGS[name]
             spec = dict(
-                kind="generate", system=system, cache=cache, scan_layers=scan_layers, batch=batch, prompt=prompt,
+                kind="generate", system=system, cache=cache, model_kwargs=model_kwargs, batch=batch, prompt=prompt,
                 new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
             )  # fmt: skip
             result = run_worker(spec, timeout=timeout, verbose=verbose)
@@ -617,7 +618,7 @@ def main(argv=None) -> int:
                   f"{small_capacity} for a {args.long_prompt}-token prompt", file=sys.stderr)  # fmt: skip
         for which, capacity in (("small", None), ("large", args.long_capacity)):
             spec = dict(
-                kind="long", system="jaxkv", cache="static", scan_layers=True, batch=1, prompt=None, prompt_tokens=args.long_prompt,
+                kind="long", system="jaxkv", cache="static", model_kwargs={}, batch=1, prompt=None, prompt_tokens=args.long_prompt,
                 new_tokens=args.long_new_tokens, max_length=capacity,
                 label=f"long jaxkv-static capacity {capacity or small_capacity}", **common,
             )  # fmt: skip

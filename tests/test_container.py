@@ -539,9 +539,9 @@ def test_donated_decode_step_updates_in_place(layer_type):
     stats = donated.memory_analysis()
     assert stats is not None
     assert stats.alias_size_in_bytes >= kv_bytes(cache)
-    # Temporaries hold the blocked attention's K/V blocks (2 x 512 KiB here), never a copy
+    # Temporaries hold the blocked attention's K/V blocks (2 x 1 MiB here), never a copy
     # of a layer (4 MiB) or of the cache (8 MiB).
-    assert stats.temp_size_in_bytes < kv_bytes(cache) / 4
+    assert stats.temp_size_in_bytes < kv_bytes(cache) / 2
     plain = jax.jit(step).lower(cache, q, k, v).compile().memory_analysis()
     assert plain.alias_size_in_bytes == 0
     assert plain.output_size_in_bytes >= kv_bytes(cache)  # a second copy of the cache

@@ -6,12 +6,16 @@ steps fed the same (teacher-forced) tokens. Every step's logits must match trans
 full-sequence logits at those positions within 1e-4 (float32).
 """
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from jaxkv.generate import generate
-from models.llama import Llama
+from models.llama import Llama, LlamaConfig
 from models.weights import load_safetensors_checkpoint
 from tests.parity import check_teacher_forced, save_tiny_hf_model
 
@@ -32,9 +36,11 @@ CONFIGS = {
     "mistral-window-8": transformers.MistralConfig(**SMALL, sliding_window=8),
     "qwen2-bias": transformers.Qwen2Config(**SMALL),
 }
-# "-unrolled": the model built with scan_layers=False (one weight buffer per layer).
-CACHE_KINDS = {"llama": ["static", "dynamic", "static-unrolled"], "llama3-rope-tied": ["static"]}
-CACHE_KINDS["qwen2-bias"] = ["static", "dynamic"]
+# "-unrolled": the model built with scan_layers=False (one weight buffer per layer);
+# "-out_in": weight_layout="out_in" (matrices stored [out, in], applied as x @ w.T).
+MODEL_OPTIONS = {"": {}, "unrolled": {"scan_layers": False}, "out_in": {"weight_layout": "out_in"}}
+CACHE_KINDS = {"llama": ["static", "dynamic", "static-unrolled"], "llama3-rope-tied": ["static", "static-out_in"]}
+CACHE_KINDS["qwen2-bias"] = ["static", "dynamic", "dynamic-out_in"]
 CACHE_KINDS["mistral-window-8"] = ["static", "dynamic", "dynamic-unrolled"]  # every layer slides
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
@@ -53,8 +59,8 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
     name, directory, sequences, expected, _ = checkpoint
     config, params = load_safetensors_checkpoint(directory)
     for variant in CACHE_KINDS[name]:
-        kind, _, loop = variant.partition("-")
-        model = Llama(config, params, scan_layers=loop != "unrolled")
+        kind, _, options = variant.partition("-")
+        model = Llama(config, params, **MODEL_OPTIONS[options])
         cache = model.init_cache(len(PROMPTS), max_length=64, full_attention=kind)
         check_teacher_forced(model, cache, sequences, PROMPTS, expected, DECODE_STEPS, f"{name} {variant}")
 
@@ -72,3 +78,34 @@ def test_greedy_generate_matches_transformers(checkpoint):
                 torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
             )[0, len(prompt) :].tolist()
         assert result.row(row) == want, name
+
+
+def test_out_in_layout_reads_scanned_weights_in_place_at_batch_one():
+    """A one-row, one-token step of the scanned model: with [in, out] matrices XLA's CPU
+    backend copies each layer's weight slice out of the stack (a temporary of at least
+    the largest matrix); with weight_layout="out_in" the slice feeds the matrix-vector
+    product in place. Both give the same logits."""
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    largest_matrix = 256 * 1024 * 4
+
+    def step(model):
+        cache = model.init_cache(1, max_length=32)
+        graphdef, state = nnx.split(model)
+
+        def call(state, cache, tokens):
+            return nnx.merge(graphdef, state)(tokens, cache.next_positions(1), cache)
+
+        tokens = jnp.asarray([[5]])
+        compiled = jax.jit(call, donate_argnums=1).lower(state, cache, tokens).compile()
+        logits, _ = compiled(state, cache, tokens)
+        return compiled.memory_analysis().temp_size_in_bytes, logits
+
+    copied, want = step(Llama(config))
+    in_place, got = step(Llama(config, weight_layout="out_in"))
+    assert copied >= largest_matrix > 4 * in_place, (copied, in_place)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="weight_layout must be"):
+        Llama(config, weight_layout="row_major")
