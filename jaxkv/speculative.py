@@ -211,7 +211,7 @@ class PromptLookup(Drafter):
 class SelfSpeculation(Drafter):
     """Draft with the target's first ``exit_layer`` layers plus its final norm and head.
 
-    The target must accept ``num_layers=`` (``models.llama.Llama`` does). Those layers'
+    The target must accept ``num_layers=`` (``models.llama.Llama`` and ``models.gemma3.Gemma3`` do). Those layers'
     K/V are exactly the target's, so the draft writes them into the target's cache;
     the verification pass rewrites the same positions, and the rollback undoes both.
     Drafts past what the round verifies are not stored, so the draft never writes a

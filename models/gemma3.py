@@ -186,10 +186,17 @@ class Gemma3(nnx.Module):
             **cache_kwargs,
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
-        (a prefill needs only each row's last prompt token), and the updated cache."""
+        (a prefill needs only each row's last prompt token), and the updated cache.
+
+        ``num_layers``: run only the first ``num_layers`` layers, then the final norm and
+        head (an early-exit draft for self-speculative decoding); later layers' cache
+        entries are left as they were."""
         config = self.config
+        depth = config.num_hidden_layers if num_layers is None else num_layers
+        if not 1 <= depth <= config.num_hidden_layers:
+            raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
         batch, length = tokens.shape
         eps = config.rms_norm_eps
         inv_freq = {kind: rope_frequencies(getattr(config.rope_parameters, kind), config.head_dim) for kind in (SLIDING, FULL)}
@@ -216,7 +223,7 @@ class Gemma3(nnx.Module):
         x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), embed.dtype)
 
         period = cache.period
-        repeats, remainder = divmod(config.num_hidden_layers, period)
+        repeats, remainder = divmod(depth, period)
         weights = {name: param[...] for name, param in self.layers.items()}
         # [L, ...] -> [repeats, period, ...]: scan step r runs layers r * period + g, g < period.
         scanned = {name: w[: repeats * period].reshape(repeats, period, *w.shape[1:]) for name, w in weights.items()}

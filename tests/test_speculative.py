@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -62,7 +63,7 @@ SETUPS = {
 DRAFTERS = {
     "prompt_lookup": lambda: PromptLookup(),
     "draft_model": lambda: DraftModel(Llama(LlamaConfig(**LLAMA | {"num_hidden_layers": 1}), seed=1)),
-    "self": lambda: SelfSpeculation(exit_layer=1),  # Llama only: it exits early
+    "self": lambda: SelfSpeculation(exit_layer=1),  # the target's first layer drafts
 }
 # Every cache type with prompt lookup; the model drafters (whose caches roll back too) and
 # draft counts k spread over them to keep the compiles few.
@@ -72,7 +73,7 @@ CASES = [
     ("llama-sliding", "prompt_lookup", 4), ("llama-sliding", "draft_model", 3),
     ("llama-chunked", "prompt_lookup", 2), ("llama-chunked", "self", 4),
     ("gemma3-static", "prompt_lookup", 4), ("gemma3-static", "draft_model", 2),
-    ("gemma3-dynamic", "prompt_lookup", 3),
+    ("gemma3-dynamic", "prompt_lookup", 3), ("gemma3-dynamic", "self", 3),
 ]  # fmt: skip
 
 
@@ -289,9 +290,16 @@ def test_sampled_generation_follows_the_target_distribution():
 
 
 def test_bad_requests_name_the_fix():
-    llama, gemma = Llama(LlamaConfig(**LLAMA)), Gemma3(Gemma3Config(**GEMMA))
+    llama = Llama(LlamaConfig(**LLAMA))
+
+    class NoEarlyExit(nnx.Module):  # a target that cannot run only its first layers
+        config = llama.config
+
+        def __call__(self, tokens, positions, cache):
+            return llama(tokens, positions, cache)
+
     with pytest.raises(TypeError, match="num_layers"):
-        generate_speculative(gemma, [[1, 2]], drafter=SelfSpeculation(1), max_new_tokens=4)
+        generate_speculative(NoEarlyExit(), [[1, 2]], drafter=SelfSpeculation(1), max_new_tokens=4)
     with pytest.raises(ValueError, match=r"exit_layer must be in \[1, 3\)"):
         generate_speculative(llama, [[1, 2]], drafter=SelfSpeculation(3), max_new_tokens=4)
     other_vocab = Llama(LlamaConfig(**LLAMA | {"vocab_size": VOCAB + 1}))
