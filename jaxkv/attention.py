@@ -62,14 +62,31 @@ def attention(
     scale = head_dim**-0.5 if scale is None else scale
     grouped = queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
 
+    # One query of one row (a batch-1 decode step): a matrix-vector product per query head,
+    # written ``q @ K.T`` with K ``[S, D]``, the form XLA's CPU backend fuses with the slice
+    # of the stacked cache; the batched einsum copies the block and transposes its keys.
+    one_query = batch * length == 1
+    group = num_heads // num_kv_heads
+
+    def per_head(fn, kv_block):  # fn(query head h, its K/V head [S, D]) -> [1, X], stacked as the einsum's output
+        rows = [fn(h, kv_block[0, h // group]) for h in range(num_heads)]
+        return jnp.stack(rows).reshape(1, num_kv_heads, group, 1, -1)
+
     def scores(k_block, positions_block):
-        logits = jnp.einsum("bhgtd,bhsd->bhgts", grouped, k_block, preferred_element_type=jnp.float32) * scale
+        if one_query:
+            logits = per_head(lambda h, k: jnp.matmul(queries[0, h], k.T, preferred_element_type=jnp.float32), k_block)
+            logits = logits * scale
+        else:
+            logits = jnp.einsum("bhgtd,bhsd->bhgts", grouped, k_block, preferred_element_type=jnp.float32) * scale
         if logit_softcap is not None:
             logits = logit_softcap * jnp.tanh(logits / logit_softcap)
         mask = attention_mask(q_positions, mask_info.replace(kv_positions=positions_block))
         return jnp.where(mask[:, None, None], logits, -jnp.inf)
 
     def weighted(weights, v_block):
+        if one_query:
+            flat = weights.reshape(num_heads, 1, -1)
+            return per_head(lambda h, v: jnp.matmul(flat[h].astype(v.dtype), v, preferred_element_type=jnp.float32), v_block)
         return jnp.einsum("bhgts,bhsd->bhgtd", weights.astype(v_block.dtype), v_block, preferred_element_type=jnp.float32)
 
     blocked = mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
