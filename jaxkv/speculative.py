@@ -410,10 +410,7 @@ def speculative_decode(
         written = running[:, None] & (offsets < num_verified[:, None])
         positions = jnp.where(written, start[:, None] + offsets, -1)
         logits, cache = target(tokens, positions, proposal.cache)
-        num_accepted, new = verify(
-            logits, proposal.drafts, proposal.logits, verify_key, sampling,
-            None if exact is None else num_verified - 1,
-        )  # fmt: skip
+        num_accepted, new = verify(logits, proposal.drafts, proposal.logits, verify_key, sampling, num_verified - 1)
 
         # Keep the accepted drafts and the target's token, cut at a stop token, at
         # max_new_tokens and at the capacity (a query past it missed its own key).
