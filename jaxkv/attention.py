@@ -26,10 +26,22 @@ def attention_mask(q_positions: jax.Array, mask_info: MaskInfo) -> jax.Array:
     return mask
 
 
-# Slots per block read. Each block costs a copy out of the stack and a batched dot (XLA
-# CPU); 512 measured fastest for a SmolLM2-shaped decode step at 288 of 512 slots and at
-# 4096 of 8192 (256 and 1024 were 10-35% slower), and caches under 1024 slots are read whole.
+# Slots per block read. Each block costs a copy out of the stack, a batched dot and a loop
+# iteration (about 10 us per layer on this CPU), so big blocks suit long caches and small
+# ones let a short cache skip its empty tail: the largest power of two <= 512 that still
+# splits the buffer into 4 blocks, at least 64 (measured on SmolLM2-shaped decode steps,
+# batch 1 and 8: capacity 512 read as 128-slot blocks costs 0.3-0.6x reading it whole at
+# 32-160 of 512 filled and the same when full; 512-slot blocks fastest at 4096 of 8192).
 ATTENTION_BLOCK = 512
+MIN_ATTENTION_BLOCK = 64
+
+
+def attention_block_size(num_slots: int) -> int:
+    """The block length ``attention`` reads a ``num_slots`` buffer in (see ATTENTION_BLOCK)."""
+    size = ATTENTION_BLOCK
+    while size > MIN_ATTENTION_BLOCK and num_slots < 4 * size:
+        size //= 2
+    return size
 
 
 def attention(
@@ -39,7 +51,7 @@ def attention(
     *,
     scale: float | None = None,
     logit_softcap: float | None = None,
-    block_size: int = ATTENTION_BLOCK,
+    block_size: int | None = None,
 ) -> jax.Array:
     """Softmax attention of ``queries`` ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over
     the K/V ``[B, H_kv, S, D]`` of the view a cache update returned.
@@ -53,6 +65,8 @@ def attention(
     the buffer spans several blocks, K/V are read block by block (``kv.read``) up to that
     count with an online softmax: cost follows the filled length, not the capacity, and
     neither the layer's whole buffer nor a ``[T, S]`` score matrix over it is built.
+    ``block_size`` defaults to ``attention_block_size(S)``; a buffer shorter than two
+    blocks, or not a multiple of one, is read whole.
     """
     mask_info = kv.mask_info
     batch, num_heads, length, head_dim = queries.shape
@@ -89,6 +103,7 @@ def attention(
             return per_head(lambda h, v: jnp.matmul(flat[h].astype(v.dtype), v, preferred_element_type=jnp.float32), v_block)
         return jnp.einsum("bhgts,bhsd->bhgtd", weights.astype(v_block.dtype), v_block, preferred_element_type=jnp.float32)
 
+    block_size = attention_block_size(num_slots) if block_size is None else block_size
     blocked = mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
     if not blocked:
         logits = scores(kv.keys, mask_info.kv_positions)

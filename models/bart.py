@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
 from jaxkv.encoder_decoder import EncoderDecoderCache, bidirectional_view
-from models.params import checked_params
+from models.params import checked_params, output_logits
 
 # BART's learned position table starts 2 rows in (rows 0 and 1 are a fairseq leftover).
 POSITION_OFFSET = 2
@@ -321,5 +321,5 @@ class Bart(nnx.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         outer = {name: p[...] for name, p in self.embeddings.items()}
-        logits = jnp.einsum("btd,vd->btv", x, outer["embed"], preferred_element_type=jnp.float32)
+        logits = output_logits(x, outer["embed"])
         return logits + outer["logits_bias"].astype(jnp.float32), cache

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
 from models.llama import apply_rope
-from models.params import checked_params
+from models.params import checked_params, output_logits
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -242,8 +242,7 @@ class Gemma3(nnx.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         x = gemma_rms_norm(x, self.norm[...], eps)
-        head = embed.T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        logits = output_logits(x, embed, None if self.lm_head is None else self.lm_head[...])
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping
             logits = cap * jnp.tanh(logits / cap)

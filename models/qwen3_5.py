@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 from jaxkv import Cache, attention
 from models.gemma3 import gemma_rms_norm
 from models.llama import apply_rope, rms_norm
-from models.params import checked_params
+from models.params import checked_params, output_logits
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -274,6 +274,5 @@ class Qwen3_5(nnx.Module):
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         x = gemma_rms_norm(x, self.norm[...], eps)
-        head = embed.T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        logits = output_logits(x, embed, None if self.lm_head is None else self.lm_head[...])
         return logits, cache

@@ -547,3 +547,37 @@ def test_one_query_path_equals_the_batched_one(num_slots, block_size, window):
         np.testing.assert_allclose(out[0, h], want, atol=1e-5)
     padding = attend_blocked(q, KVView.of(k, v, info), pos([[-1]]), block_size=block_size)
     np.testing.assert_array_equal(padding, np.zeros(padding.shape))
+
+
+def test_default_blocks_follow_the_capacity():
+    """Short buffers are read in small blocks (a decode step skips the empty tail), long
+    ones in 512-slot blocks; a buffer shorter than two blocks is read whole."""
+    from jaxkv.attention import attention_block_size
+
+    assert [attention_block_size(n) for n in (12, 128, 256, 512, 1024, 2048, 8192, 32768)] == [
+        64, 64, 64, 128, 256, 512, 512, 512,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_default_blocked_read_equals_the_whole_read(batch):
+    """A 512-slot buffer, ragged rows filled to 37 and 200 slots: the default (128-slot
+    blocks up to the filled count) equals one whole read and the float64 reference."""
+    rng = np.random.default_rng(22)
+    num_slots, filled = 512, np.array([200, 37, 129][:batch])
+    q = jnp.asarray(rng.normal(size=(batch, 6, 1, 8)) * 2, jnp.float32)
+    k = jnp.asarray(rng.normal(size=(batch, 2, num_slots, 8)) * 2, jnp.float32)
+    v = jnp.asarray(rng.normal(size=(batch, 2, num_slots, 8)), jnp.float32)
+    slots = np.arange(num_slots)[None]
+    kv_positions = jnp.asarray(np.where(slots < filled[:, None], slots, -1), jnp.int32)
+    info = MaskInfo(kv_positions, slots_used=jnp.int32(filled.max()))
+    qp = pos((filled - 1)[:, None].tolist())
+    attend_blocked = jax.jit(attention, static_argnames=("block_size",))
+    blocked = attend_blocked(q, KVView.of(k, v, info), qp)
+    whole = attend_blocked(q, KVView.of(k, v, info), qp, block_size=num_slots)
+    np.testing.assert_allclose(blocked, whole, atol=1e-6)
+    mask = np.asarray(mask_of(qp, info))
+    for b in range(batch):
+        for h in range(6):
+            want = np_attention(q[b, h], k[b, h // 3], v[b, h // 3], mask[b], 8**-0.5)
+            np.testing.assert_allclose(blocked[b, h], want, atol=1e-5)
