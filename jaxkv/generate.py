@@ -12,6 +12,7 @@ at ``max_new_tokens``, or when its cache is full (finish reason ``CAPACITY``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -182,21 +183,29 @@ def decode(graphdef, state, cache, first_token, key, stop_tokens, *, sampling, m
     return out, reason, cache
 
 
-_COMPILED: dict = {}
+# Executables by function and argument shapes, least recently used first. Bounded: a
+# long-lived process (a server, a test worker) seeing many shapes would otherwise keep
+# every executable it ever compiled.
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+MAX_COMPILED = 16
 
 
 def compiled(fn, static: dict, *args):
     """``fn`` lowered and compiled for these argument shapes, reused across calls.
 
     Returns the executable and the seconds spent compiling now (0 when reused). Prompt
-    lengths are bucketed, so a new prompt of a seen bucket compiles nothing.
+    lengths are bucketed, so a new prompt of a seen bucket compiles nothing. The
+    ``MAX_COMPILED`` most recently used executables are kept.
     """
     leaves, treedef = jax.tree.flatten(args)
     key = (fn, treedef, tuple((x.shape, x.dtype) for x in leaves), tuple(sorted(static.items())))
     if key in _COMPILED:
+        _COMPILED.move_to_end(key)
         return _COMPILED[key], 0.0
     start = time.perf_counter()
     _COMPILED[key] = fn.lower(*args, **static).compile()
+    if len(_COMPILED) > MAX_COMPILED:
+        _COMPILED.popitem(last=False)
     return _COMPILED[key], time.perf_counter() - start
 
 

@@ -1,5 +1,7 @@
 """``jaxkv generate`` end to end, and each kind of bad input giving a clear error."""
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,18 @@ def test_prompt_lengths_share_compiled_code_within_a_bucket():
     assert again.compile_seconds == 0
     other_bucket = generate(model, [list(range(1, 20))], max_new_tokens=6)
     assert other_bucket.compile_seconds > 0
+
+
+def test_compiled_executables_are_reused_and_bounded(monkeypatch):
+    """``generate``'s executable cache: a seen shape compiles nothing, and only the most
+    recently used ``MAX_COMPILED`` executables stay alive."""
+    generate_module = importlib.import_module("jaxkv.generate")
+
+    monkeypatch.setattr(generate_module, "_COMPILED", generate_module.collections.OrderedDict())
+    monkeypatch.setattr(generate_module, "MAX_COMPILED", 2)
+    double = jax.jit(lambda x: 2 * x)
+    seconds = [generate_module.compiled(double, {}, jnp.zeros(n))[1] for n in (1, 2, 1, 3)]
+    assert seconds[0] > 0 and seconds[1] > 0 and seconds[2] == 0 and seconds[3] > 0
+    assert [key[2][0][0] for key in generate_module._COMPILED] == [(1,), (3,)]  # (2,) was least recent
+    executable, again = generate_module.compiled(double, {}, jnp.zeros(2))
+    assert again > 0 and float(executable(jnp.ones(2))[1]) == 2.0
