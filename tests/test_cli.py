@@ -2,15 +2,14 @@
 
 import importlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxkv.cli import main
 from jaxkv.generate import Sampling, generate, sample
 from models.llama import Llama, LlamaConfig
-
-import jax
-import jax.numpy as jnp
 
 TINY = LlamaConfig(
     vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
