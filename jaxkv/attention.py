@@ -74,13 +74,13 @@ def attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"attention: {num_heads} query heads is not a multiple of {num_kv_heads} K/V heads")
     scale = head_dim**-0.5 if scale is None else scale
-    grouped = queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
+    group = num_heads // num_kv_heads  # query heads per K/V head
+    grouped = queries.reshape(batch, num_kv_heads, group, length, head_dim)
 
     # One query of one row (a batch-1 decode step): a matrix-vector product per query head,
     # written ``q @ K.T`` with K ``[S, D]``, the form XLA's CPU backend fuses with the slice
     # of the stacked cache; the batched einsum copies the block and transposes its keys.
     one_query = batch * length == 1
-    group = num_heads // num_kv_heads
 
     def per_head(fn, kv_block):  # fn(query head h, its K/V head [S, D]) -> [1, X], stacked as the einsum's output
         rows = [fn(h, kv_block[0, h // group]) for h in range(num_heads)]
@@ -126,7 +126,7 @@ def attention(
             total = total * rescale + jnp.sum(weights, axis=-1, keepdims=True)
             return new_peak, total, acc * rescale + weighted(weights, v_block)
 
-        shape = (batch, num_kv_heads, num_heads // num_kv_heads, length)
+        shape = (batch, num_kv_heads, group, length)
         init = (
             jnp.full((*shape, 1), -jnp.inf, jnp.float32),
             jnp.zeros((*shape, 1), jnp.float32),

@@ -38,5 +38,6 @@ def output_logits(x: jax.Array, embed: jax.Array, lm_head: jax.Array | None = No
     if lm_head is not None:
         return jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
     batch, length, dim = x.shape
-    logits = jax.lax.dot_general(embed, x.reshape(batch * length, dim), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    rows = x.reshape(batch * length, dim)
+    logits = jax.lax.dot_general(embed, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return logits.T.reshape(batch, length, -1)

@@ -13,11 +13,11 @@ configurations use the same model file, the same prompt (a fixed English text to
 the model's tokenizer, cut or repeated to ``--prompt-tokens``, the same for every row) and
 generate exactly ``--new-tokens`` tokens per row, greedily, with no stop token.
 
-What is measured, per configuration:
-
 Both systems get a warm-up: jaxkv calls ``generate`` twice in its process, the first call
 (cold: it compiles) gives compile s and TTFT, the second the rates; transformers runs a
 2-token ``generate`` first.
+
+What is measured, per configuration:
 
 * prefill tok/s = prompt tokens x batch / prefill seconds. jaxkv: ``Generation.prefill_seconds``
   (the compiled prefill call). transformers: from the ``generate`` call's start to the first
@@ -27,10 +27,11 @@ Both systems get a warm-up: jaxkv calls ``generate`` twice in its process, the f
   call to the end of ``generate``.
 * compile s: jaxkv ``Generation.compile_seconds`` (prefill and decode); transformers 0
   (``generate`` compiles nothing on CPU).
-* TTFT s (time to first token, cold): jaxkv compile + prefill of the first call (an over-estimate: it includes the
-  decode loop's compile, which in fact happens after the first token). transformers: the first
-  ``generate`` call in the fresh process (a 2-token warm-up), from its start to its first
-  logits-processor call; the measured run comes after that warm-up.
+* TTFT s (time to first token, cold): jaxkv compile + prefill of the first call (an
+  over-estimate: it includes the decode loop's compile, which in fact happens after the
+  first token). transformers: the first ``generate`` call in the fresh process (a 2-token
+  warm-up), from its start to its first logits-processor call; the measured run comes
+  after that warm-up.
 * peak RSS MiB: ``ru_maxrss`` of the worker process (model loading included).
 * cache MiB: jaxkv ``Generation.cache_bytes``; transformers the K/V tensors of the returned cache.
 
@@ -176,6 +177,7 @@ def worker_jaxkv(spec: dict) -> dict:
     batch, new = spec["batch"], spec["new_tokens"]
     prompt = spec.get("prompt") or random_ids(config.vocab_size, spec["prompt_tokens"])
     capacity = spec.get("max_length") or bucket(bucket(len(prompt)) + new)  # what generate picks when None
+
     def run():
         return generate(
             model,
