@@ -2,15 +2,15 @@
 
 from jaxkv.attention import attention, attention_mask
 from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, layer_types_of
-from jaxkv.dynamic import DynamicLayer
+from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.encoder_decoder import EncoderDecoderCache
-from jaxkv.linear import HybridLayer, LinearAttentionLayer
+from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.memory import cache_bytes, layer_bytes
 from jaxkv.persist import load_cache, save_cache
 from jaxkv.protocol import CacheLayer, KVView, MaskInfo
-from jaxkv.quantized import QuantizedLayer, QuantSpec
-from jaxkv.static import StaticLayer
-from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
+from jaxkv.layers.static import StaticLayer
+from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 
 __all__ = [
     "LAYER_TYPES",

@@ -19,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.dynamic import DynamicLayer, bucket
-from jaxkv.linear import HybridLayer, LinearAttentionLayer, limit_rollback
+from jaxkv.layers.dynamic import DynamicLayer
+from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, limit_rollback
 from jaxkv.protocol import CacheLayer, KVView, check_rollback, entry, is_traced
-from jaxkv.quantized import QuantizedLayer, QuantSpec
-from jaxkv.static import StaticLayer
-from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
+from jaxkv.layers.static import StaticLayer
+from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.sizing import bucket, human_bytes
 
 FULL_ATTENTION_KINDS = ("static", "dynamic")
 
@@ -46,7 +47,7 @@ class LayerSpec:
     conv_width: int | None = None
     conv_channels: int | None = None
     state_shapes: tuple[tuple[int, ...], ...] = ()
-    # Store full and sliding attention K/V quantized (jaxkv.quantized); None: the cache dtype.
+    # Store full and sliding attention K/V quantized (jaxkv.layers.quantized); None: the cache dtype.
     quantization: QuantSpec | None = None
 
 
@@ -333,7 +334,7 @@ class Cache:
     def update_state(self, layer_idx, conv_inputs, positions, conv_fn, step_fn) -> tuple[Cache, Any]:
         """Feed a linear-attention (or hybrid) layer's conv inputs ``[B, T, C]`` at
         ``positions`` ``[B, T]``; return the cache and the layer's outputs. ``layer_idx``:
-        see ``locate``; ``conv_fn``/``step_fn``: see ``jaxkv.linear``."""
+        see ``locate``; ``conv_fn``/``step_fn``: see ``jaxkv.layers.linear``."""
         group, index = self.locate(layer_idx)
         stack, outputs = self.groups[group].update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
         return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :]), outputs
@@ -463,7 +464,7 @@ class Cache:
         lengths = "traced" if is_traced(self.lengths) else np.asarray(self.lengths).tolist()
         rows = [
             f"Cache(batch={self.batch_size}, layers={len(self.layer_types)}, lengths={lengths}, "
-            f"{_human(self.nbytes)})"
+            f"{human_bytes(self.nbytes)})"
         ]
         for i, kind in enumerate(self.layer_types):
             group = self.groups[i % self.period]
@@ -472,7 +473,7 @@ class Cache:
             per_layer = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
             rows.append(
                 f"  {i:>3} {kind:<18} {type(layer).__name__:<19} {_layer_detail(layer):<14} "
-                f"{str(list(leaf.shape)):<18} {str(leaf.dtype):<9} {_human(per_layer):>10}"
+                f"{str(list(leaf.shape)):<18} {str(leaf.dtype):<9} {human_bytes(per_layer):>10}"
             )
         return "\n".join(rows)
 
@@ -483,12 +484,3 @@ def _layer_detail(layer) -> str:
         parts.append(f"R={layer.rollback_slots}")
     return " ".join(parts) or "-"
 
-
-def _human(num_bytes: float) -> str:
-    if num_bytes < 1024:
-        return f"{num_bytes:.0f} B"
-    for unit in ("KiB", "MiB"):
-        num_bytes /= 1024
-        if num_bytes < 1024:
-            return f"{num_bytes:.1f} {unit}"
-    return f"{num_bytes / 1024:.2f} GiB"

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.cache import Cache, _human
+from jaxkv.cache import Cache
 from jaxkv.protocol import KVView, MaskInfo, is_traced
+from jaxkv.sizing import human_bytes
 
 
 def bidirectional_view(key_stack: jax.Array, value_stack: jax.Array, index, positions: jax.Array) -> KVView:
@@ -213,6 +214,6 @@ class EncoderDecoderCache:
         num_layers, _, heads, slots, dim = self.cross_keys.shape
         cross = (
             f"cross-attention: {num_layers} layers [B, {heads}, {slots}, {dim}] {self.cross_keys.dtype}, "
-            f"encoder lengths={encoder}, {_human(cross_bytes)}"
+            f"encoder lengths={encoder}, {human_bytes(cross_bytes)}"
         )
         return f"EncoderDecoderCache(\n{self.self_attention!r}\n{cross})"

@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.cache import Cache, layer_types_of
-from jaxkv.dynamic import DynamicLayer, bucket
+from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.encoder_decoder import EncoderDecoderCache
-from jaxkv.linear import LinearAttentionLayer
-from jaxkv.quantized import QuantizedLayer, QuantSpec
-from jaxkv.static import StaticLayer
-from jaxkv.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.layers.linear import LinearAttentionLayer
+from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
+from jaxkv.layers.static import StaticLayer
+from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.sizing import bucket
 
 # (layer type, full-attention kind) -> the class that stores it, for formulas and tables.
 LAYER_CLASSES = {

@@ -263,3 +263,26 @@ def clamp_rollback(layer, num_tokens) -> jax.Array:
     n = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32), layer.lengths.shape)
     n = jnp.clip(n, 0, layer.lengths)
     return n if layer.max_rollback is None else jnp.minimum(n, layer.max_rollback)
+
+
+def check_capacity(layer, positions, capacity: int) -> None:
+    """Trace-time (T > capacity) and eager (row length > capacity) overflow errors."""
+    name = type(layer).__name__
+    if positions.shape[1] > capacity:
+        raise ValueError(
+            f"{name}.update: {positions.shape[1]} new tokens cannot fit in a capacity of {capacity}; "
+            f"build the cache with max_length >= the longest sequence"
+        )
+    if not is_traced(positions):
+        needed = int(np.max(np.asarray(positions), initial=-1)) + 1
+        if needed > capacity:
+            raise ValueError(
+                f"{name}.update: a row would reach {needed} tokens but the capacity is {capacity}; "
+                f"build the cache with max_length >= {needed}"
+            )
+
+
+def visible_positions(slot_positions: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Slot positions ``[B, N]`` with empty or rolled-back slots set to -1."""
+    live = (slot_positions >= 0) & (slot_positions < lengths[:, None])
+    return jnp.where(live, slot_positions, -1)

@@ -1,4 +1,4 @@
-"""BART (encoder-decoder) in one readable file, built like ``models.llama``.
+"""BART (encoder-decoder) in one readable file, built like ``jaxkv.models.llama``.
 
 Why BART rather than T5: BART's attention is plain scaled dot-product attention with
 learned absolute position embeddings, so its encoder self-attention, decoder
@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
 from jaxkv.encoder_decoder import EncoderDecoderCache, bidirectional_view
-from models.params import checked_params, output_logits
+from jaxkv.models.params import checked_params, output_logits
 
 # BART's learned position table starts 2 rows in (rows 0 and 1 are a fairseq leftover).
 POSITION_OFFSET = 2
@@ -83,11 +83,11 @@ class BartConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         if data.get("model_type", "bart") != "bart":
-            raise ValueError(f"models.bart reads BART configs, got model_type {data['model_type']!r}")
+            raise ValueError(f"jaxkv.models.bart reads BART configs, got model_type {data['model_type']!r}")
         if not data.get("tie_word_embeddings", True):
             raise ValueError(
                 "tie_word_embeddings=False (separate encoder, decoder and output embeddings) is not supported by "
-                "models.bart; released BART checkpoints tie them"
+                "jaxkv.models.bart; released BART checkpoints tie them"
             )
         activation = data.get("activation_function", "gelu")
         if activation not in ACTIVATIONS:

@@ -1,4 +1,4 @@
-"""Gemma 3 text decoder (e.g. Gemma 3 270M) in one readable file, built like ``models.llama``.
+"""Gemma 3 text decoder (e.g. Gemma 3 270M) in one readable file, built like ``jaxkv.models.llama``.
 
 Follow one token: ``embed * sqrt(hidden)`` -> for each layer: RMSNorm -> q/k/v projections
 -> per-head q/k RMSNorm -> RoPE (local base on sliding layers, global base on full ones) ->
@@ -30,8 +30,8 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
-from models.llama import apply_rope
-from models.params import checked_params, output_logits
+from jaxkv.models.llama import apply_rope
+from jaxkv.models.params import checked_params, output_logits
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -108,14 +108,14 @@ class Gemma3Config(BaseModel):
             raise ValueError(f"{len(data['layer_types'])} layer_types for {data['num_hidden_layers']} layers")
         activation = data.get("hidden_activation") or data.get("hidden_act") or "gelu_pytorch_tanh"
         if activation != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_activation {activation!r} is not supported by models.gemma3 (gelu tanh only)")
+            raise ValueError(f"hidden_activation {activation!r} is not supported by jaxkv.models.gemma3 (gelu tanh only)")
         if data.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported by models.gemma3")
+            raise ValueError("attention_bias=True is not supported by jaxkv.models.gemma3")
         if data.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention=True is not supported by models.gemma3 (causal only)")
+            raise ValueError("use_bidirectional_attention=True is not supported by jaxkv.models.gemma3 (causal only)")
         return data
 
-    # Names models.llama's config uses, so shared code (cache building, generate) reads both.
+    # Names jaxkv.models.llama's config uses, so shared code (cache building, generate) reads both.
     @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads

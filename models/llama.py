@@ -22,7 +22,7 @@ from flax import nnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
-from models.params import checked_params, output_logits
+from jaxkv.models.params import checked_params, output_logits
 
 
 class RopeScaling(BaseModel):
@@ -75,9 +75,9 @@ class LlamaConfig(BaseModel):
         if data.get("model_type") == "qwen2":
             data.setdefault("attention_bias", True)
         if data.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported by models.llama")
+            raise ValueError("mlp_bias=True is not supported by jaxkv.models.llama")
         if data.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported by models.llama (silu only)")
+            raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported by jaxkv.models.llama (silu only)")
         return data
 
     @property
@@ -159,7 +159,7 @@ class Llama(nnx.Module):
         weight_layout: str = "in_out",
     ):  # fmt: skip
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
-        leading layer axis, ``x @ w`` layout), e.g. from ``models.weights``; random if None.
+        leading layer axis, ``x @ w`` layout), e.g. from ``jaxkv.models.weights``; random if None.
 
         ``scan_layers``: run the layers in one ``lax.scan`` over the stacked weights, so
         compile time does not grow with depth. On CPU each scan step copies its layer's

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from models.defaults import resolve_model
-from models.gemma3 import Gemma3, Gemma3Config
-from models.llama import Llama
-from models.qwen3_5 import Qwen3_5, Qwen3_5Config
-from models.tokenizer import Tokenizer
-from models.weights import load_gguf, load_safetensors_checkpoint, open_gguf
+from jaxkv.models.defaults import resolve_model
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama
+from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+from jaxkv.models.tokenizer import Tokenizer
+from jaxkv.models.weights import load_gguf, load_safetensors_checkpoint, open_gguf
 
 
 def load_pretrained(

@@ -26,7 +26,7 @@ token in float32 (the cache's scan), which is the reference's decode form; its c
 prefill form is a faster evaluation of the same recurrence.
 
 Weights: the layers of the repeating pattern run in one ``lax.scan`` over its repeats
-(as in ``models.gemma3``); MLP and norm weights are stacked over all layers, mixer weights
+(as in ``jaxkv.models.gemma3``); MLP and norm weights are stacked over all layers, mixer weights
 over the layers of their kind.
 """
 
@@ -38,9 +38,9 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
 from jaxkv import Cache, attention
-from models.gemma3 import gemma_rms_norm
-from models.llama import apply_rope, rms_norm
-from models.params import checked_params, output_logits
+from jaxkv.models.gemma3 import gemma_rms_norm
+from jaxkv.models.llama import apply_rope, rms_norm
+from jaxkv.models.params import checked_params, output_logits
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -79,14 +79,14 @@ class Qwen3_5Config(BaseModel):
         data = dict(data)
         rope = data.pop("rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported by models.qwen3_5 (default only)")
+            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported by jaxkv.models.qwen3_5 (default only)")
         data.setdefault("rope_theta", rope.get("rope_theta", 10_000.0))
         data.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
         for flag in ("attention_bias",):
             if data.get(flag):
-                raise ValueError(f"{flag}=True is not supported by models.qwen3_5")
+                raise ValueError(f"{flag}=True is not supported by jaxkv.models.qwen3_5")
         if data.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported by models.qwen3_5 (silu only)")
+            raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported by jaxkv.models.qwen3_5 (silu only)")
         unknown = set(data.get("layer_types") or ()) - {LINEAR, FULL}
         if unknown:
             raise ValueError(f"layer_types {sorted(unknown)} are not Qwen3.5's ({LINEAR!r}, {FULL!r})")
@@ -168,7 +168,7 @@ class Qwen3_5(nnx.Module):
 
     def __init__(self, config: Qwen3_5Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
         """``params``: arrays named as ``param_shapes`` gives (``x @ w`` layout, ``1 + w``
-        norms except the gated norm, which multiplies by w), e.g. from ``models.weights``;
+        norms except the gated norm, which multiplies by w), e.g. from ``jaxkv.models.weights``;
         random if None."""
         self.config = config
         random = params is None

@@ -24,7 +24,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
-from models.weights import gguf_value, open_gguf
+from jaxkv.models.weights import gguf_value, open_gguf
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4

@@ -12,13 +12,14 @@ from typing import Annotated
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from pydantic import Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from jaxkv import Cache, KVView, MaskInfo, attention
-from jaxkv.config import Strict
 
 
-class ToyConfig(Strict):
+class ToyConfig(BaseModel):
+    # Strict like the app's configs (scripts/demo.py reads it from YAML): typos and wrong types are errors.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     vocab_size: PositiveInt = 97
     hidden_size: PositiveInt = 32
     num_attention_heads: PositiveInt = 4

@@ -1,4 +1,4 @@
-"""Load real checkpoints into ``models.llama`` or ``models.gemma3`` parameters.
+"""Load real checkpoints into ``jaxkv.models.llama`` or ``jaxkv.models.gemma3`` parameters.
 
 Two sources, one parameter layout per model (its module's ``param_shapes``):
 
@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import gemma3, llama, qwen3_5
-from models.gemma3 import Gemma3Config
-from models.llama import LlamaConfig
-from models.qwen3_5 import Qwen3_5Config
+from jaxkv.models import gemma3, llama, qwen3_5
+from jaxkv.models.gemma3 import Gemma3Config
+from jaxkv.models.llama import LlamaConfig
+from jaxkv.models.qwen3_5 import Qwen3_5Config
 
 ModelConfig = LlamaConfig | Gemma3Config | Qwen3_5Config
 
@@ -113,7 +113,7 @@ GGUF_GEMMA3_NAMES = {
 }
 
 # Our name -> transformers tensor name for Qwen3.5 text (Qwen3_5ForCausalLM); mixer weights
-# exist only on the layers of their kind (see models.qwen3_5.param_layers).
+# exist only on the layers of their kind (see jaxkv.models.qwen3_5.param_layers).
 QWEN3_5_HF_NAMES = {
     "embed": "model.embed_tokens.weight",
     "norm": "model.norm.weight",
@@ -315,7 +315,7 @@ def load_safetensors_checkpoint(
     Gemma 3 text).
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
-    (``models.llama`` or ``models.gemma3``), cast to ``dtype``.
+    (``jaxkv.models.llama`` or ``jaxkv.models.gemma3``), cast to ``dtype``.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -395,7 +395,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
     llama.cpp's converter reorders each head's rows from half-split RoPE order (dims
     ``0..D/2-1`` pair with ``D/2..D-1``) to interleaved order (dim ``2j`` pairs with ``2j+1``),
-    because ggml rotates adjacent pairs. ``models.llama`` rotates halves like transformers, so
+    because ggml rotates adjacent pairs. ``jaxkv.models.llama`` rotates halves like transformers, so
     each head's rows, seen as ``[D/2, 2]`` pairs, are transposed back to ``[2, D/2]``.
     """
     rows = w.shape[0]
@@ -497,7 +497,7 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32, reader=None) -> tuple[
     """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
-    (``models.llama`` for "llama" files, ``models.gemma3`` for "gemma3"). ``reader``: the
+    (``jaxkv.models.llama`` for "llama" files, ``jaxkv.models.gemma3`` for "gemma3"). ``reader``: the
     file's ``open_gguf`` reader if the caller has one (parsing a large vocabulary's
     metadata takes seconds; the tokenizer reads the same file).
     """

@@ -117,7 +117,7 @@ def peak_rss_mib() -> float:
 
 
 def bucket(n: int) -> int:
-    from jaxkv.dynamic import bucket as jaxkv_bucket
+    from jaxkv.sizing import bucket as jaxkv_bucket
 
     return jaxkv_bucket(n)
 
@@ -127,8 +127,8 @@ def prompt_ids(model: str, num_tokens: int) -> list[int]:
     if model == TINY:
         ids = [(7 * i + 3) % TINY_CONFIG["vocab_size"] for i in range(64)]
     else:
-        from models.defaults import resolve_model
-        from models.tokenizer import Tokenizer
+        from jaxkv.models.defaults import resolve_model
+        from jaxkv.models.tokenizer import Tokenizer
 
         path = resolve_model(model)
         if path.suffix == ".gguf":
@@ -154,10 +154,10 @@ def _jaxkv_model(spec):
     import jax.numpy as jnp
 
     if spec["model"] == TINY:
-        from models.llama import Llama, LlamaConfig
+        from jaxkv.models.llama import Llama, LlamaConfig
 
         return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])
-    from models.load import load_pretrained
+    from jaxkv.models.load import load_pretrained
 
     return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])[0]  # Llama options
 
@@ -168,7 +168,7 @@ def worker_jaxkv(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from jaxkv.generate import Sampling, generate
+    from jaxkv.decoding.generate import Sampling, generate
 
     start = time.perf_counter()
     model = _jaxkv_model(spec)
@@ -220,7 +220,7 @@ def _hf_model(spec):
     if spec["model"] == TINY:
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_CONFIG)).to(dtype).eval()
-    from models.defaults import resolve_model
+    from jaxkv.models.defaults import resolve_model
 
     path = resolve_model(spec["model"])
     if path.suffix == ".gguf":

@@ -37,8 +37,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv.generate import Sampling, compiled, generate, prefill, prefill_prefix, prefill_shared
-from models.load import load_pretrained
+from jaxkv.decoding.generate import Sampling, compiled, generate, prefill, prefill_prefix, prefill_shared
+from jaxkv.models.load import load_pretrained
 
 TARGET_SPEEDUP = 5.0
 SYSTEM = (

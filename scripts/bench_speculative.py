@@ -5,7 +5,7 @@ over plain greedy decoding, on SmolLM2-135M-Instruct (float32, batch 1, this CPU
     python scripts/bench_speculative.py                          # the two cases below, 256 new tokens
     python scripts/bench_speculative.py --new-tokens 24 --repeats 1 --exit-layers 4   # a smoke run
 
-Cases, each against plain ``jaxkv.generate.generate`` on the same chat prompt:
+Cases, each against plain ``jaxkv.decoding.generate.generate`` on the same chat prompt:
 
 * prompt lookup on a copy-heavy prompt (correct the spelling of a given paragraph: most of
   the answer copies the prompt), ``--lookup-drafts`` k values;
@@ -62,9 +62,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "speculative.json")
     args = parser.parse_args(argv)
 
-    from jaxkv.generate import generate
-    from jaxkv.speculative import PromptLookup, SelfSpeculation, generate_speculative
-    from models.load import load_pretrained
+    from jaxkv.decoding.generate import generate
+    from jaxkv.decoding.speculative import PromptLookup, SelfSpeculation, generate_speculative
+    from jaxkv.models.load import load_pretrained
 
     model, tokenizer = load_pretrained(args.model, scan_layers=args.scan_layers)
     stop = tokenizer.eos_token_ids

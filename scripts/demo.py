@@ -19,10 +19,10 @@ from flax import nnx
 from pydantic import PositiveInt
 
 from jaxkv import Cache
-from jaxkv.config import CacheConfig, Strict, load_config
+from jaxkv.app.config import CacheConfig, Strict, load_config
 from jaxkv.memory import formula_table, model_table
-from models.architectures import DEFAULT_MODELS
-from models.toy import ToyConfig, ToyDecoder
+from jaxkv.models.architectures import DEFAULT_MODELS
+from jaxkv.models.toy import ToyConfig, ToyDecoder
 
 
 class DemoConfig(Strict):

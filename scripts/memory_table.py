@@ -6,7 +6,7 @@
 import jax.numpy as jnp
 
 from jaxkv.memory import formula_table, model_table
-from models.architectures import DEFAULT_MODELS
+from jaxkv.models.architectures import DEFAULT_MODELS
 
 def main():
     print(formula_table())

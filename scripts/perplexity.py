@@ -14,7 +14,7 @@ How perplexity goes through the cache: each window is fed in chunks of ``chunk``
 each chunk a cache update followed by attention over what the cache returns, so every
 prediction reads the quantized K/V of the tokens before its chunk. With ``chunk`` equal
 to the residual length (128), a query sees exactly the keys decoding token by token
-would (jaxkv.quantized: blocks flush when the next token arrives), at the cost of a
+would (jaxkv.layers.quantized: blocks flush when the next token arrives), at the cost of a
 prefill.
 
 Decode tok/s: ``decode_tokens`` greedy single-token steps (one jitted step each) after
@@ -48,7 +48,7 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, PositiveInt
 
-from jaxkv.config import QuantizationConfig, Strict, load_config
+from jaxkv.app.config import QuantizationConfig, Strict, load_config
 
 CORPUS = ("gensim", "test/test_data/lee_background.cor")
 
@@ -133,10 +133,10 @@ def first_divergence(a, b) -> int | None:
 
 
 def run(config: PerplexityConfig) -> dict:
-    from jaxkv.cli import GenerateConfig
-    from jaxkv.generate import generate
+    from jaxkv.app.cli import GenerateConfig
+    from jaxkv.decoding.generate import generate
     from jaxkv.memory import cache_bytes
-    from models.load import load_pretrained
+    from jaxkv.models.load import load_pretrained
 
     text = corpus_text()
     rows, greedy = [], []

@@ -17,14 +17,14 @@ import pytest
 import torch
 import transformers
 
-from jaxkv.beam import BeamSettings, beam_search
-from jaxkv.cli import GenerateConfig, main
-from jaxkv.config import load_config
-from jaxkv.dynamic import bucket
-from models.defaults import resolve_model
-from models.llama import Llama
-from models.load import load_pretrained
-from models.weights import load_safetensors_checkpoint
+from jaxkv.decoding.beam import BeamSettings, beam_search
+from jaxkv.app.cli import GenerateConfig, main
+from jaxkv.app.config import load_config
+from jaxkv.sizing import bucket
+from jaxkv.models.defaults import resolve_model
+from jaxkv.models.llama import Llama
+from jaxkv.models.load import load_pretrained
+from jaxkv.models.weights import load_safetensors_checkpoint
 
 SMALL = {
     "vocab_size": 61, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

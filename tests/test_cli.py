@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.cli import main
-from jaxkv.generate import Sampling, generate, sample
-from models.llama import Llama, LlamaConfig
+from jaxkv.app.cli import main
+from jaxkv.decoding.generate import Sampling, generate, sample
+from jaxkv.models.llama import Llama, LlamaConfig
 
 TINY = LlamaConfig(
     vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -111,7 +111,7 @@ def test_prompt_lengths_share_compiled_code_within_a_bucket():
 def test_compiled_executables_are_reused_and_bounded(monkeypatch):
     """``generate``'s executable cache: a seen shape compiles nothing, and only the most
     recently used ``MAX_COMPILED`` executables stay alive."""
-    generate_module = importlib.import_module("jaxkv.generate")
+    generate_module = importlib.import_module("jaxkv.decoding.generate")
 
     monkeypatch.setattr(generate_module, "_COMPILED", generate_module.collections.OrderedDict())
     monkeypatch.setattr(generate_module, "MAX_COMPILED", 2)

@@ -1,4 +1,4 @@
-"""EncoderDecoderCache, and BART (models.bart) against transformers.
+"""EncoderDecoderCache, and BART (jaxkv.models.bart) against transformers.
 
 Cache tests use a decoder self-attention half of each core kind (static, dynamic,
 sliding with rollback slots) next to a cross half of ragged encoder inputs, with values
@@ -25,11 +25,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxkv import Cache, EncoderDecoderCache, attention, attention_mask
-from jaxkv.beam import beam_search
-from jaxkv.generate import Sampling, encode, generate, pad_encoder_inputs
+from jaxkv.decoding.beam import beam_search
+from jaxkv.decoding.generate import Sampling, encode, generate, pad_encoder_inputs
 from jaxkv.memory import layer_bytes
-from models.bart import Bart, BartConfig, params_from_state_dict
-from models.llama import Llama, LlamaConfig
+from jaxkv.models.bart import Bart, BartConfig, params_from_state_dict
+from jaxkv.models.llama import Llama, LlamaConfig
 
 BATCH, LAYERS, HEADS, HEAD_DIM, ENCODER_SLOTS = 3, 2, 2, 4, 6
 ENCODER_LENGTHS = [6, 2, 4]  # ragged encoder inputs, right-padded to ENCODER_SLOTS
@@ -359,7 +359,7 @@ def test_generate_needs_encoder_inputs_exactly_for_encoder_decoder_models(bart):
 
 
 def test_beam_search_matches_transformers(bart):
-    """``jaxkv.beam`` over an encoded cache: the search repeats and reorders both halves of
+    """``jaxkv.decoding.beam`` over an encoded cache: the search repeats and reorders both halves of
     the EncoderDecoderCache; each row's hypotheses and scores equal transformers' beam
     search on that encoder input alone."""
     hf, model, encoder_inputs, _ = bart

@@ -19,9 +19,9 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxkv.generate import generate
-from models.gemma3 import Gemma3, Gemma3Config
-from models.weights import load_safetensors_checkpoint
+from jaxkv.decoding.generate import generate
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.weights import load_safetensors_checkpoint
 from tests.parity import check_teacher_forced, save_tiny_hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,8 +141,8 @@ REAL_NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def gemma():
     """Our model and tokenizer, transformers' model and its greedy tokens for ``REAL_PROMPTS``."""
-    from models.defaults import resolve_model
-    from models.load import load_pretrained
+    from jaxkv.models.defaults import resolve_model
+    from jaxkv.models.load import load_pretrained
 
     torch.set_num_threads(2)
     model, tokenizer = load_pretrained("gemma3")
@@ -162,7 +162,7 @@ def gemma():
 def test_gguf_config_and_params_equal_transformers(gemma):
     """Our GGUF loader gives transformers' config and (dequantized) weights exactly; our norms
     hold w like transformers' (llama.cpp stores 1 + w)."""
-    from models.weights import GEMMA3_HF_NAMES
+    from jaxkv.models.weights import GEMMA3_HF_NAMES
 
     model, _, hf, *_ = gemma
     config, hf_config = model.config, hf.config

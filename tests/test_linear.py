@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from jaxkv import Cache, HybridLayer, LinearAttentionLayer, SlidingWindowLayer, StaticLayer, attention
 from jaxkv.memory import cache_bytes, layer_bytes
-from models.architectures import QWEN3_NEXT_80B
+from jaxkv.models.architectures import QWEN3_NEXT_80B
 from tests.oracle import full_attention
 
 HEADS, KEY_DIM, VALUE_DIM, WIDTH = 2, 2, 3, 3

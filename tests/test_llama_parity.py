@@ -14,9 +14,9 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxkv.generate import generate
-from models.llama import Llama, LlamaConfig
-from models.weights import load_safetensors_checkpoint
+from jaxkv.decoding.generate import generate
+from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.weights import load_safetensors_checkpoint
 from tests.parity import check_teacher_forced, save_tiny_hf_model
 
 SMALL = dict(

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from jaxkv import Cache
-from jaxkv.config import CacheConfig, ConfigError, load_config
-from models.toy import ToyConfig, ToyDecoder
+from jaxkv.app.config import CacheConfig, ConfigError, load_config
+from jaxkv.models.toy import ToyConfig, ToyDecoder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -23,11 +23,11 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-from jaxkv.cli import main
-from jaxkv.generate import Session, generate, prefill_prefix
+from jaxkv.app.cli import main
+from jaxkv.decoding.generate import Session, generate, prefill_prefix
 from jaxkv.persist import load_cache, save_cache
-from jaxkv.quantized import QuantSpec
-from models.llama import Llama, LlamaConfig
+from jaxkv.layers.quantized import QuantSpec
+from jaxkv.models.llama import Llama, LlamaConfig
 
 TINY = {
     "vocab_size": 89, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -113,9 +113,9 @@ def test_quantized_cache_file_round_trip(tmp_path):
 
 SUBPROCESS = """
 import json, sys
-from jaxkv.generate import generate
+from jaxkv.decoding.generate import generate
 from jaxkv.persist import load_cache
-from models.llama import Llama, LlamaConfig
+from jaxkv.models.llama import Llama, LlamaConfig
 config, path, suffixes, new = json.loads(sys.argv[1])
 model = Llama(LlamaConfig(**config), seed=3)
 cache, tokens = load_cache(path, model)

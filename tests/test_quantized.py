@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import Cache, attention
-from jaxkv.cli import resolve_config
-from jaxkv.config import CacheConfig
-from jaxkv.generate import generate
+from jaxkv.app.cli import resolve_config
+from jaxkv.app.config import CacheConfig
+from jaxkv.decoding.generate import generate
 from jaxkv.memory import cache_bytes, layer_bytes
-from jaxkv.quantized import (
+from jaxkv.layers.quantized import (
     PER_CHANNEL,
     PER_TOKEN,
     QuantizedLayer,
@@ -23,7 +23,7 @@ from jaxkv.quantized import (
     quantize,
     quantized_lengths,
 )
-from models.llama import Llama, LlamaConfig
+from jaxkv.models.llama import Llama, LlamaConfig
 from tests.oracle import full_attention
 
 HEAD_DIM = 8
@@ -325,11 +325,11 @@ def test_generate_with_an_int8_cache_equals_full_precision():
 def test_cli_quantized_options_resolve_to_a_spec(tmp_path):
     import argparse
 
-    from jaxkv.cli import main
+    from jaxkv.app.cli import main
 
     def resolve(*argv):
         parser = argparse.ArgumentParser()
-        from jaxkv.cli import _generate_parser
+        from jaxkv.app.cli import _generate_parser
 
         _generate_parser(parser.add_subparsers(dest="command"))
         return resolve_config(parser.parse_args(["generate", *argv]))
@@ -380,7 +380,7 @@ def test_perplexity_script_reads_the_corpus_through_the_cache():
 
 
 def test_cli_generates_with_a_quantized_cache(capsys):
-    from jaxkv.cli import main
+    from jaxkv.app.cli import main
 
     code = main(["generate", "--model", "smollm2", "--prompt", "What is 2+2?", "--max-new-tokens", "4",
                  "--cache", "quantized", "--kv-bits", "4", "--kv-axis-key", "-1"])  # fmt: skip
@@ -394,8 +394,8 @@ def test_shipped_configs_validate():
     cover full precision and every quantized format."""
     from pathlib import Path
 
-    from jaxkv.cli import GenerateConfig
-    from jaxkv.config import load_config
+    from jaxkv.app.cli import GenerateConfig
+    from jaxkv.app.config import load_config
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     int4 = load_config(configs / "smollm2-int4.yaml", GenerateConfig).cache.quantization_spec()

@@ -18,10 +18,10 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxkv.generate import Sampling, generate
-from jaxkv.speculative import PromptLookup, generate_speculative
-from models.qwen3_5 import Qwen3_5
-from models.weights import load_safetensors_checkpoint
+from jaxkv.decoding.generate import Sampling, generate
+from jaxkv.decoding.speculative import PromptLookup, generate_speculative
+from jaxkv.models.qwen3_5 import Qwen3_5
+from jaxkv.models.weights import load_safetensors_checkpoint
 
 CONFIG = {
     "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 5, "num_attention_heads": 4,

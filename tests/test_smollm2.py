@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from jaxkv.generate import generate
-from models.defaults import resolve_model
-from models.load import load_pretrained
+from jaxkv.decoding.generate import generate
+from jaxkv.models.defaults import resolve_model
+from jaxkv.models.load import load_pretrained
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 QUESTIONS = [

@@ -1,4 +1,4 @@
-"""Speculative decoding (jaxkv.speculative): greedy output equals plain greedy decoding for
+"""Speculative decoding (jaxkv.decoding.speculative): greedy output equals plain greedy decoding for
 every cache type and every drafter, the sampling rule keeps the target's distribution, and
 prompt lookup finds what it should.
 
@@ -22,9 +22,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxkv.cache import Cache
-from jaxkv.generate import Finish, Sampling, generate
-from jaxkv.quantized import PER_CHANNEL, QuantSpec
-from jaxkv.speculative import (
+from jaxkv.decoding.generate import Finish, Sampling, generate
+from jaxkv.layers.quantized import PER_CHANNEL, QuantSpec
+from jaxkv.decoding.speculative import (
     DraftModel,
     PromptLookup,
     SelfSpeculation,
@@ -32,8 +32,8 @@ from jaxkv.speculative import (
     lookup_drafts,
     verify,
 )
-from models.gemma3 import Gemma3, Gemma3Config
-from models.llama import Llama, LlamaConfig
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
 
 VOCAB = 61
 LLAMA = dict(
@@ -245,7 +245,7 @@ def _first_token_distribution(target_logits, draft_logits, drafts_from_q, sampli
 def test_acceptance_rule_keeps_the_target_distribution(sampling):
     """min(1, p/q) acceptance plus norm(max(0, p - q)) resampling gives exactly p, for a
     draft model's q and for prompt lookup's one-hot q, with the sampling filters applied."""
-    from jaxkv.generate import sampling_logits
+    from jaxkv.decoding.generate import sampling_logits
 
     rng = np.random.default_rng(0)
     target_logits = jnp.asarray(rng.normal(size=6) * 1.5, jnp.float32)
@@ -314,7 +314,7 @@ def test_bad_requests_name_the_fix():
 def test_real_gemma3_prompt_lookup_past_the_window_equals_plain_greedy():
     """Gemma 3 270M, a 600+ token prompt: the sliding layers' 512-token rings (plus k
     rollback slots) wrap during prefill and decode while rounds roll back."""
-    from models.load import load_pretrained
+    from jaxkv.models.load import load_pretrained
     from tests.test_gemma3 import PARAGRAPH
 
     model, tokenizer = load_pretrained("gemma3")

@@ -1,4 +1,4 @@
-"""models.tokenizer: the SmolLM2 GGUF tokenizer gives transformers' ids, text and chat prompts;
+"""jaxkv.models.tokenizer: the SmolLM2 GGUF tokenizer gives transformers' ids, text and chat prompts;
 tiny GGUFs written here cover BOS insertion and the error paths."""
 
 import os
@@ -8,8 +8,8 @@ import jinja2
 import pytest
 import transformers
 
-from models.defaults import resolve_model
-from models.tokenizer import Tokenizer
+from jaxkv.models.defaults import resolve_model
+from jaxkv.models.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,8 +1,8 @@
-"""models.weights: real and tiny checkpoints load into exactly transformers' weights, and the
+"""jaxkv.models.weights: real and tiny checkpoints load into exactly transformers' weights, and the
 Llama built from them gives transformers' logits; broken inputs fail with errors naming the problem.
 
 transformers is the oracle throughout: the expected parameters below are spelled out from its
-state dict independently of models.weights' own name tables.
+state dict independently of jaxkv.models.weights' own name tables.
 """
 
 import dataclasses
@@ -20,9 +20,9 @@ import pytest
 import torch
 import transformers
 
-from models.defaults import DEFAULT_MODELS, resolve_model
-from models.llama import Llama, param_shapes
-from models.weights import load_gguf, load_safetensors_checkpoint, unpermute_rope_rows
+from jaxkv.models.defaults import DEFAULT_MODELS, resolve_model
+from jaxkv.models.llama import Llama, param_shapes
+from jaxkv.models.weights import load_gguf, load_safetensors_checkpoint, unpermute_rope_rows
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -40,7 +40,7 @@ TINY_CONFIGS = {
 
 
 def expected_params(state_dict: dict[str, np.ndarray], num_layers: int, tied: bool) -> dict[str, np.ndarray]:
-    """models.llama's parameters, derived from a transformers Llama/Qwen2 state dict."""
+    """jaxkv.models.llama's parameters, derived from a transformers Llama/Qwen2 state dict."""
     sd = state_dict
 
     def layer(fmt: str, transpose: bool = False) -> np.ndarray:
@@ -399,7 +399,7 @@ def test_gguf_unsupported_architecture_is_named(tmp_path, tiny_gguf_source):
 
 
 # ---------------------------------------------------------------------------------------------
-# models.defaults.resolve_model
+# jaxkv.models.defaults.resolve_model
 
 
 def test_resolve_default_names_and_paths(tmp_path, smollm2_path):

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
-from jaxkv.config import CacheConfig, Strict, load_config
+from jaxkv.app.config import CacheConfig, Strict, load_config
 
 
 class GenerateConfig(Strict):
@@ -35,11 +35,11 @@ class GenerateConfig(Strict):
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
-    speculative: Literal["prompt_lookup", "draft", "self"] | None = None  # see jaxkv.speculative
+    speculative: Literal["prompt_lookup", "draft", "self"] | None = None  # see jaxkv.decoding.speculative
     num_draft_tokens: PositiveInt = 4
     draft_model: str | None = None  # --speculative draft: a model with the same vocabulary
     exit_layer: PositiveInt | None = None  # --speculative self: layers that draft
-    num_beams: PositiveInt = 1  # > 1: beam search (jaxkv.beam), transformers' semantics
+    num_beams: PositiveInt = 1  # > 1: beam search (jaxkv.decoding.beam), transformers' semantics
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: PositiveInt = 1
@@ -144,8 +144,8 @@ def run_generate(args) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.generate import Sampling, generate
-    from models.load import load_pretrained
+    from jaxkv.decoding.generate import Sampling, generate
+    from jaxkv.models.load import load_pretrained
 
     config = resolve_config(args)
     sampling = Sampling(config.temperature, config.top_k, config.top_p, config.min_p)
@@ -210,7 +210,7 @@ def run_generate(args) -> int:
 
 def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> int:
     """Beam search for ``jaxkv generate --num-beams N``: each returned hypothesis and its score."""
-    from jaxkv.beam import beam_search
+    from jaxkv.decoding.beam import beam_search
 
     cache = config.cache
     result = beam_search(
@@ -245,8 +245,8 @@ def speculative_decoder(config: GenerateConfig):
 
     import jax.numpy as jnp
 
-    from jaxkv.speculative import DraftModel, PromptLookup, SelfSpeculation, generate_speculative
-    from models.load import load_pretrained
+    from jaxkv.decoding.speculative import DraftModel, PromptLookup, SelfSpeculation, generate_speculative
+    from jaxkv.models.load import load_pretrained
 
     if config.speculative == "prompt_lookup":
         drafter = PromptLookup()
@@ -273,9 +273,9 @@ def run_chat(args) -> int:
     """One user message per stdin line; a reply feeds only the tokens the cache lacks."""
     import jax.numpy as jnp
 
-    from jaxkv.generate import Session
+    from jaxkv.decoding.generate import Session
     from jaxkv.persist import load_cache, save_cache
-    from models.load import load_pretrained
+    from jaxkv.models.load import load_pretrained
 
     model, tokenizer = load_pretrained(args.model, dtype=jnp.dtype(args.dtype))
     if args.load_cache:

@@ -25,14 +25,10 @@ from jaxkv.protocol import (
     clamp_rollback,
     entry,
     lengths_after,
+    visible_positions,
     write_slots,
 )
 
-
-def visible_positions(slot_positions: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Slot positions ``[B, N]`` with empty or rolled-back slots set to -1."""
-    live = (slot_positions >= 0) & (slot_positions < lengths[:, None])
-    return jnp.where(live, slot_positions, -1)
 
 
 class RingBufferLayer(BatchMajorLayer):

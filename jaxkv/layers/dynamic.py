@@ -8,15 +8,8 @@ import numpy as np
 from flax import struct
 
 from jaxkv.protocol import check_update_inputs, is_traced
-from jaxkv.static import PositionalLayer
-
-MIN_BUCKET = 16
-
-
-def bucket(n: int) -> int:
-    """Capacity bucket for ``n`` tokens: the next power of two, at least ``MIN_BUCKET``."""
-    return max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
-
+from jaxkv.sizing import bucket
+from jaxkv.layers.static import PositionalLayer
 
 @struct.dataclass
 class DynamicLayer(PositionalLayer):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxkv.generate import compiled, prepare_batch, prompt_logits
+from jaxkv.decoding.generate import compiled, prepare_batch, prompt_logits
 
 # transformers' "impossible" score: a candidate that must not be chosen gets this added.
 NEG = -1.0e9
@@ -232,7 +232,7 @@ def beam_search(
 ) -> BeamGeneration:
     """Beam search over each prompt (token ids) of a ragged batch; see the module docstring.
 
-    Prompts and cache are prepared as ``generate`` does (``jaxkv.generate.prepare_batch``:
+    Prompts and cache are prepared as ``generate`` does (``jaxkv.decoding.generate.prepare_batch``:
     bucketed widths, a fresh cache or ``cache`` to continue). A hypothesis ends at a stop
     token (included in its tokens) or at ``max_new_tokens``. A cache too small to hold
     ``max_new_tokens`` more per beam is refused, so no beam is ever cut short by it.

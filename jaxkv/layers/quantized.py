@@ -47,14 +47,14 @@ from jaxkv.protocol import (
     BatchMajorLayer,
     KVView,
     MaskInfo,
+    check_capacity,
     check_update_inputs,
     clamp_rollback,
     entry,
     lengths_after,
+    visible_positions,
     write_slots,
 )
-from jaxkv.static import check_capacity
-from jaxkv.windowed import visible_positions
 
 PER_TOKEN, PER_CHANNEL = 0, -1
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}

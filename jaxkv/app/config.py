@@ -8,7 +8,7 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
-from jaxkv.quantized import QuantSpec
+from jaxkv.layers.quantized import QuantSpec
 
 
 class Strict(BaseModel):
@@ -18,7 +18,7 @@ class Strict(BaseModel):
 
 
 class QuantizationConfig(Strict):
-    """A quantized K/V cache (``jaxkv.quantized.QuantSpec``; the reference's option names
+    """A quantized K/V cache (``jaxkv.layers.quantized.QuantSpec``; the reference's option names
     and defaults): ``nbits`` 2/4/8 for 'int' (default 4), 8 for 'e4m3'/'e5m2'; axes 0 per
     token, -1 per channel."""
 

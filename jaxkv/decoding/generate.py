@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from jaxkv.dynamic import bucket
+from jaxkv.sizing import bucket
 
 
 class Finish(enum.IntEnum):

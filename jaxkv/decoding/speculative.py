@@ -14,7 +14,7 @@ Each iteration of one ``lax.while_loop``, for every row of the batch at once:
 
 Greedy: a draft is accepted when it equals the target's argmax, so every kept token is
 the target's argmax after the same prefix and the output equals
-``jaxkv.generate.generate``'s token for token (up to float rounding between a k+1-token
+``jaxkv.decoding.generate.generate``'s token for token (up to float rounding between a k+1-token
 and a 1-token forward, which never flipped an argmax in the tests).
 
 Sampling (the rule of Leviathan et al. and Chen et al., 2023): with p the target's and q
@@ -59,8 +59,8 @@ import numpy as np
 from flax import nnx, struct
 from jax.experimental import io_callback
 
-from jaxkv.dynamic import bucket
-from jaxkv.generate import (
+from jaxkv.sizing import bucket
+from jaxkv.decoding.generate import (
     Finish,
     Generation,
     Sampling,
@@ -211,7 +211,7 @@ class PromptLookup(Drafter):
 class SelfSpeculation(Drafter):
     """Draft with the target's first ``exit_layer`` layers plus its final norm and head.
 
-    The target must accept ``num_layers=`` (``models.llama.Llama`` and ``models.gemma3.Gemma3`` do). Those layers'
+    The target must accept ``num_layers=`` (``jaxkv.models.llama.Llama`` and ``jaxkv.models.gemma3.Gemma3`` do). Those layers'
     K/V are exactly the target's, so the draft writes them into the target's cache;
     the verification pass rewrites the same positions, and the rollback undoes both.
     Drafts past what the round verifies are not stored, so the draft never writes a
@@ -482,7 +482,7 @@ def generate_speculative(
     stream: Callable[[np.ndarray], None] | None = None,
     **cache_kwargs,
 ) -> SpeculativeGeneration:
-    """``jaxkv.generate.generate`` with speculative decoding (see the module docstring).
+    """``jaxkv.decoding.generate.generate`` with speculative decoding (see the module docstring).
 
     Same prompts, padding, cache building and finish reasons; greedy output is the same.
     ``num_draft_tokens`` (k) drafts per round; windowed cache layers get

@@ -11,6 +11,7 @@ from jaxkv.protocol import (
     BatchMajorLayer,
     KVView,
     MaskInfo,
+    check_capacity,
     check_update_inputs,
     clamp_rollback,
     entry,
@@ -60,22 +61,6 @@ class PositionalLayer(BatchMajorLayer):
     def reset(self):
         return jax.tree.map(jnp.zeros_like, self)
 
-
-def check_capacity(layer, positions, capacity: int) -> None:
-    """Trace-time (T > capacity) and eager (row length > capacity) overflow errors."""
-    name = type(layer).__name__
-    if positions.shape[1] > capacity:
-        raise ValueError(
-            f"{name}.update: {positions.shape[1]} new tokens cannot fit in a capacity of {capacity}; "
-            f"build the cache with max_length >= the longest sequence"
-        )
-    if not is_traced(positions):
-        needed = int(np.max(np.asarray(positions), initial=-1)) + 1
-        if needed > capacity:
-            raise ValueError(
-                f"{name}.update: a row would reach {needed} tokens but the capacity is {capacity}; "
-                f"build the cache with max_length >= {needed}"
-            )
 
 
 @struct.dataclass
