@@ -62,8 +62,6 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere: jaxkv and models from this checkout
-    sys.path.insert(0, str(ROOT))
 
 RESULT_PREFIX = "BENCH_RESULT "
 # name -> (system, cache kind, jaxkv model options); the order is the table's.

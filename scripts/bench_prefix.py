@@ -27,11 +27,7 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere: jaxkv and models from this checkout
-    sys.path.insert(0, str(ROOT))
 
 import jax
 import numpy as np

@@ -28,8 +28,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere: jaxkv and models from this checkout
-    sys.path.insert(0, str(ROOT))
 
 TARGET_LOOKUP_SPEEDUP = 1.8
 

@@ -3,14 +3,15 @@
     jaxkv generate --model smollm2 --prompt "What is a KV cache?" --max-new-tokens 64
     jaxkv generate --config configs/smollm2.yaml --stream
     jaxkv generate --num-beams 4 --num-return-sequences 2 --early-stopping true
+    jaxkv generate --full-attention dynamic --quantization --kv-bits 8
     jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
-    jaxkv bench --batch 1 8 --new-tokens 256          (scripts/bench_decode.py)
+
+The decode benchmark is a script of the source checkout: ``python scripts/bench_decode.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -68,11 +69,13 @@ def _generate_parser(sub) -> None:
     parser.add_argument("--prompt")
     parser.add_argument("--no-chat", dest="chat", action="store_false", default=None, help="no chat template")
     parser.add_argument(
-        "--cache",
-        choices=["static", "dynamic", "quantized"],
-        help="full-attention cache kind; quantized: static, K/V quantized",
+        "--full-attention", choices=["static", "dynamic"], help="storage of full-attention layers (default static)"
     )
-    quant = parser.add_argument_group("quantized cache (--cache quantized; defaults: the reference's)")
+    parser.add_argument(
+        "--quantization", action="store_true", default=None, help="store K/V quantized (static; tune with --kv-*)"
+    )
+    parser.add_argument("--cache", choices=["static", "dynamic", "quantized"], help=argparse.SUPPRESS)  # deprecated
+    quant = parser.add_argument_group("quantized cache (--quantization; defaults: the reference's)")
     for flag, key, kind, help_text in QUANT_FLAGS:
         quant.add_argument(flag, dest=f"kv_{key}", type=kind, help=help_text)
     parser.add_argument("--max-length", type=int, help="cache capacity in tokens (default: prompt + new, bucketed)")
@@ -121,23 +124,34 @@ def resolve_config(args) -> GenerateConfig:
             merged[key] = getattr(args, key)
     if args.early_stopping is not None:
         merged["early_stopping"] = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
-    quantized = args.cache == "quantized"
-    for key, flag in (("full_attention", "static" if quantized else args.cache), ("max_length", args.max_length)):
+    merged["cache"] = cache_settings(args, merged["cache"])
+    return GenerateConfig.model_validate(merged)
+
+
+def cache_settings(args, cache: dict) -> dict:
+    """The config's ``cache`` section with ``--full-attention``, ``--quantization``, ``--kv-*`` and
+    ``--max-length`` on top (``--cache`` is the deprecated spelling of the first two)."""
+    full_attention, quantization = args.full_attention, args.quantization
+    if args.cache is not None:
+        replacement = "--quantization" if args.cache == "quantized" else f"--full-attention {args.cache}"
+        print(f"jaxkv: warning: --cache {args.cache} is deprecated; use {replacement}", file=sys.stderr)
+        full_attention = full_attention or ("static" if args.cache == "quantized" else args.cache)
+        quantization = quantization or (True if args.cache == "quantized" else None)
+        if args.cache != "quantized":  # the old flag chose plain storage over a config's quantization
+            cache = {**cache, "quantization": None}
+    cache = dict(cache)
+    for key, flag in (("full_attention", full_attention), ("max_length", args.max_length)):
         if flag is not None:
-            merged["cache"][key] = flag
-    if args.cache in ("static", "dynamic"):
-        merged["cache"]["quantization"] = None
-    elif quantized and merged["cache"]["quantization"] is None:
-        merged["cache"]["quantization"] = {}
+            cache[key] = flag
+    if quantization and cache["quantization"] is None:
+        cache["quantization"] = {}
     flags = {key: getattr(args, f"kv_{key}") for _, key, _, _ in QUANT_FLAGS}
     options = {key: value for key, value in flags.items() if value is not None}
-    if options and merged["cache"]["quantization"] is None:
-        raise ValueError(
-            "the --kv-* options set a quantized cache: add --cache quantized (or a cache.quantization config)"
-        )
+    if options and cache["quantization"] is None:
+        raise ValueError("the --kv-* options tune a quantized cache: add --quantization (or a cache.quantization config)")
     if options:
-        merged["cache"]["quantization"] = {**merged["cache"]["quantization"], **options}
-    return GenerateConfig.model_validate(merged)
+        cache["quantization"] = {**cache["quantization"], **options}
+    return cache
 
 
 def run_generate(args) -> int:
@@ -263,7 +277,9 @@ def _chat_parser(sub) -> None:
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
     parser.add_argument("--max-length", type=int, default=2048, help="tokens the whole conversation may hold")
-    parser.add_argument("--cache", choices=["static", "dynamic"], default="static", help="full-attention cache kind")
+    parser.add_argument(
+        "--full-attention", choices=["static", "dynamic"], default="static", help="storage of full-attention layers"
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--load-cache", type=Path, help="resume from a cache file (jaxkv.persist) made for this model")
     parser.add_argument("--save-cache", type=Path, help="write the conversation's cache here at the end")
@@ -284,7 +300,7 @@ def run_chat(args) -> int:
             raise ValueError(f"{args.load_cache} stores no token ids; save it with save_cache(..., tokens=...)")
         session = Session(model, cache=cache, tokens=tokens[0])
     else:
-        session = Session(model, max_length=args.max_length, cache_kind=args.cache)
+        session = Session(model, max_length=args.max_length, full_attention=args.full_attention)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     for turn, line in enumerate(sys.stdin):
         if not line.strip():
@@ -307,24 +323,16 @@ def run_chat(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Functional KV caches for JAX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _chat_parser(sub)
-    sub.add_parser("bench", help="decode benchmark against transformers (scripts/bench_decode.py ARGS)")
-    args, rest = parser.parse_known_args(argv)
-    if args.command != "bench" and rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = [arg for arg in rest if arg != "--"]
-    if args.command == "bench":  # the benchmark lives in the source checkout's scripts/
-        script = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
-        if not script.is_file():
-            print(f"jaxkv: error: {script} not found; run bench from a source checkout", file=sys.stderr)
-            return 2
-        sys.argv = [str(script), *args.rest]
-        runpy.run_path(str(script), run_name="__main__")
-        return 0
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return run_chat(args) if args.command == "chat" else run_generate(args)
     except (ValueError, FileNotFoundError) as error:

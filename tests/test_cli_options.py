@@ -1,0 +1,48 @@
+"""``jaxkv generate``'s cache options resolve to one validated config: one name per idea
+(``--full-attention``, ``--quantization``, ``--kv-*``), the old ``--cache`` spelling still accepted
+with a deprecation warning, and contradictions refused with a message naming the flag."""
+
+import pytest
+
+from jaxkv.app.cli import build_parser, resolve_config
+from jaxkv.app.config import QuantizationConfig
+
+
+def resolved(*argv):
+    return resolve_config(build_parser().parse_args(["generate", *argv]))
+
+
+def test_defaults_are_static_full_precision():
+    cache = resolved().cache
+    assert cache.full_attention == "static" and cache.quantization is None
+
+
+def test_full_attention_and_quantization_flags():
+    assert resolved("--full-attention", "dynamic").cache.full_attention == "dynamic"
+    cache = resolved("--quantization", "--kv-bits", "8", "--kv-axis-key", "-1").cache
+    assert cache.quantization == QuantizationConfig(nbits=8, axis_key=-1)
+    assert cache.quantization_spec().bits == 8
+
+
+def test_kv_options_without_quantization_name_the_flag():
+    with pytest.raises(ValueError, match="--quantization"):
+        resolved("--kv-bits", "8")
+
+
+@pytest.mark.parametrize(
+    ("old", "full_attention", "quantized", "replacement"),
+    [("static", "static", False, "--full-attention static"), ("dynamic", "dynamic", False, "--full-attention dynamic"),
+     ("quantized", "static", True, "--quantization")],
+)  # fmt: skip
+def test_deprecated_cache_flag_still_works_and_says_what_replaces_it(capsys, old, full_attention, quantized, replacement):
+    cache = resolved("--cache", old).cache
+    assert cache.full_attention == full_attention and (cache.quantization is not None) == quantized
+    err = capsys.readouterr().err
+    assert "deprecated" in err and replacement in err
+
+
+def test_config_file_quantization_can_be_turned_off_by_the_old_flag(tmp_path):
+    config = tmp_path / "int4.yaml"
+    config.write_text("cache:\n  quantization:\n    nbits: 4\n")
+    assert resolved("--config", str(config)).cache.quantization is not None
+    assert resolved("--config", str(config), "--cache", "static").cache.quantization is None
