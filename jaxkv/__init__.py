@@ -1,19 +1,20 @@
 """jaxkv: functional KV caches for JAX."""
 
 from jaxkv.attention import attention, attention_mask
-from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, layer_types_of
-from jaxkv.layers.dynamic import DynamicLayer
+from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, LayerType, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
+from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
-from jaxkv.memory import cache_bytes, layer_bytes
-from jaxkv.persist import load_cache, save_cache
-from jaxkv.protocol import CacheLayer, KVView, MaskInfo
 from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.memory import cache_bytes, layer_bytes
+from jaxkv.persist import load_cache, save_cache
+from jaxkv.protocol import BatchMajorLayer, CacheLayer, KVView, MaskInfo
 
 __all__ = [
     "LAYER_TYPES",
+    "BatchMajorLayer",
     "Cache",
     "CacheLayer",
     "ChunkedLayer",
@@ -22,6 +23,7 @@ __all__ = [
     "HybridLayer",
     "KVView",
     "LayerSpec",
+    "LayerType",
     "LinearAttentionLayer",
     "MaskInfo",
     "QuantSpec",

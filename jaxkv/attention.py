@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -44,6 +46,101 @@ def attention_block_size(num_slots: int) -> int:
     return size
 
 
+@dataclasses.dataclass(frozen=True)
+class Queries:
+    """The query side of one ``attention`` call: ``queries`` ``[B, H_q, T, D]`` at ``positions``
+    ``[B, T]``, grouped ``[B, H_kv, G, T, D]`` by the K/V head they read (G per head)."""
+
+    queries: jax.Array
+    grouped: jax.Array
+    positions: jax.Array
+    mask_info: MaskInfo
+    scale: float
+    logit_softcap: float | None
+
+    @property
+    def one_query(self) -> bool:
+        """One query of one row (a batch-1 decode step): scored head by head, see ``per_head``."""
+        return self.queries.shape[0] * self.queries.shape[2] == 1
+
+    def per_head(self, fn, kv_block: jax.Array) -> jax.Array:
+        """``fn(query head h, its K/V head [S, D])`` -> ``[1, X]`` for every head, stacked as the
+        batched einsum's output ``[1, H_kv, G, 1, X]``.
+
+        A matrix-vector product per query head, written ``q @ K.T`` with K ``[S, D]``, is the
+        form XLA's CPU backend fuses with the slice of the stacked cache; the batched einsum
+        copies the block and transposes its keys.
+        """
+        _, num_kv_heads, group, _, _ = self.grouped.shape
+        rows = [fn(h, kv_block[0, h // group]) for h in range(num_kv_heads * group)]
+        return jnp.stack(rows).reshape(1, num_kv_heads, group, 1, -1)
+
+    def scores(self, k_block: jax.Array, positions_block: jax.Array) -> jax.Array:
+        """Masked logits ``[B, H_kv, G, T, S]`` (float32) over keys ``[B, H_kv, S, D]`` holding
+        ``positions_block`` ``[B, S]``; -inf where the mask refuses."""
+        if self.one_query:
+            queries = self.queries
+            logits = self.per_head(
+                lambda h, k: jnp.matmul(queries[0, h], k.T, preferred_element_type=jnp.float32), k_block
+            )
+            logits = logits * self.scale
+        else:
+            logits = jnp.einsum("bhgtd,bhsd->bhgts", self.grouped, k_block, preferred_element_type=jnp.float32)
+            logits = logits * self.scale
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
+        mask = attention_mask(self.positions, self.mask_info.replace(kv_positions=positions_block))
+        return jnp.where(mask[:, None, None], logits, -jnp.inf)
+
+    def weighted(self, weights: jax.Array, v_block: jax.Array) -> jax.Array:
+        """``weights`` ``[B, H_kv, G, T, S]`` times values ``[B, H_kv, S, D]``: ``[B, H_kv, G, T, D]`` float32."""
+        if self.one_query:
+            flat = weights.reshape(self.queries.shape[1], 1, -1)
+            return self.per_head(
+                lambda h, v: jnp.matmul(flat[h].astype(v.dtype), v, preferred_element_type=jnp.float32), v_block
+            )
+        weights = weights.astype(v_block.dtype)
+        return jnp.einsum("bhgts,bhsd->bhgtd", weights, v_block, preferred_element_type=jnp.float32)
+
+
+def read_whole(q: Queries, kv: KVView) -> tuple[jax.Array, jax.Array]:
+    """Softmax numerator and denominator over the view's whole buffer: the weighted values
+    ``[B, H_kv, G, T, D]`` and the weight totals ``[B, H_kv, G, T, 1]``."""
+    logits = q.scores(kv.keys, kv.mask_info.kv_positions)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    return q.weighted(weights, kv.values), jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def read_blocked(q: Queries, kv: KVView, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """``read_whole``'s result by an online softmax over blocks of ``block_size`` slots up to
+    ``mask_info.slots_used``: running max, running total, running weighted values."""
+    mask_info = kv.mask_info
+
+    def step(block, carry):
+        peak, total, acc = carry
+        start = block * block_size
+        k_block, v_block = kv.read(start, block_size)
+        positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=1)
+        logits = q.scores(k_block, positions)
+        new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1, keepdims=True))
+        safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+        rescale = jnp.exp(peak - safe_peak)
+        weights = jnp.exp(logits - safe_peak)
+        total = total * rescale + jnp.sum(weights, axis=-1, keepdims=True)
+        return new_peak, total, acc * rescale + q.weighted(weights, v_block)
+
+    shape = q.grouped.shape[:-1]  # [B, H_kv, G, T]
+    init = (
+        jnp.full((*shape, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((*shape, 1), jnp.float32),
+        jnp.zeros((*shape, q.grouped.shape[-1]), jnp.float32),
+    )
+    num_blocks = (mask_info.slots_used + block_size - 1) // block_size
+    _, total, out = jax.lax.fori_loop(0, num_blocks, step, init)
+    return out, total
+
+
 def attention(
     queries: jax.Array,
     kv: KVView,
@@ -68,71 +165,21 @@ def attention(
     ``block_size`` defaults to ``attention_block_size(S)``; a buffer shorter than two
     blocks, or not a multiple of one, is read whole.
     """
-    mask_info = kv.mask_info
     batch, num_heads, length, head_dim = queries.shape
     _, num_kv_heads, num_slots, _ = kv.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"attention: {num_heads} query heads is not a multiple of {num_kv_heads} K/V heads")
-    scale = head_dim**-0.5 if scale is None else scale
     group = num_heads // num_kv_heads  # query heads per K/V head
-    grouped = queries.reshape(batch, num_kv_heads, group, length, head_dim)
-
-    # One query of one row (a batch-1 decode step): a matrix-vector product per query head,
-    # written ``q @ K.T`` with K ``[S, D]``, the form XLA's CPU backend fuses with the slice
-    # of the stacked cache; the batched einsum copies the block and transposes its keys.
-    one_query = batch * length == 1
-
-    def per_head(fn, kv_block):  # fn(query head h, its K/V head [S, D]) -> [1, X], stacked as the einsum's output
-        rows = [fn(h, kv_block[0, h // group]) for h in range(num_heads)]
-        return jnp.stack(rows).reshape(1, num_kv_heads, group, 1, -1)
-
-    def scores(k_block, positions_block):
-        if one_query:
-            logits = per_head(lambda h, k: jnp.matmul(queries[0, h], k.T, preferred_element_type=jnp.float32), k_block)
-            logits = logits * scale
-        else:
-            logits = jnp.einsum("bhgtd,bhsd->bhgts", grouped, k_block, preferred_element_type=jnp.float32) * scale
-        if logit_softcap is not None:
-            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-        mask = attention_mask(q_positions, mask_info.replace(kv_positions=positions_block))
-        return jnp.where(mask[:, None, None], logits, -jnp.inf)
-
-    def weighted(weights, v_block):
-        if one_query:
-            flat = weights.reshape(num_heads, 1, -1)
-            return per_head(lambda h, v: jnp.matmul(flat[h].astype(v.dtype), v, preferred_element_type=jnp.float32), v_block)
-        return jnp.einsum("bhgts,bhsd->bhgtd", weights.astype(v_block.dtype), v_block, preferred_element_type=jnp.float32)
-
+    q = Queries(
+        queries=queries,
+        grouped=queries.reshape(batch, num_kv_heads, group, length, head_dim),
+        positions=q_positions,
+        mask_info=kv.mask_info,
+        scale=head_dim**-0.5 if scale is None else scale,
+        logit_softcap=logit_softcap,
+    )
     block_size = attention_block_size(num_slots) if block_size is None else block_size
-    blocked = mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
-    if not blocked:
-        logits = scores(kv.keys, mask_info.kv_positions)
-        peak = jnp.max(logits, axis=-1, keepdims=True)
-        weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-        total = jnp.sum(weights, axis=-1, keepdims=True)
-        out = weighted(weights, kv.values)
-    else:
-        # Online softmax over blocks: running max, running sum, running weighted values.
-        def step(block, carry):
-            peak, total, acc = carry
-            start = block * block_size
-            k_block, v_block = kv.read(start, block_size)
-            positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=1)
-            logits = scores(k_block, positions)
-            new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1, keepdims=True))
-            safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-            rescale = jnp.exp(peak - safe_peak)
-            weights = jnp.exp(logits - safe_peak)
-            total = total * rescale + jnp.sum(weights, axis=-1, keepdims=True)
-            return new_peak, total, acc * rescale + weighted(weights, v_block)
-
-        shape = (batch, num_kv_heads, group, length)
-        init = (
-            jnp.full((*shape, 1), -jnp.inf, jnp.float32),
-            jnp.zeros((*shape, 1), jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32),
-        )
-        num_blocks = (mask_info.slots_used + block_size - 1) // block_size
-        _, total, out = jax.lax.fori_loop(0, num_blocks, step, init)
+    blocked = kv.mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
+    out, total = read_blocked(q, kv, block_size) if blocked else read_whole(q, kv)
     out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
     return out.reshape(batch, num_heads, length, head_dim).astype(queries.dtype)

@@ -11,6 +11,7 @@ old one is untouched, so a prefilled prefix can seed many continuations without 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,19 +21,18 @@ import numpy as np
 from flax import struct
 
 from jaxkv.layers.dynamic import DynamicLayer
-from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, limit_rollback
-from jaxkv.protocol import CacheLayer, KVView, check_rollback, entry, is_traced
+from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback
 from jaxkv.sizing import bucket, human_bytes
-
-FULL_ATTENTION_KINDS = ("static", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """Everything a layer builder may need; each builder checks the fields it uses."""
+    """Everything a layer builder may need; each builder checks the fields it uses. Options that
+    concern every layer are checked here, ``dtype`` and ``state_shapes`` normalized."""
 
     batch_size: int
     num_kv_heads: int
@@ -49,6 +49,15 @@ class LayerSpec:
     state_shapes: tuple[tuple[int, ...], ...] = ()
     # Store full and sliding attention K/V quantized (jaxkv.layers.quantized); None: the cache dtype.
     quantization: QuantSpec | None = None
+
+    def __post_init__(self):
+        if self.full_attention not in FULL_ATTENTION_KINDS:
+            raise ValueError(f"full_attention must be one of {FULL_ATTENTION_KINDS}, got {self.full_attention!r}")
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        # A frozen dataclass normalizes its own fields through object.__setattr__.
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        object.__setattr__(self, "state_shapes", tuple(tuple(shape) for shape in self.state_shapes))
 
 
 def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
@@ -123,17 +132,35 @@ def _hybrid_sliding_layer(spec: LayerSpec) -> CacheLayer:
     return HybridLayer(_linear_layer(spec), _sliding_layer(spec))
 
 
-# The config's layer_types value -> how to build that layer. Later layer families
-# (linear_attention, hybrid, quantized) register here; nothing else changes.
-LAYER_TYPES: dict[str, Callable[[LayerSpec], CacheLayer]] = {
-    "full_attention": _full_attention_layer,
-    "sliding_attention": _sliding_layer,
-    "chunked_attention": _chunked_layer,
-    "linear_attention": _linear_layer,
-    "conv": _conv_layer,
-    "hybrid": _hybrid_layer,
-    "hybrid_sliding": _hybrid_sliding_layer,
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+    """What a ``layer_types`` name means: how to build its layer, and the classes that store it,
+    each with its ``MEMORY_FORMULA`` and ``kv_bytes`` (``jaxkv.memory`` reads them from here).
+
+    ``storage``: the class per full-attention kind ('static', 'dynamic'), or under None for a
+    type with one storage; empty for a type made of others (a hybrid holds a linear state and
+    an attention layer). ``quantized``: the class that stores it under ``quantization``, if any.
+    """
+
+    build: Callable[[LayerSpec], CacheLayer]
+    storage: Mapping[str | None, type[CacheLayer]]
+    quantized: type[CacheLayer] | None = None
+
+
+# The config's layer_types value -> its builder and storage. A new layer family registers
+# here; the container, the memory formulas and the README's table follow.
+LAYER_TYPES: dict[str, LayerType] = {
+    "full_attention": LayerType(
+        _full_attention_layer, {"static": StaticLayer, "dynamic": DynamicLayer}, quantized=QuantizedLayer
+    ),
+    "sliding_attention": LayerType(_sliding_layer, {None: SlidingWindowLayer}, quantized=QuantizedLayer),
+    "chunked_attention": LayerType(_chunked_layer, {None: ChunkedLayer}),
+    "linear_attention": LayerType(_linear_layer, {None: LinearAttentionLayer}),
+    "conv": LayerType(_conv_layer, {None: LinearAttentionLayer}),
+    "hybrid": LayerType(_hybrid_layer, {}),
+    "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
 }
+FULL_ATTENTION_KINDS = tuple(LAYER_TYPES["full_attention"].storage)
 
 
 def _config_value(config, key, default=None):
@@ -149,7 +176,8 @@ def _linear_state_of(config) -> dict:
     width = _config_value(config, "linear_conv_kernel_dim")
     if width is None:
         return {}
-    key_heads, value_heads = _config_value(config, "linear_num_key_heads"), _config_value(config, "linear_num_value_heads")
+    key_heads = _config_value(config, "linear_num_key_heads")
+    value_heads = _config_value(config, "linear_num_value_heads")
     key_dim, value_dim = _config_value(config, "linear_key_head_dim"), _config_value(config, "linear_value_head_dim")
     return {
         "conv_width": width,
@@ -181,6 +209,34 @@ def pattern_period(layer_types: Sequence[str]) -> int:
 
 def stack_layers(layers: Sequence[CacheLayer]) -> CacheLayer:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+
+
+def check_layer_types(layer_types: Sequence[str]) -> None:
+    if not layer_types:
+        raise ValueError("layer_types is empty: a cache needs at least one layer")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unknown layer type(s) {unknown}; known layer types: {sorted(LAYER_TYPES)}")
+
+
+def build_groups(layer_types: Sequence[str], spec: LayerSpec, period: int) -> tuple[CacheLayer, ...]:
+    """Group g: layer type ``layer_types[g]`` built once and repeated for layers g, g + period, ..."""
+    groups = []
+    for g in range(period):
+        layer, count = LAYER_TYPES[layer_types[g]].build(spec), len(range(g, len(layer_types), period))
+        groups.append(jax.tree.map(lambda leaf, n=count: jnp.broadcast_to(leaf, (n, *leaf.shape)), layer))
+    return tuple(groups)
+
+
+def concrete_index(index) -> int | None:
+    """A layer index as an int when it is concrete (a Python or NumPy integer, or a 0-d JAX
+    integer array outside a trace); None when it is traced."""
+    if isinstance(index, jax.core.Tracer):
+        return None
+    value = np.asarray(index)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
+        raise TypeError(f"a layer index must be an integer scalar, got {value.dtype} of shape {value.shape}")
+    return int(value)
 
 
 def first_entry_shapes(group: CacheLayer) -> CacheLayer:
@@ -241,27 +297,15 @@ class Cache:
         of layers), each layer is its own buffer, which unrolled models read without a
         copy; a stacked layer's K/V slice is copied when a dot reads it on CPU.
         """
-        if full_attention not in FULL_ATTENTION_KINDS:
-            raise ValueError(f"full_attention must be one of {FULL_ATTENTION_KINDS}, got {full_attention!r}")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        if not layer_types:
-            raise ValueError("layer_types is empty: a cache needs at least one layer")
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"unknown layer type(s) {unknown}; known layer types: {sorted(LAYER_TYPES)}")
         spec = LayerSpec(
-            batch_size, num_kv_heads, head_dim, jnp.dtype(dtype), max_length,
-            sliding_window, attention_chunk_size, full_attention, rollback_slots,
-            conv_width, conv_channels, tuple(tuple(shape) for shape in state_shapes), quantization,
+            batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
+            sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
+            rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
+            state_shapes=state_shapes, quantization=quantization,
         )  # fmt: skip
+        check_layer_types(layer_types)
         period = pattern_period(layer_types) if stacked else len(layer_types)
-        groups = []
-        for g in range(period):
-            layer = LAYER_TYPES[layer_types[g]](spec)
-            count = len(range(g, len(layer_types), period))
-            groups.append(jax.tree.map(lambda leaf, n=count: jnp.broadcast_to(leaf, (n, *leaf.shape)), layer))
-        return cls(tuple(groups), tuple(layer_types), period)
+        return cls(build_groups(layer_types, spec, period), tuple(layer_types), period)
 
     @classmethod
     def from_config(cls, config, batch_size: int, **kwargs) -> Cache:
@@ -269,7 +313,9 @@ class Cache:
 
         Reads ``layer_types`` (or infers it), ``num_key_value_heads``, ``head_dim`` (or
         ``hidden_size // num_attention_heads``), ``sliding_window``,
-        ``attention_chunk_size``. ``kwargs`` go to ``from_layer_types``.
+        ``attention_chunk_size``. ``kwargs`` go to ``from_layer_types`` and take precedence
+        over what the config says (e.g. a chunk size for a config that lists chunked layers
+        without one).
         """
         num_heads = _config_value(config, "num_attention_heads")
         num_kv_heads = _config_value(config, "num_key_value_heads") or num_heads
@@ -286,34 +332,53 @@ class Cache:
             batch_size=batch_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            sliding_window=_config_value(config, "sliding_window"),
-            attention_chunk_size=_config_value(config, "attention_chunk_size"),
-            **{**_linear_state_of(config), **kwargs},
+            **{
+                "sliding_window": _config_value(config, "sliding_window"),
+                "attention_chunk_size": _config_value(config, "attention_chunk_size"),
+                **_linear_state_of(config),
+                **kwargs,
+            },
         )
 
     # --- the one call model code makes -------------------------------------------
     def locate(self, layer_idx) -> tuple[int, Any]:
         """``(group, index in group)`` of a layer.
 
-        ``layer_idx``: an int; a traced scalar when the pattern period is 1 (a scan over
-        all layers); or ``(group, index)`` with a static group and a traced index (a scan
-        over repeats of the pattern, layer ``index * period + group``).
+        ``layer_idx``: an integer (Python, NumPy, or a concrete 0-d JAX array), range-checked;
+        a traced scalar when the pattern period is 1 (a scan over all layers); or
+        ``(group, index)`` with a static group and an integer or traced index (a scan over
+        repeats of the pattern, layer ``index * period + group``).
         """
         if isinstance(layer_idx, tuple):
-            group, index = layer_idx
-            if not 0 <= group < self.period:
-                raise IndexError(f"group {group} out of range: this cache repeats a pattern of {self.period} layers")
-            return group, index
-        if isinstance(layer_idx, int):
-            if not 0 <= layer_idx < len(self.layer_types):
+            return self.locate_in_group(*layer_idx)
+        concrete = concrete_index(layer_idx)
+        if concrete is not None:
+            if not 0 <= concrete < len(self.layer_types):
                 raise IndexError(f"layer_idx must be an int in [0, {len(self.layer_types)}), got {layer_idx}")
-            return layer_idx % self.period, layer_idx // self.period
+            return concrete % self.period, concrete // self.period
         if self.period != 1:
             raise TypeError(
                 f"a traced layer_idx needs a cache whose layers all share one kind; this one repeats a pattern "
                 f"of {self.period} layers: pass (group, index) with a static group"
             )
         return 0, layer_idx
+
+    def locate_in_group(self, group, index) -> tuple[int, Any]:
+        """``locate`` of ``(group, index)``: the group must be static, a concrete index in range."""
+        static_group = concrete_index(group)
+        if static_group is None:
+            raise TypeError(
+                "the group of a (group, index) layer_idx must be a static int; only the index may be traced"
+            )
+        if not 0 <= static_group < self.period:
+            raise IndexError(f"group {group} out of range: this cache repeats a pattern of {self.period} layers")
+        concrete = concrete_index(index)
+        if concrete is None:
+            return static_group, index
+        count = self.groups[static_group].lengths.shape[0]
+        if not 0 <= concrete < count:
+            raise IndexError(f"index {index} out of range: group {static_group} holds {count} layers")
+        return static_group, concrete
 
     def update(self, layer_idx, keys, values, positions=None) -> tuple[Cache, KVView]:
         """Store new K/V ``[B, H_kv, T, D]`` of a layer; return what attention reads.
@@ -392,7 +457,7 @@ class Cache:
         query sees the cache exactly as it would decoding token by token; None when any
         number may (only quantized layers with a residual limit it; see
         ``QuantizedLayer.exact_chunk_lengths``). Speculative verification stays within it."""
-        limits = [g.exact_chunk_lengths for g in self.groups if getattr(g, "exact_chunk_lengths", None) is not None]
+        limits = [limit for limit in (g.exact_chunk_lengths() for g in self.groups) if limit is not None]
         return jnp.min(jnp.stack([jnp.min(limit, axis=0) for limit in limits]), axis=0) if limits else None
 
     @property
@@ -414,7 +479,7 @@ class Cache:
 
     def grow(self, capacity: int) -> Cache:
         """Growing layers with room for ``capacity`` tokens (never shrinks; others unchanged)."""
-        return self.replace(groups=tuple(g.grow(capacity) if hasattr(g, "grow") else g for g in self.groups))
+        return self.replace(groups=tuple(g.grow(capacity) for g in self.groups))
 
     # --- batch and time edits -----------------------------------------------------
     def reorder(self, beam_indices) -> Cache:
@@ -440,19 +505,13 @@ class Cache:
     def rollback(self, num_tokens) -> Cache:
         """Forget the last ``num_tokens`` (int or ``[B]``) of each row in every layer.
 
-        Eagerly, more than ``max_rollback`` is an error. Under jit the count is clamped to
-        ``max_rollback`` (and to each row's length) so all layers stay in step; feed the
-        tokens again at the positions ``next_positions`` gives.
+        Eagerly, more than ``max_rollback``, or more than a row's ``rollback_budget`` in some
+        layer (rollbacks without a feed in between share a ring's or a linear state's budget),
+        is an error naming the fix. Under jit the count is clamped to the smallest budget of
+        every layer (and to each row's length), so all layers undo the same count and stay in
+        step; feed the tokens again at the positions ``next_positions`` gives.
         """
-        n = jnp.asarray(num_tokens, jnp.int32)
-        for group in self.groups:  # eager checks, with the layer's own message
-            check_rollback(first_entry_shapes(group), n)
-        budget = self.max_rollback
-        if budget is not None:
-            n = jnp.minimum(n, budget)
-        for group in self.groups:  # per-row budgets (linear states): every layer undoes the same count
-            if hasattr(group, "rollback_budget"):
-                n = limit_rollback(type(group).__name__, jnp.min(group.rollback_budget, axis=0), n)
+        n = functools.reduce(jnp.minimum, [limit_rollback(group, num_tokens, self.lengths) for group in self.groups])
         return self._map_layers(lambda layer: layer.rollback(n))
 
     def reset(self) -> Cache:
@@ -472,15 +531,8 @@ class Cache:
             leaf = jax.tree.leaves(layer)[0]
             per_layer = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
             rows.append(
-                f"  {i:>3} {kind:<18} {type(layer).__name__:<19} {_layer_detail(layer):<14} "
+                f"  {i:>3} {kind:<18} {type(layer).__name__:<19} {layer.describe():<14} "
                 f"{str(list(leaf.shape)):<18} {str(leaf.dtype):<9} {human_bytes(per_layer):>10}"
             )
         return "\n".join(rows)
-
-
-def _layer_detail(layer) -> str:
-    parts = [f"{name}={getattr(layer, name)}" for name in ("window", "chunk") if getattr(layer, name, None)]
-    if getattr(layer, "rollback_slots", 0):
-        parts.append(f"R={layer.rollback_slots}")
-    return " ".join(parts) or "-"
 

@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.cache import Cache
-from jaxkv.protocol import KVView, MaskInfo, is_traced
+from jaxkv.protocol import KVView, MaskInfo, check_array, is_traced
 from jaxkv.sizing import human_bytes
 
 
@@ -92,18 +92,10 @@ class EncoderDecoderCache:
         marks padding with negative values. Shapes and dtype must be the ones the cache
         was built with (checked at trace time)."""
         encoder_positions = jnp.asarray(encoder_positions)
+        caller, layout = "EncoderDecoderCache.with_cross_attention", ("L", "B", "H_kv", "S_enc", "D")
         for what, x in (("keys", keys), ("values", values)):
-            if x.shape != self.cross_keys.shape:
-                raise ValueError(
-                    f"EncoderDecoderCache.with_cross_attention: {what} has shape {tuple(x.shape)}, expected "
-                    f"[L, B, H_kv, S_enc, D] = {list(self.cross_keys.shape)} as the cache was built; build it with "
-                    f"encoder_length={x.shape[3] if x.ndim == 5 else '...'} or pad the encoder input"
-                )
-            if x.dtype != self.cross_keys.dtype:
-                raise TypeError(
-                    f"EncoderDecoderCache.with_cross_attention: {what} dtype {x.dtype} differs from the cache dtype "
-                    f"{self.cross_keys.dtype}; cast them or build the cache with dtype={x.dtype}"
-                )
+            fix = f"; build it with encoder_length={x.shape[3] if x.ndim == 5 else '...'} or pad the encoder input"
+            check_array(caller, what, x, layout, self.cross_keys.shape, self.cross_keys.dtype, fix)
         if encoder_positions.shape != self.encoder_positions.shape:
             raise ValueError(
                 f"EncoderDecoderCache.with_cross_attention: encoder_positions has shape "

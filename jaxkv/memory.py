@@ -5,33 +5,61 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache import Cache, layer_types_of
-from jaxkv.layers.dynamic import DynamicLayer
+from jaxkv.cache import LAYER_TYPES, Cache, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
 from jaxkv.layers.linear import LinearAttentionLayer
-from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
-from jaxkv.layers.static import StaticLayer
-from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.layers.quantized import QuantSpec
 from jaxkv.sizing import bucket
 
-# (layer type, full-attention kind) -> the class that stores it, for formulas and tables.
-LAYER_CLASSES = {
-    ("full_attention", "static"): StaticLayer,
-    ("full_attention", "dynamic"): DynamicLayer,
-    ("sliding_attention", None): SlidingWindowLayer,
-    ("chunked_attention", None): ChunkedLayer,
-    ("cross_attention", None): EncoderDecoderCache,
-    ("linear_attention", None): LinearAttentionLayer,
-    ("conv", None): LinearAttentionLayer,
-    ("full_attention", "quantized"): QuantizedLayer,
-}
+# (layer type, kind, class): the class that stores a layer type, of that full-attention kind
+# ('static', 'dynamic', 'quantized'; None for a type with one storage).
+StorageRow = tuple[str, str | None, type]
+
+# Cross-attention K/V live in an EncoderDecoderCache next to a Cache: no Cache layer type.
+CROSS_ATTENTION: StorageRow = ("cross_attention", None, EncoderDecoderCache)
 
 
-def layer_class(layer_type: str, full_attention: str = "static"):
-    key = (layer_type, full_attention if layer_type == "full_attention" else None)
-    if key not in LAYER_CLASSES:
-        raise ValueError(f"no memory formula for layer type {layer_type!r}; known: {sorted({k[0] for k in LAYER_CLASSES})}")
-    return LAYER_CLASSES[key]
+def storage_rows() -> list[StorageRow]:
+    """Every storage with a byte formula: ``cache.LAYER_TYPES``' classes, their quantized class
+    (once, under the first type that has it) and cross-attention's. In the table's order: K/V
+    at the cache dtype (self-, then cross-attention), fixed-size states, quantized K/V."""
+    rows = [(name, kind, cls) for name, layer_type in LAYER_TYPES.items() for kind, cls in layer_type.storage.items()]
+    first_with = {}
+    for name, layer_type in LAYER_TYPES.items():
+        first_with.setdefault(layer_type.quantized, name)
+    rows += [(name, "quantized", cls) for cls, name in first_with.items() if cls is not None]
+    rows.append(CROSS_ATTENTION)
+    return sorted(rows, key=_table_section)
+
+
+def _table_section(row: StorageRow) -> int:
+    _, kind, cls = row
+    return 2 if kind == "quantized" else 1 if issubclass(cls, LinearAttentionLayer) else 0
+
+
+def layer_class(layer_type: str, full_attention: str = "static") -> type:
+    """The class storing ``layer_type``; ``full_attention`` picks among a type's kinds."""
+    kinds = {kind: cls for name, kind, cls in storage_rows() if name == layer_type}
+    cls = kinds.get(full_attention) if len(kinds) > 1 else next(iter(kinds.values()), None)
+    if cls is None:
+        known = sorted({name for name, _, _ in storage_rows()})
+        raise ValueError(f"no memory formula for layer type {layer_type!r}; known: {known}")
+    return cls
+
+
+def quantized_class(layer_type: str, full_attention: str, quantization: QuantSpec | None) -> type | None:
+    """The class storing ``layer_type`` under ``quantization`` (None without one)."""
+    if quantization is None:
+        if full_attention == "quantized":
+            raise ValueError(
+                "full_attention='quantized' needs quantization=QuantSpec(...) to size its codes and scales"
+            )
+        return None
+    cls = LAYER_TYPES[layer_type].quantized if layer_type in LAYER_TYPES else None
+    if cls is None:
+        quantizable = " and ".join(name for name, t in LAYER_TYPES.items() if t.quantized is not None)
+        raise ValueError(f"quantization covers {quantizable} layers, not {layer_type!r}")
+    return cls
 
 
 def layer_bytes(
@@ -54,13 +82,11 @@ def layer_bytes(
     ``linear_state``: ``conv_width``, ``conv_channels``, ``state_shapes`` of a
     linear-attention or conv layer (its bytes do not depend on ``seq_len``). ``quantization``:
     a ``QuantSpec`` for full or sliding attention stored quantized."""
-    if quantization is not None:  # full or sliding attention stored quantized
-        if layer_type not in ("full_attention", "sliding_attention"):
-            raise ValueError(f"quantization covers full_attention and sliding_attention layers, not {layer_type!r}")
+    cls = quantized_class(layer_type, full_attention, quantization)
+    if cls is None:
+        cls = layer_class(layer_type, full_attention)
+    else:
         linear_state["quantization"] = quantization
-    elif full_attention == "quantized":
-        raise ValueError("full_attention='quantized' needs quantization=QuantSpec(...) to size its codes and scales")
-    cls = QuantizedLayer if quantization is not None else layer_class(layer_type, full_attention)
     return cls.kv_bytes(
         batch_size, seq_len, num_kv_heads, head_dim, dtype,
         span=window if layer_type == "sliding_attention" else chunk, rollback_slots=rollback_slots, **linear_state,
@@ -81,7 +107,7 @@ def cache_bytes(config, batch_size: int, seq_len: int, dtype=jnp.bfloat16, **cac
 def formula_table() -> str:
     """Markdown: each layer type, its class and its memory formula."""
     rows = ["| layer type | class | stores | bytes per layer |", "|---|---|---|---|"]
-    for (layer_type, kind), cls in LAYER_CLASSES.items():
+    for layer_type, kind, cls in storage_rows():
         name = layer_type + (f" ({kind})" if kind else "")
         stores = (cls.__doc__ or "").strip().splitlines()[0].rstrip(".")
         rows.append(f"| `{name}` | `{cls.__name__}` | {stores} | `{cls.MEMORY_FORMULA}` |")

@@ -35,6 +35,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pydantic
 import safetensors
 import safetensors.numpy
 from flax import nnx
@@ -46,7 +47,7 @@ FINGERPRINT_VALUES = 4096
 def model_identity(model: nnx.Module) -> dict:
     """The model class, its config as JSON-able data and a fingerprint of its weights."""
     config = model.config
-    if hasattr(config, "model_dump"):
+    if isinstance(config, pydantic.BaseModel):
         config = config.model_dump(mode="json")
     elif dataclasses.is_dataclass(config):
         config = dataclasses.asdict(config)
@@ -154,6 +155,32 @@ def _config_differences(saved: dict, current: dict) -> str:
     return ", ".join(f"{k}: file {saved.get(k)!r} vs model {current.get(k)!r}" for k in keys[:8])
 
 
+def _check_model(path: Path, saved: dict, current: dict) -> None:
+    """The file's model identity must be the loading model's: class, config and weights."""
+    if saved["class"] != current["class"] or saved["config"] != current["config"]:
+        raise ValueError(
+            f"{path}: the cache was saved for a {saved['class']} with another config than this "
+            f"{current['class']} ({_config_differences(saved['config'], current['config'])}); "
+            f"load it with the model it was saved for, or prefill again"
+        )
+    if saved["weights"] != current["weights"]:
+        raise ValueError(
+            f"{path}: the cache was saved for a model with the same config but other weights, or the same "
+            f"weights in another dtype (fingerprint {saved['weights'][:12]} vs {current['weights'][:12]}); its "
+            f"K/V do not apply here, prefill again with this model"
+        )
+
+
+def _check_layer_types(path: Path, file_types: list[str], model_types: list[str]) -> None:
+    if file_types != model_types:
+        first = next((i for i, (a, b) in enumerate(zip(file_types, model_types)) if a != b), None)
+        where = f"; first at layer {first}: {file_types[first]} vs {model_types[first]}" if first is not None else ""
+        raise ValueError(
+            f"{path}: the file's layer types differ from the model's ({len(file_types)} vs {len(model_types)} "
+            f"layers{where}); this cache cannot serve this model, prefill again"
+        )
+
+
 def load_cache(path: str | Path, model: nnx.Module):
     """Read a cache saved by ``save_cache`` for ``model``; returns ``(cache, tokens or None)``.
 
@@ -170,30 +197,9 @@ def load_cache(path: str | Path, model: nnx.Module):
                 f"{path}: not a jaxkv cache file of format {FORMAT} (found {metadata.get('jaxkv.format')!r}); "
                 f"write it with jaxkv.persist.save_cache"
             )
-        saved, current = json.loads(metadata["jaxkv.model"]), model_identity(model)
-        if saved["class"] != current["class"] or saved["config"] != current["config"]:
-            raise ValueError(
-                f"{path}: the cache was saved for a {saved['class']} with another config than this "
-                f"{current['class']} ({_config_differences(saved['config'], current['config'])}); "
-                f"load it with the model it was saved for, or prefill again"
-            )
-        if saved["weights"] != current["weights"]:
-            raise ValueError(
-                f"{path}: the cache was saved for a model with the same config but other weights, or the same "
-                f"weights in another dtype (fingerprint {saved['weights'][:12]} vs {current['weights'][:12]}); its "
-                f"K/V do not apply here, prefill again with this model"
-            )
-        file_types = json.loads(metadata["jaxkv.layer_types"])
+        _check_model(path, json.loads(metadata["jaxkv.model"]), model_identity(model))
         model_types = list(jax.eval_shape(lambda: model.init_cache(1, 16)).layer_types)
-        if file_types != model_types:
-            first = next((i for i, (a, b) in enumerate(zip(file_types, model_types)) if a != b), None)
-            where = (
-                f"; first at layer {first}: {file_types[first]} vs {model_types[first]}" if first is not None else ""
-            )
-            raise ValueError(
-                f"{path}: the file's layer types differ from the model's ({len(file_types)} vs {len(model_types)} "
-                f"layers{where}); this cache cannot serve this model, prefill again"
-            )
+        _check_layer_types(path, json.loads(metadata["jaxkv.layer_types"]), model_types)
         cache = _build(json.loads(metadata["jaxkv.structure"]), tensors, path)
     tokens = json.loads(metadata["jaxkv.tokens"]) if "jaxkv.tokens" in metadata else None
     return cache, tokens

@@ -25,15 +25,24 @@ container reorder beams and select or repeat rows generically (``gather_rows``) 
 knowing the storage. A layer whose storage is not batch-major (a paged pool indexed
 through a block table) overrides ``gather_rows``.
 
+Rollback: ``rollback(n)`` forgets each row's last n tokens. ``max_rollback`` bounds one
+call; ``rollback_budget`` says what each row has left where rollbacks without a feed in
+between share one budget (rings, linear-attention states). Eagerly asking for more is an
+error naming the fix; under jit the count is clamped (``limit_rollback``), and the
+container clamps every layer alike so that all stay in step.
+
 The protocol also admits layers without per-token K/V (a linear-attention layer carries
 a conv and a recurrent state and returns no ``KVView``), quantized storage (the update
 dequantizes what it returns), and paged storage (``kv_positions`` come from the block
-table): the container only calls the methods below.
+table): the container only calls the methods of ``CacheLayer``, whose defaults serve a
+layer without the capability (no growth, no overflow, no linear state, ...).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Self, runtime_checkable
+import abc
+from collections.abc import Callable
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -107,42 +116,108 @@ class KVView(struct.PyTreeNode):
         return iter((self.keys, self.values, self.mask_info))
 
 
-@runtime_checkable
-class CacheLayer(Protocol):
-    """One layer's storage strategy. See the module docstring for the contract."""
+class CacheLayer(abc.ABC):
+    """One layer's storage strategy: every method and property the container calls, with the
+    default a layer gets when it lacks the capability. See the module docstring for the contract.
 
-    lengths: jax.Array  # [B] int32: tokens seen by each row (absolute count, not slots)
+    A layer implements ``rollback``, ``reset``, ``gather_rows``, ``max_length`` and
+    ``max_rollback``, plus ``update_entry`` (attention K/V) or ``update_state_entry``
+    (linear-attention state) or both. ``update`` and ``update_state`` apply those to the layer
+    as entry 0 of a stack of one.
+    """
 
-    def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]: ...
+    lengths: jax.Array  # [B] int32 ([L, B] stacked): tokens seen by each row (absolute count, not slots)
+
+    # --- updates --------------------------------------------------------------------------
+    def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
+        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; see the module docstring."""
+        return self.as_entry_zero(type(self).update_entry, keys, values, positions)
 
     def update_entry(self, index, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
         """``update`` of entry ``index`` of a stacked layer (leaves ``[L, ...]``), in place."""
+        raise TypeError(
+            f"{type(self).__name__} stores no attention K/V: feed it with update_state (Cache.update_state); "
+            f"Cache.update feeds attention layers (full, sliding, chunked, hybrid)"
+        )
 
-    def rollback(self, num_tokens: jax.Array | int) -> Self: ...
+    def update_state(self, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None) -> tuple[Self, Any]:
+        """``update_state_entry`` of a single layer; see ``jaxkv.layers.linear``."""
+        return self.as_entry_zero(type(self).update_state_entry, conv_inputs, positions, conv_fn, step_fn)
 
-    def reset(self) -> Self: ...
+    def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
+        """Feed a linear-attention state of entry ``index`` of a stacked layer; see ``jaxkv.layers.linear``."""
+        raise TypeError(
+            f"{type(self).__name__} holds no linear-attention state: feed its K/V with update (Cache.update); "
+            f"update_state feeds linear_attention, conv and hybrid layers"
+        )
 
-    def gather_rows(self, indices: jax.Array) -> Self: ...
+    def as_entry_zero(self, entry_method: Callable, *args) -> tuple[Self, Any]:
+        """``entry_method(stack, 0, *args)`` on this layer as a stack of one; returns the layer and the result."""
+        stack, result = entry_method(jax.tree.map(lambda leaf: leaf[None], self), 0, *args)
+        return jax.tree.map(lambda leaf: leaf[0], stack), result
 
+    # --- batch and time edits ---------------------------------------------------------------
+    @abc.abstractmethod
+    def rollback(self, num_tokens: jax.Array | int) -> Self:
+        """Forget the last ``num_tokens`` (int or ``[B]``) of each row; see ``limit_rollback``."""
+
+    @abc.abstractmethod
+    def reset(self) -> Self:
+        """Empty every row, keeping shapes."""
+
+    @abc.abstractmethod
+    def gather_rows(self, indices: jax.Array) -> Self:
+        """Rows ``indices`` ``[B']``: beam reorder, select and repeat."""
+
+    # --- capacity and footprint -------------------------------------------------------------
     @property
+    @abc.abstractmethod
     def max_length(self) -> int | None:
         """Longest sequence a row can hold before it overflows; None if unbounded."""
 
     @property
+    @abc.abstractmethod
     def max_rollback(self) -> int | None:
-        """Most tokens ``rollback`` can undo; None if it can undo the whole sequence."""
+        """Most tokens one ``rollback`` can undo; None if it can undo the whole sequence."""
 
     @property
-    def nbytes(self) -> int: ...
+    def rollback_budget(self) -> jax.Array | None:
+        """``[B]`` (``[L, B]`` stacked) tokens each row can still undo, None when unbounded. A layer
+        without a history of rollbacks: ``max_rollback`` per call."""
+        return None if self.max_rollback is None else jnp.full(self.lengths.shape, self.max_rollback, jnp.int32)
+
+    def rollback_hint(self, num_tokens: int) -> str:
+        """How to build a cache that can undo ``num_tokens`` (for the rollback error): a ring's rule."""
+        return (
+            f"build the cache with rollback_slots >= {num_tokens - 1} (a ring of window + rollback_slots slots "
+            f"undoes rollback_slots + 1)"
+        )
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """``[B]`` bool: rows written past the storage under jit (tokens were dropped)."""
+        return jnp.zeros(self.lengths.shape, bool)
+
+    def exact_chunk_lengths(self) -> jax.Array | None:
+        """``[B]`` (``[L, B]`` stacked): the most tokens the next update of each row may bring and
+        still show every query what token-by-token decoding would; None when any number may."""
+        return None
+
+    def grow(self, capacity: int) -> Self:
+        """The layer with room for ``capacity`` tokens; a layer that does not grow is unchanged."""
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
+
+    def describe(self) -> str:
+        """The detail column of ``Cache``'s repr (span, rollback slots); '-' when there is none."""
+        return "-"
 
 
-class BatchMajorLayer:
-    """Shared behaviour of layers whose every array leaf is batch-major."""
-
-    def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
-        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; see the module docstring."""
-        stack, view = jax.tree.map(lambda leaf: leaf[None], self).update_entry(0, keys, values, positions)
-        return jax.tree.map(lambda leaf: leaf[0], stack), view
+class BatchMajorLayer(CacheLayer):
+    """A layer whose every array leaf is batch-major: rows are gathered leaf by leaf."""
 
     def gather_rows(self, indices: jax.Array) -> Self:
         """Rows ``indices`` ``[B']`` of every leaf: beam reorder, select and repeat."""
@@ -150,12 +225,56 @@ class BatchMajorLayer:
         return jax.tree.map(lambda leaf: jnp.take(leaf, indices, axis=0), self)
 
     @property
-    def nbytes(self) -> int:
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
-
-    @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
+
+
+class PositionalLayer(BatchMajorLayer):
+    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention)."""
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[-2]
+
+    def write(self, index, keys, values, positions):
+        """Write tokens at slot = position in entry ``index``; return its whole buffer.
+
+        Slots at or past a row's length hold nothing visible (``kv_positions`` -1), so
+        tokens left behind by a rollback never leak.
+        """
+        slots = jnp.where(positions >= 0, positions, self.capacity)
+        lengths = lengths_after(entry(self.lengths, index), positions)
+        new = self.replace(
+            keys=write_slots(self.keys, index, keys, slots),
+            values=write_slots(self.values, index, values, slots),
+            lengths=self.lengths.at[index].set(lengths),
+        )
+        slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
+        kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
+        used = jnp.minimum(jnp.max(lengths), self.capacity)
+        return new, KVView(new.keys, new.values, index, MaskInfo(kv_positions, slots_used=used))
+
+    @property
+    def max_rollback(self) -> None:
+        return None
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """``[B]`` bool: rows written past the buffer under jit (those tokens were dropped)."""
+        return self.lengths > self.capacity
+
+    def rollback(self, num_tokens):
+        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
+
+    def reset(self):
+        return jax.tree.map(jnp.zeros_like, self)
+
+
+def describe_extent(rollback_slots: int, **span: int | None) -> str:
+    """``describe`` of a layer with an optional span (``window=4``) and rollback slots (``R=2``)."""
+    parts = [f"{name}={value}" for name, value in span.items() if value]
+    parts += [f"R={rollback_slots}"] if rollback_slots else []
+    return " ".join(parts) or "-"
 
 
 def is_traced(*xs) -> bool:
@@ -186,27 +305,34 @@ def write_slots(buffer: jax.Array, index, new: jax.Array, slots: jax.Array) -> j
     return buffer.at[index, rows, :, slots].set(jnp.swapaxes(new, 1, 2), mode="drop")
 
 
+def check_array(caller: str, what: str, x: jax.Array, layout: tuple[str, ...], expected: tuple, dtype, fix: str = ""):
+    """``x`` must have the ``expected`` shape (None: any size along that axis of ``layout``, e.g.
+    ``("B", "H_kv", "T", "D")``) and ``dtype``, the cache's; the errors name ``caller``, ``what``
+    was passed and, after the shape error, ``fix``."""
+    if x.ndim != len(expected) or any(want is not None and size != want for size, want in zip(x.shape, expected)):
+        sizes = ", ".join(name if want is None else str(want) for name, want in zip(layout, expected))
+        raise ValueError(
+            f"{caller}: {what} has shape {tuple(x.shape)}, expected [{', '.join(layout)}] = [{sizes}] as the "
+            f"cache was built{fix}"
+        )
+    if x.dtype != dtype:
+        raise TypeError(
+            f"{caller}: {what} dtype {x.dtype} differs from the cache dtype {dtype}; cast them or build the cache "
+            f"with dtype={x.dtype}"
+        )
+
+
 def check_update_inputs(stack, index, keys: jax.Array, values: jax.Array, positions) -> jax.Array:
     """Shape and dtype checks (always, at trace time) and position checks (eagerly) for an
     update of entry ``index`` of a stacked layer whose ``keys`` are ``[L, B, H_kv, S, D]``.
     Returns the positions as int32."""
-    name = type(stack).__name__
-    positions = jnp.asarray(positions)
-    expected = (stack.keys.shape[1], stack.keys.shape[2], None, stack.keys.shape[4])
+    caller = f"{type(stack).__name__}.update"
+    _, batch, heads, _, dim = stack.keys.shape
     for what, x in (("keys", keys), ("values", values)):
-        if x.ndim != 4 or x.shape[0] != expected[0] or x.shape[1] != expected[1] or x.shape[3] != expected[3]:
-            raise ValueError(
-                f"{name}.update: {what} has shape {tuple(x.shape)}, expected [B, H_kv, T, D] = "
-                f"[{expected[0]}, {expected[1]}, T, {expected[3]}] as the cache was built"
-            )
-        if x.dtype != stack.keys.dtype:
-            raise TypeError(
-                f"{name}.update: {what} dtype {x.dtype} differs from the cache dtype "
-                f"{stack.keys.dtype}; cast them or build the cache with dtype={x.dtype}"
-            )
+        check_array(caller, what, x, ("B", "H_kv", "T", "D"), (batch, heads, None, dim), stack.keys.dtype)
     if keys.shape != values.shape:
-        raise ValueError(f"{name}.update: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
-    return check_positions(f"{name}.update", positions, (keys.shape[0], keys.shape[2]), stack.lengths, index)
+        raise ValueError(f"{caller}: keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
+    return check_positions(caller, positions, (keys.shape[0], keys.shape[2]), stack.lengths, index)
 
 
 def check_positions(caller: str, positions, shape: tuple[int, int], lengths_stack, index) -> jax.Array:
@@ -235,34 +361,65 @@ def check_positions(caller: str, positions, shape: tuple[int, int], lengths_stac
 
 
 def check_rollback(layer, num_tokens) -> None:
-    """Eager errors for a rollback request (int or ``[B]``); nothing when traced."""
-    n = np.asarray(num_tokens) if not is_traced(num_tokens) else None
-    if n is None:
+    """Eager errors for a rollback request (int or ``[B]``): a negative count, or more than
+    ``layer.max_rollback``; nothing when traced."""
+    if is_traced(num_tokens):
         return
-    name, budget = type(layer).__name__, layer.max_rollback
+    n, name, most = np.asarray(num_tokens), type(layer).__name__, layer.max_rollback
     if np.any(n < 0):
         raise ValueError(f"{name}.rollback: cannot roll back a negative count {n.tolist()}")
-    if budget is not None and np.any(n > budget):
-        # A layer whose budget is not a ring's rollback_slots + 1 says how to size it (linear states).
-        fix = (
-            layer.rollback_hint(int(np.max(n)))
-            if hasattr(layer, "rollback_hint")
-            else f"build the cache with rollback_slots >= {np.max(n) - 1} (a ring of window + rollback_slots slots "
-            f"undoes rollback_slots + 1)"
+    if most is not None and np.any(n > most):
+        raise ValueError(
+            f"{name}.rollback: asked to undo {np.max(n)} tokens but the layer can undo at most {most}; "
+            f"{layer.rollback_hint(int(np.max(n)))}"
         )
-        raise ValueError(f"{name}.rollback: asked to undo {np.max(n)} tokens but the layer can undo at most {budget}; {fix}")
 
 
-def clamp_rollback(layer, num_tokens) -> jax.Array:
-    """``num_tokens`` (int or ``[B]``) as a ``[B]`` vector, never below zero or past a row's start.
+def check_budget(layer, budget: jax.Array, num_tokens: jax.Array) -> None:
+    """Eagerly, an error naming the first row asked to undo more than its ``budget`` ``[B]``."""
+    if is_traced(budget, num_tokens):
+        return
+    over = np.flatnonzero(np.asarray(num_tokens) > np.asarray(budget))
+    if over.size:
+        row = int(over[0])
+        raise ValueError(
+            f"{type(layer).__name__}.rollback: row {row} can undo only {max(int(budget[row]), 0)} more token(s): "
+            f"rollbacks without a feed in between share one budget of {layer.max_rollback}; feed tokens between "
+            f"rollbacks, or build the cache with a larger rollback_slots"
+        )
 
-    Eagerly, asking for more than ``layer.max_rollback`` is an error; under jit the
-    request is clamped to it (the container documents this).
+
+def limit_rollback(layer, num_tokens, lengths: jax.Array) -> jax.Array:
+    """``num_tokens`` (int or ``[B]``) as the ``[B]`` counts every row of ``layer`` (a single layer,
+    or every entry of a stacked one) can undo, the rows being ``lengths`` ``[B]`` long.
+
+    Eagerly, a negative count, more than ``max_rollback`` or more than a row's
+    ``rollback_budget`` is an error naming the fix. Under jit the count is clipped to
+    ``[0, length]`` and to the row's budget instead: the documented clamp. The count becomes an
+    array first, so that under jit even a constant is clamped rather than checked.
     """
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
     check_rollback(layer, num_tokens)
-    n = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32), layer.lengths.shape)
-    n = jnp.clip(n, 0, layer.lengths)
-    return n if layer.max_rollback is None else jnp.minimum(n, layer.max_rollback)
+    n = jnp.clip(jnp.broadcast_to(num_tokens, lengths.shape), 0, lengths)
+    budget = layer.rollback_budget
+    if budget is None:
+        return n
+    budget = jnp.min(budget.reshape(-1, lengths.shape[0]), axis=0)  # stacked: each row's tightest entry
+    check_budget(layer, budget, n)
+    return jnp.minimum(n, jnp.maximum(budget, 0))
+
+
+def ring_rollback_budget(slot_positions: jax.Array, lengths: jax.Array, max_rollback: int) -> jax.Array:
+    """``[B]`` (``[L, B]`` stacked) tokens a ring row can still undo.
+
+    After undoing n tokens the next query needs the keys before position ``length - n``; the
+    ring holds the last N positions below its high water, the furthest position written plus
+    one (the largest of ``slot_positions`` ``[B, N]``: a re-fed position lands on its own slot).
+    So ``max_rollback`` counts from the high water, and rollbacks without a feed in between
+    share it.
+    """
+    high_water = jnp.max(slot_positions, axis=-1) + 1
+    return max_rollback - jnp.maximum(high_water - lengths, 0)
 
 
 def check_capacity(layer, positions, capacity: int) -> None:

@@ -35,9 +35,10 @@ import numpy as np
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
-from jaxkv import Cache, attention
+from jaxkv.attention import attention
+from jaxkv.cache import Cache
 from jaxkv.encoder_decoder import EncoderDecoderCache, bidirectional_view
-from jaxkv.models.params import checked_params, output_logits
+from jaxkv.models.common import at_logits_index, checked_params, output_logits
 
 # BART's learned position table starts 2 rows in (rows 0 and 1 are a fairseq leftover).
 POSITION_OFFSET = 2
@@ -131,8 +132,8 @@ def layer_shapes(config: BartConfig, side: str) -> dict[str, tuple[int, ...]]:
 
 
 def param_shapes(config: BartConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and shape (the LM head is the token embedding); per-layer ones are ``"{side}.{name}"`` with a
-    leading layer axis."""
+    """Every parameter's name and shape (the LM head is the token embedding); per-layer
+    ones are ``"{side}.{name}"`` with a leading layer axis."""
     d = config.d_model
     shapes = {"embed": (config.vocab_size, d), "logits_bias": (config.vocab_size,)}
     for side in SIDES:
@@ -318,8 +319,6 @@ class Bart(nnx.Module):
         weights = {name: p[...] for name, p in self.decoder_layers.items()}
         x = self.embed("decoder", tokens, positions)
         (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
         outer = {name: p[...] for name, p in self.embeddings.items()}
-        logits = output_logits(x, outer["embed"])
+        logits = output_logits(at_logits_index(x, logits_index), outer["embed"])
         return logits + outer["logits_bias"].astype(jnp.float32), cache

@@ -1,4 +1,5 @@
-"""Gemma 3 text decoder (e.g. Gemma 3 270M) in one readable file, built like ``jaxkv.models.llama``.
+"""Gemma 3 text decoder (e.g. Gemma 3 270M) in one readable file, built like ``jaxkv.models.llama``
+on the pieces of ``jaxkv.models.common``.
 
 Follow one token: ``embed * sqrt(hidden)`` -> for each layer: RMSNorm -> q/k/v projections
 -> per-head q/k RMSNorm -> RoPE (local base on sliding layers, global base on full ones) ->
@@ -29,9 +30,12 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
-from jaxkv import Cache, attention
-from jaxkv.models.llama import apply_rope
-from jaxkv.models.params import checked_params, output_logits
+from jaxkv.attention import attention
+from jaxkv.cache import Cache
+from jaxkv.models.common import (
+    Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_shapes, inverse_frequencies,
+    offset_rms_norm,
+)  # fmt: skip
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -59,28 +63,21 @@ class LayerRope(BaseModel):
     full_attention: RopeParameters = RopeParameters(rope_theta=1_000_000.0)
 
 
-class Gemma3Config(BaseModel):
+class Gemma3Config(DecoderConfig):
     """The fields of a HF ``Gemma3TextConfig`` (``config.json``) this model reads."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    vocab_size: PositiveInt
-    hidden_size: PositiveInt
-    intermediate_size: PositiveInt
-    num_hidden_layers: PositiveInt
-    num_attention_heads: PositiveInt
-    num_key_value_heads: PositiveInt
+    num_key_value_heads: PositiveInt  # required, and the defaults below, as Gemma3TextConfig writes them
     head_dim: PositiveInt = 256
-    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: PositiveInt = 131_072
+    bos_token_id: int | None = 2
+    eos_token_id: int | list[int] | None = 1
     rope_parameters: LayerRope = LayerRope()
     sliding_window: PositiveInt = 4096
     layer_types: tuple[str, ...]
     query_pre_attn_scalar: float = 256
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # not applied (see the module docstring)
-    tie_word_embeddings: bool = True
-    max_position_embeddings: PositiveInt = 131_072
-    bos_token_id: int | None = 2
-    eos_token_id: int | list[int] | None = 1
 
     @model_validator(mode="before")
     @classmethod
@@ -100,7 +97,9 @@ class Gemma3Config(BaseModel):
         if data.get("layer_types") is None:
             # Every `pattern`-th layer is global (Gemma 3: 6, i.e. 5 sliding : 1 full).
             pattern = data.get("sliding_window_pattern", data.get("_sliding_window_pattern", 6))
-            data["layer_types"] = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(data["num_hidden_layers"])]
+            data["layer_types"] = [
+                FULL if (i + 1) % pattern == 0 else SLIDING for i in range(data["num_hidden_layers"])
+            ]
         unknown = set(data["layer_types"]) - {SLIDING, FULL}
         if unknown:
             raise ValueError(f"Gemma 3 layer types {sorted(unknown)} are not supported (sliding/full attention only)")
@@ -108,34 +107,20 @@ class Gemma3Config(BaseModel):
             raise ValueError(f"{len(data['layer_types'])} layer_types for {data['num_hidden_layers']} layers")
         activation = data.get("hidden_activation") or data.get("hidden_act") or "gelu_pytorch_tanh"
         if activation != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_activation {activation!r} is not supported by jaxkv.models.gemma3 (gelu tanh only)")
+            raise ValueError(
+                f"hidden_activation {activation!r} is not supported by jaxkv.models.gemma3 (gelu tanh only)"
+            )
         if data.get("attention_bias"):
             raise ValueError("attention_bias=True is not supported by jaxkv.models.gemma3")
         if data.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention=True is not supported by jaxkv.models.gemma3 (causal only)")
         return data
 
-    # Names jaxkv.models.llama's config uses, so shared code (cache building, generate) reads both.
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim
-
 
 def rope_frequencies(rope: RopeParameters, head_dim: int) -> jax.Array:
     """Inverse frequencies ``[D/2]`` of one layer type."""
-    inv_freq = 1.0 / rope.rope_theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = inverse_frequencies(rope.rope_theta, head_dim)
     return inv_freq / rope.factor if rope.rope_type == "linear" else inv_freq
-
-
-def gemma_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm of the last axis, scaled by ``1 + weight``, in float32 (as transformers does)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def layer_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
@@ -151,40 +136,18 @@ def layer_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
 
 def param_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape; per-layer ones carry a leading layer axis."""
-    shapes = {"embed": (config.vocab_size, config.hidden_size), "norm": (config.hidden_size,)}
-    shapes |= {name: (config.num_hidden_layers, *shape) for name, shape in layer_shapes(config).items()}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
-    return shapes
+    return decoder_param_shapes(config, layer_shapes(config))
 
 
-class Gemma3(nnx.Module):
+class Gemma3(Decoder):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
     def __init__(self, config: Gemma3Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
         leading layer axis, ``x @ w`` layout, norms as ``w`` of ``1 + w``); random if None."""
-        self.config = config
         params = checked_params("Gemma3", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=0.0)
-        self.embed = nnx.Param(jnp.asarray(params["embed"]))
+        super().__init__(config, params)
         self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
-        self.norm = nnx.Param(jnp.asarray(params["norm"]))
-        self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
-
-    def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
-        """A stacked cache for this model; ``cache_kwargs`` go to ``Cache.from_layer_types``."""
-        config = self.config
-        return Cache.from_layer_types(
-            config.layer_types,
-            batch_size=batch_size,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            max_length=max_length,
-            sliding_window=config.sliding_window,
-            dtype=cache_kwargs.pop("dtype", self.embed[...].dtype),
-            stacked=True,
-            **cache_kwargs,
-        )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
@@ -194,29 +157,29 @@ class Gemma3(nnx.Module):
         head (an early-exit draft for self-speculative decoding); later layers' cache
         entries are left as they were."""
         config = self.config
-        depth = config.num_hidden_layers if num_layers is None else num_layers
-        if not 1 <= depth <= config.num_hidden_layers:
-            raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
+        depth = check_num_layers(config, num_layers)
         batch, length = tokens.shape
         eps = config.rms_norm_eps
-        inv_freq = {kind: rope_frequencies(getattr(config.rope_parameters, kind), config.head_dim) for kind in (SLIDING, FULL)}
+        inv_freq = {
+            kind: rope_frequencies(getattr(config.rope_parameters, kind), config.head_dim) for kind in (SLIDING, FULL)
+        }
         scale = config.query_pre_attn_scalar**-0.5
         heads = lambda t, n: t.reshape(batch, length, n, config.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
 
         def decoder_layer(x, cache, w, group, index):
             """Layer ``index * period + group``: ``group`` static (its kind), ``index`` may be traced."""
             kind = config.layer_types[group]
-            h = gemma_rms_norm(x, w["attn_norm"], eps)
-            q = gemma_rms_norm(heads(h @ w["wq"], config.num_attention_heads), w["q_norm"], eps)
-            k = gemma_rms_norm(heads(h @ w["wk"], config.num_key_value_heads), w["k_norm"], eps)
+            h = offset_rms_norm(x, w["attn_norm"], eps)
+            q = offset_rms_norm(heads(h @ w["wq"], config.num_attention_heads), w["q_norm"], eps)
+            k = offset_rms_norm(heads(h @ w["wk"], config.num_key_value_heads), w["k_norm"], eps)
             q, k = apply_rope(q, positions, inv_freq[kind]), apply_rope(k, positions, inv_freq[kind])
             cache, kv = cache.update((group, index), k, heads(h @ w["wv"], config.num_key_value_heads), positions)
             out = attention(q, kv, positions, scale=scale)
             out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
-            x = x + gemma_rms_norm(out, w["post_attn_norm"], eps)
-            h = gemma_rms_norm(x, w["mlp_norm"], eps)
+            x = x + offset_rms_norm(out, w["post_attn_norm"], eps)
+            h = offset_rms_norm(x, w["mlp_norm"], eps)
             h = (jax.nn.gelu(h @ w["w_gate"], approximate=True) * (h @ w["w_up"])) @ w["w_down"]
-            return x + gemma_rms_norm(h, w["post_mlp_norm"], eps), cache
+            return x + offset_rms_norm(h, w["post_mlp_norm"], eps), cache
 
         # Embeddings are scaled by sqrt(hidden) rounded to the weights' dtype, as transformers does.
         embed = self.embed[...]
@@ -239,11 +202,14 @@ class Gemma3(nnx.Module):
             layer = repeats * period + group
             x, cache = decoder_layer(x, cache, {name: w[layer] for name, w in weights.items()}, group, repeats)
 
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
-        x = gemma_rms_norm(x, self.norm[...], eps)
-        logits = output_logits(x, embed, None if self.lm_head is None else self.lm_head[...])
+        logits = self.head(x, logits_index, offset_rms_norm)
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping
             logits = cap * jnp.tanh(logits / cap)
         return logits, cache
+
+    def early_exit(
+        self, tokens: jax.Array, positions: jax.Array, cache: Cache, num_layers: int
+    ) -> tuple[jax.Array, Cache]:
+        """Logits of the first ``num_layers`` layers and the updated cache: the draft of self-speculative decoding."""
+        return self(tokens, positions, cache, num_layers=num_layers)

@@ -10,6 +10,9 @@ carry (``cache.update(i, ...)`` writes layer i's slice in place), never as ``xs`
 which would rewrite the whole cache every step. ``weight_layout="out_in"`` keeps each
 matrix as PyTorch stores it (``[out, in]``, applied as ``x @ w.T``): the layout in which
 XLA's CPU backend reads a scanned layer's weights in place when one row decodes.
+
+What every decoder here shares (RMSNorm, RoPE, the parameter checks, the embedding, final
+norm and LM head around the layers, ``init_cache``) is in ``jaxkv.models.common``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from jaxkv import Cache, attention
-from jaxkv.models.params import checked_params, output_logits
+from jaxkv.attention import attention
+from jaxkv.cache import Cache
+from jaxkv.models.common import (
+    Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_shapes, inverse_frequencies,
+    rms_norm,
+)  # fmt: skip
 
 
 class RopeScaling(BaseModel):
@@ -36,28 +43,17 @@ class RopeScaling(BaseModel):
     original_max_position_embeddings: int = 8192
 
 
-class LlamaConfig(BaseModel):
+class LlamaConfig(DecoderConfig):
     """The fields of a HF ``config.json`` this model reads (others are ignored)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    vocab_size: PositiveInt
-    hidden_size: PositiveInt
-    intermediate_size: PositiveInt
-    num_hidden_layers: PositiveInt
-    num_attention_heads: PositiveInt
-    num_key_value_heads: PositiveInt | None = None
-    head_dim: PositiveInt | None = None
     rms_norm_eps: float = 1e-5
+    max_position_embeddings: PositiveInt = 2048
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling | None = None
-    tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 sets qkv_bias through its model type
     sliding_window: PositiveInt | None = None
     use_sliding_window: bool = True
-    max_position_embeddings: PositiveInt = 2048
     layer_types: tuple[str, ...] | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -80,19 +76,10 @@ class LlamaConfig(BaseModel):
             raise ValueError(f"hidden_act {data['hidden_act']!r} is not supported by jaxkv.models.llama (silu only)")
         return data
 
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
-
 
 def rope_frequencies(config: LlamaConfig) -> jax.Array:
     """Inverse frequencies ``[D/2]``, with the config's RoPE scaling applied."""
-    dim = config.dim_per_head
-    inv_freq = 1.0 / config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+    inv_freq = inverse_frequencies(config.rope_theta, config.dim_per_head)
     scaling = config.rope_scaling
     if scaling is None or scaling.rope_type == "default":
         return inv_freq
@@ -110,20 +97,6 @@ def rope_frequencies(config: LlamaConfig) -> jax.Array:
         scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
         return jnp.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), blended, scaled)
     raise ValueError(f"rope_scaling type {scaling.rope_type!r} is not supported; use default, linear or llama3")
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotate ``x`` ``[B, H, T, D]`` at ``positions`` ``[B, T]`` (HF's rotate-half layout)."""
-    angles = positions[:, None, :, None].astype(jnp.float32) * inv_freq
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
 # Per-layer weight names and shapes (without the leading layer axis); x @ w layout.
@@ -144,14 +117,10 @@ LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape; per-layer ones carry a leading layer axis."""
-    shapes = {"embed": (config.vocab_size, config.hidden_size), "norm": (config.hidden_size,)}
-    shapes |= {name: (config.num_hidden_layers, *shape) for name, shape in layer_shapes(config).items()}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
-    return shapes
+    return decoder_param_shapes(config, layer_shapes(config))
 
 
-class Llama(nnx.Module):
+class Llama(Decoder):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
     def __init__(
@@ -176,10 +145,9 @@ class Llama(nnx.Module):
         use "in_out" for batch > 1, beams and speculative decoding."""
         if weight_layout not in ("in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
-        self.config = config
-        self.weight_layout = weight_layout
         params = checked_params("Llama", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=1.0)
-        self.embed = nnx.Param(jnp.asarray(params["embed"]))
+        super().__init__(config, params)
+        self.weight_layout = weight_layout
 
         def stored(name, array):
             matrix = weight_layout == "out_in" and name in LAYER_MATRICES
@@ -192,25 +160,6 @@ class Llama(nnx.Module):
                 nnx.Dict({name: stored(name, params[name][i]) for name in layer_shapes(config)})
                 for i in range(config.num_hidden_layers)
             )
-        self.norm = nnx.Param(jnp.asarray(params["norm"]))
-        self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
-
-    def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
-        """A cache for this model; ``cache_kwargs`` go to ``Cache.from_config``."""
-        config = self.config
-        sliding = config.sliding_window and config.use_sliding_window
-        layer_types = config.layer_types or ("sliding_attention" if sliding else "full_attention",) * config.num_hidden_layers
-        return Cache.from_layer_types(
-            layer_types,
-            batch_size=batch_size,
-            num_kv_heads=config.kv_heads,
-            head_dim=config.dim_per_head,
-            max_length=max_length,
-            sliding_window=config.sliding_window,
-            dtype=cache_kwargs.pop("dtype", self.embed[...].dtype),
-            stacked=True,
-            **cache_kwargs,
-        )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
@@ -220,8 +169,7 @@ class Llama(nnx.Module):
         head: an early-exit draft for self-speculative decoding. Later layers' cache
         entries are left as they were."""
         config = self.config
-        if num_layers is not None and not 1 <= num_layers <= config.num_hidden_layers:
-            raise ValueError(f"num_layers must be in [1, {config.num_hidden_layers}], got {num_layers}")
+        depth = check_num_layers(config, num_layers)
         batch, length = tokens.shape
         inv_freq = rope_frequencies(config)
         heads = lambda t, n: t.reshape(batch, length, n, config.dim_per_head).transpose(0, 2, 1, 3)  # noqa: E731
@@ -247,13 +195,15 @@ class Llama(nnx.Module):
 
         x = self.embed[...][tokens]
         if isinstance(self.layers, nnx.List):
-            for i, layer in enumerate(self.layers[:num_layers]):
+            for i, layer in enumerate(self.layers[:depth]):
                 (x, cache, _), _ = decoder_layer((x, cache, i), {name: param[...] for name, param in layer.items()})
         else:
-            weights = {name: param[...][:num_layers] for name, param in self.layers.items()}
+            weights = {name: param[...][:depth] for name, param in self.layers.items()}
             (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
-        x = rms_norm(x, self.norm[...], config.rms_norm_eps)
-        logits = output_logits(x, self.embed[...], None if self.lm_head is None else self.lm_head[...])
-        return logits, cache
+        return self.head(x, logits_index, rms_norm), cache
+
+    def early_exit(
+        self, tokens: jax.Array, positions: jax.Array, cache: Cache, num_layers: int
+    ) -> tuple[jax.Array, Cache]:
+        """Logits of the first ``num_layers`` layers and the updated cache: the draft of self-speculative decoding."""
+        return self(tokens, positions, cache, num_layers=num_layers)

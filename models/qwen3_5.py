@@ -27,7 +27,7 @@ prefill form is a faster evaluation of the same recurrence.
 
 Weights: the layers of the repeating pattern run in one ``lax.scan`` over its repeats
 (as in ``jaxkv.models.gemma3``); MLP and norm weights are stacked over all layers, mixer weights
-over the layers of their kind.
+over the layers of their kind. Norms, RoPE, the head and ``init_cache`` come from ``jaxkv.models.common``.
 """
 
 from __future__ import annotations
@@ -35,40 +35,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
+from pydantic import PositiveInt, model_validator
 
-from jaxkv import Cache, attention
-from jaxkv.models.gemma3 import gemma_rms_norm
-from jaxkv.models.llama import apply_rope, rms_norm
-from jaxkv.models.params import checked_params, output_logits
+from jaxkv.attention import attention
+from jaxkv.cache import Cache
+from jaxkv.models.common import (
+    Decoder, DecoderConfig, apply_rope, checked_params, decoder_param_shapes, inverse_frequencies, offset_rms_norm,
+    rms_norm,
+)  # fmt: skip
 
 LINEAR, FULL = "linear_attention", "full_attention"
+Layer = tuple[int, int | jax.Array]  # (group, index): layer index * period + group of the cache
 
 
-class Qwen3_5Config(BaseModel):
+class Qwen3_5Config(DecoderConfig):
     """The fields of a Qwen3.5 text ``config.json`` (``qwen3_5_text``) this model reads."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
-    vocab_size: PositiveInt
-    hidden_size: PositiveInt
-    intermediate_size: PositiveInt
-    num_hidden_layers: PositiveInt
-    num_attention_heads: PositiveInt
-    num_key_value_heads: PositiveInt
+    num_key_value_heads: PositiveInt  # required, as Qwen3_5TextConfig writes them
     head_dim: PositiveInt
+    max_position_embeddings: PositiveInt = 32768
     linear_conv_kernel_dim: PositiveInt = 4
     linear_key_head_dim: PositiveInt
     linear_value_head_dim: PositiveInt
     linear_num_key_heads: PositiveInt
     linear_num_value_heads: PositiveInt
     layer_types: tuple[str, ...]
-    rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
     partial_rotary_factor: float = 0.25
-    tie_word_embeddings: bool = False
-    max_position_embeddings: PositiveInt = 32768
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -141,11 +134,19 @@ def param_layers(config: Qwen3_5Config, name: str) -> list[int]:
 
 def param_shapes(config: Qwen3_5Config) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape; per-layer ones carry a leading axis over ``param_layers``."""
-    shapes = {"embed": (config.vocab_size, config.hidden_size), "norm": (config.hidden_size,)}
-    shapes |= {name: (len(param_layers(config, name)), *shape) for name, shape in layer_shapes(config).items()}
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
-    return shapes
+    per_layer = layer_shapes(config)
+    return decoder_param_shapes(config, per_layer, {name: len(param_layers(config, name)) for name in per_layer})
+
+
+def layer_weights(config: Qwen3_5Config, weights: dict, period: int, group: int, index) -> dict[str, jax.Array]:
+    """Weights of layer ``index * period + group`` (``index`` may be traced): shared ones are
+    stacked over all layers, mixer ones over the layers of its kind (``param_layers``)."""
+    pattern = config.layer_types[:period]
+    kind = pattern[group]
+    shared = {name: weights[name][index * period + group] for name in shared_shapes(config)}
+    per_repeat, before = pattern.count(kind), pattern[:group].count(kind)
+    mixer = linear_shapes(config) if kind == LINEAR else full_shapes(config)
+    return shared | {name: weights[name][index * per_repeat + before] for name in mixer}
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -163,116 +164,110 @@ def delta_rule_step(states, x):
     return (state,), jnp.einsum("bhkv,bhk->bhv", state, q)
 
 
-class Qwen3_5(nnx.Module):
+def partial_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, rotary_dim: int) -> jax.Array:
+    """RoPE on the first ``rotary_dim`` dims of each head of ``x`` ``[B, H, T, D]``; the rest passes through."""
+    return jnp.concatenate([apply_rope(x[..., :rotary_dim], positions, inv_freq), x[..., rotary_dim:]], axis=-1)
+
+
+class Qwen3_5(Decoder):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
     def __init__(self, config: Qwen3_5Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
         """``params``: arrays named as ``param_shapes`` gives (``x @ w`` layout, ``1 + w``
         norms except the gated norm, which multiplies by w), e.g. from ``jaxkv.models.weights``;
         random if None."""
-        self.config = config
         random = params is None
         params = checked_params("Qwen3_5", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=0.0)
         if random:  # the gated norm multiplies by w, not 1 + w: start it at 1
             params["gated_norm"] = jnp.ones_like(params["gated_norm"])
-        self.embed = nnx.Param(jnp.asarray(params["embed"]))
+        super().__init__(config, params)
         self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
-        self.norm = nnx.Param(jnp.asarray(params["norm"]))
-        self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
-
-    def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
-        """A stacked cache: conv + delta-rule state for linear layers (sizes read from the
-        config's ``linear_*`` fields), K/V for full ones; ``cache_kwargs`` go to
-        ``Cache.from_layer_types``."""
-        return Cache.from_config(
-            self.config,
-            batch_size,
-            max_length=max_length,
-            dtype=cache_kwargs.pop("dtype", self.embed[...].dtype),
-            stacked=True,
-            **cache_kwargs,
-        )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
-        """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the cache."""
+        """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the cache.
+
+        The layers of the pattern run unrolled in the body of a scan over its repeats (the
+        cache in the carry), then the layers after the last full repeat."""
         config = self.config
-        batch, length = tokens.shape
-        eps = config.rms_norm_eps
-        rot = config.rotary_dim
-        inv_freq = 1.0 / config.rope_theta ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot)
-
-        def rope(x):  # RoPE on the first `rot` dims of each head, the rest passes through
-            return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq), x[..., rot:]], axis=-1)
-
-        def full_attention(h, cache, w, layer):
-            hd, heads = config.head_dim, config.num_attention_heads
-            q_and_gate = (h @ w["wq"]).reshape(batch, length, heads, 2 * hd)
-            q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(batch, length, heads * hd)
-            q = gemma_rms_norm(q, w["q_norm"], eps).transpose(0, 2, 1, 3)
-            k = gemma_rms_norm((h @ w["wk"]).reshape(batch, length, -1, hd), w["k_norm"], eps).transpose(0, 2, 1, 3)
-            v = (h @ w["wv"]).reshape(batch, length, -1, hd).transpose(0, 2, 1, 3)
-            cache, kv = cache.update(layer, rope(k), v, positions)
-            out = attention(rope(q), kv, positions).transpose(0, 2, 1, 3).reshape(batch, length, -1)
-            return (out * jax.nn.sigmoid(gate)) @ w["wo"], cache
-
-        def linear_attention(h, cache, w, layer):
-            k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
-            dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-            beta = jax.nn.sigmoid((h @ w["in_b"]).astype(jnp.float32))
-            g = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
-                (h @ w["in_a"]).astype(jnp.float32) + w["dt_bias"]
-            )
-
-            def conv_fn(windows):  # [B, T, C, K] -> the delta rule's per-token inputs
-                mixed = jax.nn.silu(jnp.einsum("btck,ck->btc", windows, w["conv"][:, 0]).astype(jnp.float32))
-                q, k, v = jnp.split(mixed, [k_heads * dk, 2 * k_heads * dk], axis=-1)
-                # Each q/k head serves v_heads // k_heads consecutive value heads.
-                q, k = (
-                    jnp.repeat(l2_normalize(x.reshape(batch, length, k_heads, dk)), v_heads // k_heads, axis=2)
-                    for x in (q, k)
-                )
-                return q * dk**-0.5, k, v.reshape(batch, length, v_heads, dv), g, beta
-
-            cache, out = cache.update_state(layer, h @ w["in_qkv"], positions, conv_fn, delta_rule_step)
-            z = (h @ w["in_z"]).reshape(batch, length, v_heads, dv)
-            out = rms_norm(out, w["gated_norm"], eps) * jax.nn.silu(z.astype(jnp.float32))
-            return out.reshape(batch, length, -1).astype(h.dtype) @ w["out"], cache
-
-        def decoder_layer(x, cache, w, group, index):
-            """Layer ``index * period + group``: ``group`` static (its kind), ``index`` may be traced."""
-            mixer = linear_attention if config.layer_types[group] == LINEAR else full_attention
-            out, cache = mixer(gemma_rms_norm(x, w["attn_norm"], eps), cache, w, (group, index))
-            x = x + out
-            h = gemma_rms_norm(x, w["mlp_norm"], eps)
-            return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"], cache
-
+        inv_freq = inverse_frequencies(config.rope_theta, config.rotary_dim)
         period = cache.period
         repeats, remainder = divmod(config.num_hidden_layers, period)
-        pattern = config.layer_types[:period]
         weights = {name: param[...] for name, param in self.layers.items()}
 
-        def layer_weights(group, index):
-            """Weights of layer ``index * period + group``: shared ones are stacked over all
-            layers, mixer ones over the layers of its kind (``param_layers``)."""
-            kind = pattern[group]
-            shared = {name: weights[name][index * period + group] for name in shared_shapes(config)}
-            per_repeat, before = pattern.count(kind), pattern[:group].count(kind)
-            mixer = linear_shapes(config) if kind == LINEAR else full_shapes(config)
-            return shared | {name: weights[name][index * per_repeat + before] for name in mixer}
+        def layer(x, cache, group, index):  # layer index * period + group; group static, index may be traced
+            w = layer_weights(config, weights, period, group, index)
+            return self.decoder_layer(x, w, cache, (group, index), positions, inv_freq)
 
         def pattern_repeat(carry, _):
             x, cache, r = carry
             for group in range(period):
-                x, cache = decoder_layer(x, cache, layer_weights(group, r), group, r)
+                x, cache = layer(x, cache, group, r)
             return (x, cache, r + 1), None
 
-        embed = self.embed[...]
-        (x, cache, _), _ = jax.lax.scan(pattern_repeat, (embed[tokens], cache, jnp.int32(0)), length=repeats)
+        x = self.embed[...][tokens]
+        (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), length=repeats)
         for group in range(remainder):  # layers after the last full repeat
-            x, cache = decoder_layer(x, cache, layer_weights(group, repeats), group, repeats)
+            x, cache = layer(x, cache, group, repeats)
+        return self.head(x, logits_index, offset_rms_norm), cache
 
-        if logits_index is not None:
-            x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
-        x = gemma_rms_norm(x, self.norm[...], eps)
-        logits = output_logits(x, embed, None if self.lm_head is None else self.lm_head[...])
-        return logits, cache
+    def decoder_layer(
+        self, x: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array
+    ) -> tuple[jax.Array, Cache]:
+        """One layer on ``x`` ``[B, T, D]``: RMSNorm -> its token mixer (by the kind of
+        ``layer``'s group) -> residual -> RMSNorm -> SwiGLU MLP -> residual."""
+        eps = self.config.rms_norm_eps
+        h = offset_rms_norm(x, w["attn_norm"], eps)
+        if self.config.layer_types[layer[0]] == LINEAR:
+            out, cache = self.linear_attention(h, w, cache, layer, positions)
+        else:
+            out, cache = self.full_attention(h, w, cache, layer, positions, inv_freq)
+        x = x + out
+        h = offset_rms_norm(x, w["mlp_norm"], eps)
+        return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"], cache
+
+    def full_attention(
+        self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array
+    ) -> tuple[jax.Array, Cache]:
+        """Gated full attention of ``h`` ``[B, T, D]``: q with its sigmoid output gate, k, v;
+        RMSNorm of q and k per head; partial RoPE; ``cache.update``; attention; gate; ``wo``."""
+        config = self.config
+        batch, length, _ = h.shape
+        hd, heads, eps = config.head_dim, config.num_attention_heads, config.rms_norm_eps
+        q_and_gate = (h @ w["wq"]).reshape(batch, length, heads, 2 * hd)
+        q, gate = q_and_gate[..., :hd], q_and_gate[..., hd:].reshape(batch, length, heads * hd)
+        q = offset_rms_norm(q, w["q_norm"], eps).transpose(0, 2, 1, 3)
+        k = offset_rms_norm((h @ w["wk"]).reshape(batch, length, -1, hd), w["k_norm"], eps).transpose(0, 2, 1, 3)
+        v = (h @ w["wv"]).reshape(batch, length, -1, hd).transpose(0, 2, 1, 3)
+        cache, kv = cache.update(layer, partial_rope(k, positions, inv_freq, config.rotary_dim), v, positions)
+        out = attention(partial_rope(q, positions, inv_freq, config.rotary_dim), kv, positions)
+        out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+        return (out * jax.nn.sigmoid(gate)) @ w["wo"], cache
+
+    def linear_attention(
+        self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array
+    ) -> tuple[jax.Array, Cache]:
+        """Gated DeltaNet of ``h`` ``[B, T, D]`` (the module docstring's first bullet): the
+        cache runs the conv and the delta rule; then the gated RMSNorm and ``out``."""
+        config = self.config
+        batch, length, _ = h.shape
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        beta = jax.nn.sigmoid((h @ w["in_b"]).astype(jnp.float32))
+        g = -jnp.exp(w["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+            (h @ w["in_a"]).astype(jnp.float32) + w["dt_bias"]
+        )
+
+        def conv_fn(windows):  # [B, T, C, K] -> the delta rule's per-token inputs
+            mixed = jax.nn.silu(jnp.einsum("btck,ck->btc", windows, w["conv"][:, 0]).astype(jnp.float32))
+            q, k, v = jnp.split(mixed, [k_heads * dk, 2 * k_heads * dk], axis=-1)
+            # Each q/k head serves v_heads // k_heads consecutive value heads.
+            q, k = (
+                jnp.repeat(l2_normalize(x.reshape(batch, length, k_heads, dk)), v_heads // k_heads, axis=2)
+                for x in (q, k)
+            )
+            return q * dk**-0.5, k, v.reshape(batch, length, v_heads, dv), g, beta
+
+        cache, out = cache.update_state(layer, h @ w["in_qkv"], positions, conv_fn, delta_rule_step)
+        z = (h @ w["in_z"]).reshape(batch, length, v_heads, dv)
+        out = rms_norm(out, w["gated_norm"], config.rms_norm_eps) * jax.nn.silu(z.astype(jnp.float32))
+        return out.reshape(batch, length, -1).astype(h.dtype) @ w["out"], cache

@@ -268,6 +268,17 @@ class Tokenizer:
             source=str(tokenizer_json),
         )
 
+    def state(self) -> dict[str, str]:
+        """This tokenizer as strings, which ``from_state`` turns back into an equal one: the
+        backend's ``tokenizer.json`` text, and the special tokens, chat template and source as JSON."""
+        special = {"bos_token": self.bos_token, "eos_tokens": self.eos_tokens, "chat_template": self.chat_template}
+        return {"tokenizer": self.backend.to_str(), "tokenizer_config": json.dumps(special | {"source": self.source})}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, str]) -> Tokenizer:
+        """The tokenizer ``state()`` described (e.g. read back from a cache file)."""
+        return cls(tokenizers.Tokenizer.from_str(state["tokenizer"]), **json.loads(state["tokenizer_config"]))
+
     @property
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.backend.token_to_id(self.bos_token)

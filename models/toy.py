@@ -14,7 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from jaxkv import Cache, KVView, MaskInfo, attention
+from jaxkv.attention import attention
+from jaxkv.cache import Cache
+from jaxkv.models.common import apply_rope, inverse_frequencies
+from jaxkv.protocol import KVView, MaskInfo
 
 
 class ToyConfig(BaseModel):
@@ -40,16 +43,6 @@ class ToyConfig(BaseModel):
         return self.hidden_size // self.num_attention_heads
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate ``x`` ``[B, H, T, D]`` by ``positions`` ``[B, T]`` (half-split RoPE)."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, None, :, None].astype(jnp.float32) * freqs
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x1, x2 = x[..., :half], x[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class Block(nnx.Module):
     def __init__(self, config: ToyConfig, layer_idx: int, rngs: nnx.Rngs):
         self.config, self.layer_idx = config, layer_idx
@@ -66,10 +59,11 @@ class Block(nnx.Module):
         config = self.config
         batch, length, _ = x.shape
         heads = lambda t, n: t.reshape(batch, length, n, config.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+        inv_freq = inverse_frequencies(config.rope_theta, config.head_dim)
         h = self.attn_norm(x)
-        q = rope(heads(self.q_proj(h), config.num_attention_heads), positions, config.rope_theta)
+        q = apply_rope(heads(self.q_proj(h), config.num_attention_heads), positions, inv_freq)
         k, v = jnp.split(self.kv_proj(h), 2, axis=-1)
-        k = rope(heads(k, config.num_key_value_heads), positions, config.rope_theta)
+        k = apply_rope(heads(k, config.num_key_value_heads), positions, inv_freq)
         v = heads(v, config.num_key_value_heads)
         if cache is None:  # no cache: attend over this input only (the oracle path)
             kv = KVView.of(k, v, self.own_mask(positions))

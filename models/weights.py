@@ -1,21 +1,24 @@
-"""Load real checkpoints into ``jaxkv.models.llama`` or ``jaxkv.models.gemma3`` parameters.
+"""Load real checkpoints into the parameters of the models in ``jaxkv.models``.
 
 Two sources, one parameter layout per model (its module's ``param_shapes``):
 
 * a transformers checkpoint directory: ``config.json`` + ``model.safetensors`` (or a sharded
-  ``model.safetensors.index.json``) -> ``load_safetensors_checkpoint``;
-* a llama.cpp GGUF file (quantized or not) -> ``load_gguf``.
+  ``model.safetensors.index.json``) -> ``load_safetensors_checkpoint`` (Llama, Mistral, Qwen2,
+  Gemma 3, Qwen3.5, BART: ``HF_MODEL_TYPES``);
+* a llama.cpp GGUF file (quantized or not) -> ``load_gguf`` (Llama, Gemma 3: ``GGUF_LOADERS``).
 
 Both are read as "torch layout" tensors (``[out, in]`` for linear weights), checked by name and
 shape against the config before any data is read, then transposed to ``x @ w`` layout and
-stacked along a leading layer axis. Every problem (missing file, corrupt file, missing,
-unexpected or mis-shaped tensor) is a ``FileNotFoundError`` or ``ValueError`` naming it.
+stacked along a leading layer axis (BART reads its state dict through its own
+``params_from_state_dict``). Every problem (missing file, corrupt file, missing, unexpected or
+mis-shaped tensor) is a ``FileNotFoundError`` or ``ValueError`` naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,13 +26,16 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
-from jaxkv.models import gemma3, llama, qwen3_5
+from jaxkv.models import bart, gemma3, llama, qwen3_5
+from jaxkv.models.bart import BartConfig
 from jaxkv.models.gemma3 import Gemma3Config
 from jaxkv.models.llama import LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5Config
 
-ModelConfig = LlamaConfig | Gemma3Config | Qwen3_5Config
+DecoderOnlyConfig = LlamaConfig | Gemma3Config | Qwen3_5Config
+ModelConfig = DecoderOnlyConfig | BartConfig
 
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_qkv", "in_z", "in_b", "in_a", "out"}
@@ -152,12 +158,12 @@ class _TensorSource(Protocol):
     def read(self, name: str) -> np.ndarray | jax.Array: ...
 
 
-def _model_module(config: ModelConfig):
+def _model_module(config: DecoderOnlyConfig):
     """The model module (``param_shapes``, ``layer_shapes``) a config belongs to."""
     return {Gemma3Config: gemma3, Qwen3_5Config: qwen3_5}.get(type(config), llama)
 
 
-def _plan(config: ModelConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+def _plan(config: DecoderOnlyConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """For each parameter, its source tensors (one per layer for stacked ones) and the
     torch-layout shape each must have."""
     module = _model_module(config)
@@ -168,15 +174,14 @@ def _plan(config: ModelConfig, names: Mapping[str, str]) -> dict[str, list[tuple
             shape = per_layer[param]
         source_shape = tuple(reversed(shape)) if param in _TRANSPOSED else tuple(shape)
         layers = [None]
-        if param in per_layer:  # a hybrid model stacks each mixer's weights over its kind's layers only
-            has_own = hasattr(module, "param_layers")
-            layers = module.param_layers(config, param) if has_own else range(config.num_hidden_layers)
+        if param in per_layer:  # the hybrid Qwen3.5 stacks each mixer's weights over its kind's layers only
+            layers = qwen3_5.param_layers(config, param) if module is qwen3_5 else range(config.num_hidden_layers)
         plan[param] = [(names[param].format(i=i), source_shape) for i in layers]
     return plan
 
 
 def _assemble(
-    config: ModelConfig,
+    config: DecoderOnlyConfig,
     source: _TensorSource,
     names: Mapping[str, str],
     dtype: Any,
@@ -184,9 +189,11 @@ def _assemble(
     what: str,
     ignored: Callable[[str], bool] = lambda name: False,
     fixups: Mapping[str, Callable[[np.ndarray | jax.Array], np.ndarray | jax.Array]] | None = None,
+    progress: str | None = None,
 ) -> dict[str, jax.Array]:
     """Check every tensor's presence and shape first (cheap, and a clear error beats a
-    half-loaded model), then read, fix up, transpose, stack and cast."""
+    half-loaded model), then read, fix up, transpose, stack and cast; with ``progress``, a
+    progress bar so described counts the tensors read on stderr."""
     plan = _plan(config, names)
     available = source.names()
     wanted = {name for sources in plan.values() for name, _ in sources}
@@ -205,15 +212,17 @@ def _assemble(
     fixups = fixups or {}
     per_layer = _model_module(config).layer_shapes(config)
     params = {}
-    for param, sources in plan.items():
-        arrays = []
-        for name, _ in sources:
-            array = source.read(name)
-            if param in fixups:
-                array = fixups[param](array)
-            array = jnp.asarray(array, dtype)
-            arrays.append(array.T if param in _TRANSPOSED else array)
-        params[param] = jnp.stack(arrays) if param in per_layer else arrays[0]
+    with tqdm(total=len(wanted), desc=progress, unit="tensor", file=sys.stderr, disable=progress is None) as bar:
+        for param, sources in plan.items():
+            arrays = []
+            for name, _ in sources:
+                array = source.read(name)
+                if param in fixups:
+                    array = fixups[param](array)
+                array = jnp.asarray(array, dtype)
+                arrays.append(array.T if param in _TRANSPOSED else array)
+                bar.update()
+            params[param] = jnp.stack(arrays) if param in per_layer else arrays[0]
     return params
 
 
@@ -279,17 +288,18 @@ def _checkpoint_files(directory: Path) -> dict[str | None, Path]:
 
 
 # config.json model_type -> the config class that reads it.
-HF_MODEL_TYPES: dict[str, type[LlamaConfig] | type[Gemma3Config]] = {
+HF_MODEL_TYPES: dict[str, type[ModelConfig]] = {
     "llama": LlamaConfig,
     "mistral": LlamaConfig,
     "qwen2": LlamaConfig,
     "gemma3_text": Gemma3Config,
     "qwen3_5_text": Qwen3_5Config,
+    "bart": BartConfig,
 }
 
 
 def read_hf_config(directory: str | Path) -> ModelConfig:
-    """``LlamaConfig`` or ``Gemma3Config`` from a checkpoint's ``config.json``."""
+    """The config class ``HF_MODEL_TYPES`` names for a checkpoint's ``config.json``, read from it."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {directory}")
@@ -311,18 +321,23 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
 def load_safetensors_checkpoint(
     directory: str | Path, dtype: Any = jnp.float32
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
-    """``(config, params)`` from a transformers checkpoint directory (Llama, Mistral, Qwen2,
-    Gemma 3 text).
+    """``(config, params)`` from a transformers checkpoint directory (``HF_MODEL_TYPES``: Llama,
+    Mistral, Qwen2, Gemma 3 text, Qwen3.5 text, BART).
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
-    (``jaxkv.models.llama`` or ``jaxkv.models.gemma3``), cast to ``dtype``.
+    (``jaxkv.models.llama``, ``gemma3``, ``qwen3_5`` or ``bart``), cast to ``dtype``.
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     config = read_hf_config(directory)
-    names = {Gemma3Config: GEMMA3_HF_NAMES, Qwen3_5Config: QWEN3_5_HF_NAMES}.get(type(config), HF_NAMES)
     files = _checkpoint_files(directory)
+    if isinstance(config, BartConfig):  # two layer stacks and tied copies: BART reads its state dict itself
+        with contextlib.ExitStack() as stack:
+            source = _SafetensorsSource(files, stack)
+            tensors = {name: source.read(name) for name in source.names()}
+            return config, bart.params_from_state_dict(config, tensors, dtype)
+    names = {Gemma3Config: GEMMA3_HF_NAMES, Qwen3_5Config: QWEN3_5_HF_NAMES}.get(type(config), HF_NAMES)
 
     def ignored(name: str) -> bool:
         # A tied checkpoint may still carry lm_head.weight: it is the embedding again.
@@ -493,13 +508,16 @@ GGUF_LOADERS: dict[str, tuple[Callable, Mapping[str, str], Callable]] = {
 }
 
 
-def load_gguf(path: str | Path, dtype: Any = jnp.float32, reader=None) -> tuple[ModelConfig, dict[str, jax.Array]]:
+def load_gguf(
+    path: str | Path, dtype: Any = jnp.float32, reader=None, *, progress: bool = False
+) -> tuple[DecoderOnlyConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
     (``jaxkv.models.llama`` for "llama" files, ``jaxkv.models.gemma3`` for "gemma3"). ``reader``: the
     file's ``open_gguf`` reader if the caller has one (parsing a large vocabulary's
-    metadata takes seconds; the tokenizer reads the same file).
+    metadata takes seconds; the tokenizer reads the same file). ``progress``: show a
+    progress bar on stderr (dequantizing takes seconds).
     """
     path = Path(path)
     reader = reader or open_gguf(path)
@@ -511,4 +529,5 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32, reader=None) -> tuple[
     make_config, names, fixups = GGUF_LOADERS[architecture]
     source = _GGUFSource(reader)
     config = make_config(reader, {name: source.shape(name) for name in source.names()})
-    return config, _assemble(config, source, names, dtype, what=str(path), fixups=fixups(config))
+    what, description = str(path), f"converting {path.name}" if progress else None
+    return config, _assemble(config, source, names, dtype, what=what, fixups=fixups(config), progress=description)

@@ -166,7 +166,8 @@ def worker_jaxkv(spec: dict) -> dict:
     import numpy as np
     from flax import nnx
 
-    from jaxkv.decoding.generate import Sampling, generate
+    from jaxkv.decoding.generate import generate
+    from jaxkv.decoding.sampling import Sampling
 
     start = time.perf_counter()
     model = _jaxkv_model(spec)
@@ -183,7 +184,7 @@ def worker_jaxkv(spec: dict) -> dict:
             max_new_tokens=new,
             stop_tokens=(),
             sampling=Sampling(),  # greedy
-            cache_kind=spec["cache"],
+            full_attention=spec["cache"],
             max_length=spec.get("max_length"),
         )
 

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxkv.decoding.generate import Sampling, compiled, generate, prefill, prefill_prefix, prefill_shared
+from jaxkv.decoding.driver import compiled, prefill, prefill_shared
+from jaxkv.decoding.generate import generate, prefill_prefix
 from jaxkv.models.load import load_pretrained
 
 TARGET_SPEEDUP = 5.0
@@ -69,15 +70,12 @@ def timed_prefill(fn, graphdef, state, make_cache, tokens: np.ndarray, repeats: 
     ``make_cache()`` gives the cache each call starts from; its time counts (a fresh cache
     is part of a request's cost; a shared prefix cache is returned as is)."""
     lengths = np.asarray([tokens.shape[1]], np.int32)
-    key = jax.random.key(0)
-    executable, compile_seconds = compiled(
-        fn, {"sampling": Sampling()}, graphdef, state, make_cache(), tokens, lengths, key
-    )
+    executable, compile_seconds = compiled(fn, {}, graphdef, state, make_cache(), tokens, lengths)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        first, _ = executable(state, make_cache(), tokens, lengths, key)
-        first.block_until_ready()
+        first_logits, _ = executable(state, make_cache(), tokens, lengths)
+        first_logits.block_until_ready()
         times.append(time.perf_counter() - start)
     return compile_seconds, statistics.median(times)
 

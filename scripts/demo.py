@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 from pydantic import PositiveInt
 
-from jaxkv import Cache
 from jaxkv.app.config import CacheConfig, Strict, load_config
+from jaxkv.cache import Cache
 from jaxkv.memory import formula_table, model_table
 from jaxkv.models.architectures import DEFAULT_MODELS
 from jaxkv.models.toy import ToyConfig, ToyDecoder

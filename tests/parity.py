@@ -34,6 +34,19 @@ def save_tiny_hf_model(config, directory, vocab_size, prompt_lengths, decode_ste
     return sequences, expected, hf
 
 
+def hf_early_exit_logits(hf, sequences, num_layers, softcap=None):
+    """HF's logits ``[L, V]`` of each sequence from its first ``num_layers`` layers only: the
+    hidden state after layer ``num_layers`` through the final norm and the LM head, then
+    ``softcap * tanh(logits / softcap)`` when given (Gemma's final soft-cap)."""
+    logits = []
+    with torch.no_grad():
+        for seq in sequences:
+            hidden = hf.model(torch.tensor(seq)[None], output_hidden_states=True).hidden_states[num_layers]
+            out = hf.lm_head(hf.model.norm(hidden))[0]
+            logits.append((out if softcap is None else softcap * torch.tanh(out / softcap)).numpy())
+    return logits
+
+
 def check_teacher_forced(forward, cache, sequences, prompt_lengths, expected, decode_steps, label, atol=1e-4):
     """Prefill the ragged prompts, then ``decode_steps`` single tokens, through
     ``forward(tokens, positions, cache) -> (logits, cache)``; assert every step's logits

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from jaxkv.decoding.beam import BeamSettings, beam_search
+from jaxkv.decoding.sampling import Sampling
 from jaxkv.app.cli import GenerateConfig, main
 from jaxkv.app.config import load_config
 from jaxkv.sizing import bucket
@@ -86,7 +87,7 @@ def test_beam_search_equals_transformers(tiny, case):
         model, PROMPTS, max_new_tokens=NEW_TOKENS, num_beams=settings.num_beams,
         length_penalty=settings.length_penalty, early_stopping=settings.early_stopping,
         num_return_sequences=settings.num_return_sequences, stop_tokens=stops,
-        cache_kind="dynamic" if "dynamic" in case else "static",
+        full_attention="dynamic" if "dynamic" in case else "static",
     )  # fmt: skip
     assert result.tokens.shape == (len(PROMPTS), settings.num_return_sequences, NEW_TOKENS)
     finished_early = 0
@@ -128,6 +129,8 @@ def test_one_beam_is_greedy_and_bad_settings_are_named(tiny):
         BeamSettings(0)
     with pytest.raises(ValueError, match="raise max_length"):
         beam_search(model, PROMPTS[:1], max_new_tokens=NEW_TOKENS, num_beams=2, max_length=16)
+    with pytest.raises(ValueError, match="drop sampling, seed and stream"):
+        beam_search(model, PROMPTS[:1], max_new_tokens=NEW_TOKENS, num_beams=2, sampling=Sampling(temperature=1.0))
 
 
 def test_prompt_is_prefilled_once_and_cache_repeated(tiny, monkeypatch):

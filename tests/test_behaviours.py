@@ -28,6 +28,7 @@ from jaxkv import (
     attention,
     attention_mask,
 )
+from tests.cases import make_layer
 
 PAD = 999.0  # what padding tokens carry: never stored, never attended
 
@@ -38,15 +39,6 @@ KINDS = ("static", "dynamic", "sliding", "chunked")
 
 
 # --- helpers -------------------------------------------------------------------------
-def make_layer(kind, *, batch=1, heads=1, head_dim=1, span=4, max_length=24, rollback_slots=0):
-    if kind == "static":
-        return StaticLayer.create(batch, heads, head_dim, max_length)
-    if kind == "dynamic":
-        return DynamicLayer.create(batch, heads, head_dim)
-    cls = SlidingWindowLayer if kind == "sliding" else ChunkedLayer
-    return cls.create(batch, heads, head_dim, span, rollback_slots=rollback_slots)
-
-
 def tokens(vals, heads=1, head_dim=1):
     """``[B, T]`` numbers -> ``[B, H, T, D]`` with every head and feature equal to that number."""
     x = jnp.asarray(vals, jnp.float32)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxkv.app.cli import main
-from jaxkv.decoding.generate import Sampling, generate, sample
+from jaxkv.decoding.generate import generate
+from jaxkv.decoding.sampling import Sampling, sample
 from jaxkv.models.llama import Llama, LlamaConfig
 
 TINY = LlamaConfig(
@@ -109,15 +110,15 @@ def test_prompt_lengths_share_compiled_code_within_a_bucket():
 
 
 def test_compiled_executables_are_reused_and_bounded(monkeypatch):
-    """``generate``'s executable cache: a seen shape compiles nothing, and only the most
+    """The decoding driver's executable cache: a seen shape compiles nothing, and only the most
     recently used ``MAX_COMPILED`` executables stay alive."""
-    generate_module = importlib.import_module("jaxkv.decoding.generate")
+    driver = importlib.import_module("jaxkv.decoding.driver")
 
-    monkeypatch.setattr(generate_module, "_COMPILED", generate_module.collections.OrderedDict())
-    monkeypatch.setattr(generate_module, "MAX_COMPILED", 2)
+    monkeypatch.setattr(driver, "_COMPILED", driver.collections.OrderedDict())
+    monkeypatch.setattr(driver, "MAX_COMPILED", 2)
     double = jax.jit(lambda x: 2 * x)
-    seconds = [generate_module.compiled(double, {}, jnp.zeros(n))[1] for n in (1, 2, 1, 3)]
+    seconds = [driver.compiled(double, {}, jnp.zeros(n))[1] for n in (1, 2, 1, 3)]
     assert seconds[0] > 0 and seconds[1] > 0 and seconds[2] == 0 and seconds[3] > 0
-    assert [key[2][0][0] for key in generate_module._COMPILED] == [(1,), (3,)]  # (2,) was least recent
-    executable, again = generate_module.compiled(double, {}, jnp.zeros(2))
+    assert [key[2][0][0] for key in driver._COMPILED] == [(1,), (3,)]  # (2,) was least recent
+    executable, again = driver.compiled(double, {}, jnp.zeros(2))
     assert again > 0 and float(executable(jnp.ones(2))[1]) == 2.0

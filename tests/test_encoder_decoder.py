@@ -26,7 +26,9 @@ from hypothesis import strategies as st
 
 from jaxkv import Cache, EncoderDecoderCache, attention, attention_mask
 from jaxkv.decoding.beam import beam_search
-from jaxkv.decoding.generate import Sampling, encode, generate, pad_encoder_inputs
+from jaxkv.decoding.driver import encode, pad_encoder_inputs
+from jaxkv.decoding.generate import generate
+from jaxkv.decoding.sampling import Sampling
 from jaxkv.memory import layer_bytes
 from jaxkv.models.bart import Bart, BartConfig, params_from_state_dict
 from jaxkv.models.llama import Llama, LlamaConfig
@@ -354,7 +356,7 @@ def test_generate_needs_encoder_inputs_exactly_for_encoder_decoder_models(bart):
     llama = Llama(
         LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     )
-    with pytest.raises(ValueError, match="Llama has no encoder"):
+    with pytest.raises(TypeError, match="Llama does not implement EncoderDecoderModel: missing encode"):
         generate(llama, [[START]], encoder_inputs=[[5]], max_new_tokens=2)
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from jaxkv.decoding.generate import generate
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.weights import load_safetensors_checkpoint
-from tests.parity import check_teacher_forced, save_tiny_hf_model
+from tests.parity import check_teacher_forced, hf_early_exit_logits, save_tiny_hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -47,12 +47,20 @@ CONFIGS = {
 }
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
+# Early exit after 4 of the 7 layers: fewer than one repeat of the pattern (6), so the scan
+# runs no repeat and the 4 layers run after it; a prefill and 4 steps.
+EXIT_LAYERS, EXIT_STEPS = 4, 4
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def forward(graphdef, state, tokens, positions, cache):
     """One compiled model call (eager calls re-trace the layer scan every step)."""
     return nnx.merge(graphdef, state)(tokens, positions, cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def early_exit(graphdef, state, tokens, positions, cache, num_layers):
+    return nnx.merge(graphdef, state).early_exit(tokens, positions, cache, num_layers)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -71,8 +79,10 @@ def test_config_reads_transformers_names(checkpoint):
     config, _ = load_safetensors_checkpoint(directory)
     hf_config = CONFIGS[name]
     assert isinstance(config, Gemma3Config)
-    assert config.layer_types == tuple(hf_config.layer_types) == ("sliding_attention",) * 5 + ("full_attention",) * 1 + (
-        "sliding_attention",
+    assert (
+        config.layer_types
+        == tuple(hf_config.layer_types)
+        == ("sliding_attention",) * 5 + ("full_attention",) * 1 + ("sliding_attention",)
     )
     for kind in ("sliding_attention", "full_attention"):
         ours, theirs = getattr(config.rope_parameters, kind), hf_config.rope_parameters[kind]
@@ -104,6 +114,21 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
         step = functools.partial(forward, graphdef, state)
         cache = check_teacher_forced(step, cache, sequences, PROMPTS, expected, DECODE_STEPS, f"{name} {kind}")
         assert np.asarray(cache.lengths).tolist() == [n + DECODE_STEPS for n in PROMPTS]
+
+
+def test_early_exit_matches_transformers_first_layers(checkpoint):
+    """``early_exit`` runs the first layers, then the final norm, head and soft-cap: HF's
+    hidden state after those layers through its norm and head. Later layers' cache entries
+    stay empty."""
+    name, directory, sequences, _, hf = checkpoint
+    config, params = load_safetensors_checkpoint(directory)
+    expected = hf_early_exit_logits(hf, sequences, EXIT_LAYERS, softcap=config.final_logit_softcapping)
+    model = Gemma3(config, params)
+    step = functools.partial(early_exit, *nnx.split(model), num_layers=EXIT_LAYERS)
+    cache = model.init_cache(len(PROMPTS), max_length=64)
+    cache = check_teacher_forced(step, cache, sequences, PROMPTS, expected, EXIT_STEPS, f"{name} early exit")
+    lengths = [np.asarray(layer.lengths).tolist() for layer in cache.layers]
+    assert lengths == [[n + EXIT_STEPS for n in PROMPTS]] * EXIT_LAYERS + [[0, 0]] * (7 - EXIT_LAYERS)
 
 
 def test_greedy_generate_matches_transformers(checkpoint):

@@ -22,6 +22,7 @@ from jaxkv import Cache, HybridLayer, LinearAttentionLayer, SlidingWindowLayer, 
 from jaxkv.memory import cache_bytes, layer_bytes
 from jaxkv.models.architectures import QWEN3_NEXT_80B
 from tests.oracle import full_attention
+from tests.cases import feed_rollback_plans
 
 HEADS, KEY_DIM, VALUE_DIM, WIDTH = 2, 2, 3, 3
 CHANNELS = HEADS * (KEY_DIM + VALUE_DIM)
@@ -91,19 +92,8 @@ def scenarios(draw):
     """A layer kind's batch, rollback budget, and a plan of feed / rollback steps per row."""
     batch = 3  # one shape per width, so the jitted variant compiles each width once
     rollback_slots = draw(st.integers(0, 2))
-    lengths, longest, steps = [0] * batch, [0] * batch, []
-    for step in range(draw(st.integers(1, 4))):
-        if step and rollback_slots and draw(st.booleans()):
-            # A row undoes at most R tokens below the longest it has been.
-            undo = [draw(st.integers(0, min(n, rollback_slots - (top - n)))) for n, top in zip(lengths, longest)]
-            lengths = [n - u for n, u in zip(lengths, undo)]
-            steps.append(("rollback", undo))
-        width = draw(st.sampled_from([1, 1, 3, 8]))
-        counts = [draw(st.integers(0, min(width, MAX_LEN - n))) for n in lengths]
-        lengths = [n + c for n, c in zip(lengths, counts)]
-        longest = [max(n, top) for n, top in zip(lengths, longest)]
-        steps.append(("feed", width, counts))
-    return batch, rollback_slots, steps
+    # A row undoes at most R tokens below the longest it has been.
+    return batch, rollback_slots, draw(feed_rollback_plans(batch, rollback_slots, MAX_LEN, max_steps=4))
 
 
 class IncrementalEqualsWholeSequence(chex.TestCase):

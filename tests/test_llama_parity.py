@@ -6,6 +6,8 @@ steps fed the same (teacher-forced) tokens. Every step's logits must match trans
 full-sequence logits at those positions within 1e-4 (float32).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +19,7 @@ from flax import nnx
 from jaxkv.decoding.generate import generate
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.weights import load_safetensors_checkpoint
-from tests.parity import check_teacher_forced, save_tiny_hf_model
+from tests.parity import check_teacher_forced, hf_early_exit_logits, save_tiny_hf_model
 
 SMALL = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -44,6 +46,7 @@ CACHE_KINDS["qwen2-bias"] = ["static", "dynamic", "dynamic-out_in"]
 CACHE_KINDS["mistral-window-8"] = ["static", "dynamic", "dynamic-unrolled"]  # every layer slides
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
+EXIT_LAYERS, EXIT_STEPS = 2, 4  # early exit after 2 of the 3 layers, for a prefill and 4 steps
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -63,6 +66,25 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
         model = Llama(config, params, **MODEL_OPTIONS[options])
         cache = model.init_cache(len(PROMPTS), max_length=64, full_attention=kind)
         check_teacher_forced(model, cache, sequences, PROMPTS, expected, DECODE_STEPS, f"{name} {variant}")
+
+
+def test_early_exit_matches_transformers_first_layers(checkpoint):
+    """``early_exit`` runs the first layers, then the final norm and head: HF's hidden state
+    after those layers through its norm and head, scanned or unrolled. The last layer's cache
+    entry stays empty."""
+    name, directory, sequences, _, hf = checkpoint
+    config, params = load_safetensors_checkpoint(directory)
+    expected = hf_early_exit_logits(hf, sequences, EXIT_LAYERS)
+    for options in ("", "unrolled"):
+        model = Llama(config, params, **MODEL_OPTIONS[options])
+        forward = functools.partial(model.early_exit, num_layers=EXIT_LAYERS)
+        cache = model.init_cache(len(PROMPTS), max_length=64)
+        label = f"{name} {options} early exit"
+        cache = check_teacher_forced(forward, cache, sequences, PROMPTS, expected, EXIT_STEPS, label)
+        assert np.asarray(cache.layer(EXIT_LAYERS - 1).lengths).tolist() == [n + EXIT_STEPS for n in PROMPTS]
+        assert np.asarray(cache.layer(EXIT_LAYERS).lengths).tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 3\], got 4"):
+        model.early_exit(jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), cache, num_layers=4)
 
 
 def test_greedy_generate_matches_transformers(checkpoint):

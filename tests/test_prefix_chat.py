@@ -24,7 +24,8 @@ import safetensors
 import safetensors.numpy
 
 from jaxkv.app.cli import main
-from jaxkv.decoding.generate import Session, generate, prefill_prefix
+from jaxkv.decoding.generate import generate, prefill_prefix
+from jaxkv.decoding.session import Session
 from jaxkv.persist import load_cache, save_cache
 from jaxkv.layers.quantized import QuantSpec
 from jaxkv.models.llama import Llama, LlamaConfig
@@ -85,6 +86,22 @@ def test_chat_turns_continue_the_cache_and_equal_a_full_prefill(model):
     assert result.row(0) == generate(model, [edited], max_new_tokens=NEW, max_length=128, rollback_slots=1).row(0)
     budget = session.cache.max_rollback
     assert session.fed_tokens == (len(edited) - len(conversation) - 3 if budget is None else len(edited))
+
+
+def test_cache_kind_is_a_deprecated_alias_of_full_attention():
+    """``cache_kind=`` (the old name) builds what ``full_attention=`` builds, warning at the caller's line."""
+    model = Llama(LlamaConfig(**TINY), seed=3)
+    with pytest.warns(DeprecationWarning, match="cache_kind= is deprecated.*pass full_attention=") as warned:
+        old = generate(model, SUFFIXES, max_new_tokens=NEW, cache_kind="dynamic")
+    assert warned[0].filename == __file__
+    new = generate(model, SUFFIXES, max_new_tokens=NEW, full_attention="dynamic")
+    assert old.tokens.tolist() == new.tokens.tolist() and repr(old.cache) == repr(new.cache)
+    with pytest.warns(DeprecationWarning, match="pass full_attention=") as warned:
+        session = Session(model, max_length=64, cache_kind="dynamic")
+    assert warned[0].filename == __file__
+    assert repr(session.cache) == repr(Session(model, max_length=64, full_attention="dynamic").cache)
+    with pytest.raises(ValueError, match="pass only full_attention="):
+        prefill_prefix(model, [PREFIX], max_length=64, full_attention="static", cache_kind="dynamic")
 
 
 def test_cache_file_round_trip_in_process(model, tmp_path):

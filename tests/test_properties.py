@@ -13,20 +13,12 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxkv import ChunkedLayer, DynamicLayer, SlidingWindowLayer, StaticLayer, attention
+from jaxkv import attention
 from tests.oracle import full_attention
+from tests.cases import feed_rollback_plans, make_layer
 
 HEAD_DIM = 4
 MAX_LEN = 24
-
-
-def make_layer(kind, batch, num_kv_heads, span, rollback_slots):
-    if kind == "static":
-        return StaticLayer.create(batch, num_kv_heads, HEAD_DIM, MAX_LEN)
-    if kind == "dynamic":
-        return DynamicLayer.create(batch, num_kv_heads, HEAD_DIM)
-    cls = SlidingWindowLayer if kind == "sliding" else ChunkedLayer
-    return cls.create(batch, num_kv_heads, HEAD_DIM, span, rollback_slots=rollback_slots)
 
 
 def mask_rule(kind, span):
@@ -46,17 +38,9 @@ def scenarios(draw):
     num_kv_heads, group = draw(st.sampled_from([(1, 2), (2, 1), (2, 2)]))
     span = draw(st.integers(1, 6))
     rollback_slots = draw(st.integers(0, 2))
-    lengths = [0] * batch
-    steps = []
-    for step in range(draw(st.integers(1, 6))):
-        if step and draw(st.booleans()) and draw(st.booleans()):
-            undo = [draw(st.integers(0, min(rollback_slots + 1, n))) for n in lengths]
-            lengths = [n - u for n, u in zip(lengths, undo)]
-            steps.append(("rollback", undo))
-        width = draw(st.sampled_from([1, 1, 3, 8]))
-        counts = [draw(st.integers(0, min(width, MAX_LEN - n))) for n in lengths]
-        lengths = [n + c for n, c in zip(lengths, counts)]
-        steps.append(("feed", width, counts))
+    # A ring row undoes at most R + 1 tokens below the longest it has been (a row that took no
+    # token since its last rollback shares that rollback's budget).
+    steps = draw(feed_rollback_plans(batch, rollback_slots + 1, MAX_LEN, max_steps=6, rollback_draws=2))
     return batch, num_kv_heads, group, span, rollback_slots, steps
 
 
@@ -69,7 +53,10 @@ class IncrementalEqualsFullAttention(chex.TestCase):
         seq_q = np.zeros((batch, num_heads, MAX_LEN, HEAD_DIM), np.float32)
         seq_k = np.zeros((batch, num_kv_heads, MAX_LEN, HEAD_DIM), np.float32)
         seq_v = np.zeros_like(seq_k)
-        layer = make_layer(kind, batch, num_kv_heads, span, rollback_slots)
+        layer = make_layer(
+            kind, batch=batch, heads=num_kv_heads, head_dim=HEAD_DIM, span=span, max_length=MAX_LEN,
+            rollback_slots=rollback_slots,
+        )
         lengths = np.zeros(batch, int)
 
         step = self.variant(update_and_attend, static_argnames="block_size")

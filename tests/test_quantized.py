@@ -323,30 +323,21 @@ def test_generate_with_an_int8_cache_equals_full_precision():
 
 
 def test_cli_quantized_options_resolve_to_a_spec(tmp_path):
-    import argparse
-
-    from jaxkv.app.cli import main
+    from jaxkv.app.cli import build_parser, main
 
     def resolve(*argv):
-        parser = argparse.ArgumentParser()
-        from jaxkv.app.cli import _generate_parser
+        return resolve_config(build_parser().parse_args(["generate", *argv]))
 
-        _generate_parser(parser.add_subparsers(dest="command"))
-        return resolve_config(parser.parse_args(["generate", *argv]))
-
-    spec = resolve("--cache", "quantized", "--kv-bits", "2", "--kv-axis-key", "-1").cache.quantization_spec()
+    spec = resolve("--quantization", "--kv-bits", "2", "--kv-axis-key", "-1").cache.quantization_spec()
     assert spec == QuantSpec(nbits=2, axis_key=PER_CHANNEL)
-    assert resolve("--cache", "quantized").cache.quantization_spec() == QuantSpec()
-    assert (
-        resolve("--cache", "quantized", "--kv-format", "e5m2").cache.quantization_spec().code_dtype == jnp.float8_e5m2
-    )
+    assert resolve("--quantization").cache.quantization_spec() == QuantSpec()
+    assert resolve("--quantization", "--kv-format", "e5m2").cache.quantization_spec().code_dtype == jnp.float8_e5m2
     config = tmp_path / "int4.yaml"
     config.write_text("cache:\n  quantization:\n    nbits: 4\n    axis_key: -1\n")
     assert resolve("--config", str(config)).cache.quantization_spec() == QuantSpec(nbits=4, axis_key=PER_CHANNEL)
-    assert resolve("--config", str(config), "--cache", "static").cache.quantization is None
-    with pytest.raises(ValueError, match="add --cache quantized"):
+    with pytest.raises(ValueError, match="add --quantization"):
         resolve("--kv-bits", "8")
-    assert main(["generate", "--cache", "quantized", "--kv-format", "e4m3", "--kv-bits", "4"]) == 2
+    assert main(["generate", "--quantization", "--kv-format", "e4m3", "--kv-bits", "4"]) == 2
 
 
 def load_script(name):
@@ -383,7 +374,7 @@ def test_cli_generates_with_a_quantized_cache(capsys):
     from jaxkv.app.cli import main
 
     code = main(["generate", "--model", "smollm2", "--prompt", "What is 2+2?", "--max-new-tokens", "4",
-                 "--cache", "quantized", "--kv-bits", "4", "--kv-axis-key", "-1"])  # fmt: skip
+                 "--quantization", "--kv-bits", "4", "--kv-axis-key", "-1"])  # fmt: skip
     out = capsys.readouterr()
     assert code == 0, out.err
     assert out.out.strip() and "cache" in out.err

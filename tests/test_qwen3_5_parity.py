@@ -18,7 +18,8 @@ import torch
 import transformers
 from flax import nnx
 
-from jaxkv.decoding.generate import Sampling, generate
+from jaxkv.decoding.generate import generate
+from jaxkv.decoding.sampling import Sampling
 from jaxkv.decoding.speculative import PromptLookup, generate_speculative
 from jaxkv.models.qwen3_5 import Qwen3_5
 from jaxkv.models.weights import load_safetensors_checkpoint

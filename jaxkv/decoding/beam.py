@@ -10,10 +10,10 @@ hypotheses; False stops it once no running beam can beat the worst finished one 
 current length; ``"never"`` estimates that bound at ``max_new_tokens`` when
 ``length_penalty > 0`` (the canonical beam search).
 
-The search is model- and cache-agnostic: the loop needs only ``model(tokens [N, 1],
-positions [N, 1], cache) -> (logits [N, 1, V], cache)`` and ``cache.repeat`` /
-``cache.reorder`` / ``cache.lengths`` (preparing the batch also reads ``batch_size``,
-``max_length`` and calls ``reserve``). The prompt's cache (``B`` rows) is repeated to
+The search runs on the decoding driver (``jaxkv.decoding.driver``: batch, prefill, timing)
+and is model- and cache-agnostic: the loop needs only ``model(tokens [N, 1], positions
+[N, 1], cache) -> (logits [N, 1, V], cache)`` and ``cache.repeat`` / ``cache.reorder`` /
+``cache.lengths``. The prompt's cache (``B`` rows) is repeated to
 ``B * num_beams`` rows once, in the compiled search before its loop, and reordered
 in-graph every step by ``reorder``, which gathers every leaf: any cache type works,
 quantized or encoder-decoder included.
@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from jaxkv.decoding.generate import compiled, prepare_batch, prompt_logits
+from jaxkv.decoding.driver import Batch, Loop, Prefilled, Request, Strategy, drive
+from jaxkv.decoding.model import DecoderModel
+from jaxkv.decoding.sampling import GREEDY
 
 # transformers' "impossible" score: a candidate that must not be chosen gets this added.
 NEG = -1.0e9
@@ -161,40 +162,37 @@ def searching(state: BeamState, settings: BeamSettings) -> jax.Array:
     return jnp.any(state.improvable) & open_beams & ~state.all_stopped
 
 
+class BeamCarry(struct.PyTreeNode):
+    """The search loop between steps: the beams and their cache (``B * num_beams`` rows)."""
+
+    beams: BeamState
+    cache: Any
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "num_stop", "max_new_tokens"))
 def search(graphdef, state, cache, first_logits, stop_tokens, *, settings: BeamSettings, num_stop, max_new_tokens):
     """Beam search from the prompts' cache (``B`` rows) and their next-token logits ``[B, V]``.
 
     Repeats the cache to ``B * num_beams`` rows, then runs one ``lax.while_loop`` whose
     body reorders the cache to the surviving beams' parents, feeds their newest tokens
-    and selects. Returns the final ``BeamState`` and cache.
+    and selects. Returns the final ``BeamCarry``.
     """
     model = nnx.merge(graphdef, state)
     batch, num_beams = first_logits.shape[0], settings.num_beams
-    cache = cache.repeat(num_beams)
     beams = initial_state(batch, num_beams, max_new_tokens)
     logits = jnp.broadcast_to(first_logits[:, None], (batch, num_beams, first_logits.shape[-1]))
-    beams = select(beams, logits, stop_tokens, settings, num_stop)
+    carry = BeamCarry(select(beams, logits, stop_tokens, settings, num_stop), cache.repeat(num_beams))
     row_offsets = jnp.arange(batch, dtype=jnp.int32)[:, None] * num_beams
 
-    def body(carry):
-        beams, cache = carry
-        cache = cache.reorder((beams.parents + row_offsets).reshape(-1))
+    def step(carry: BeamCarry) -> BeamCarry:
+        beams = carry.beams
+        cache = carry.cache.reorder((beams.parents + row_offsets).reshape(-1))
         newest = beams.running_tokens[:, :, beams.step - 1].reshape(-1, 1)
         logits, cache = model(newest, cache.lengths[:, None], cache)
         logits = logits[:, -1].reshape(batch, num_beams, -1)
-        return select(beams, logits, stop_tokens, settings, num_stop), cache
+        return BeamCarry(select(beams, logits, stop_tokens, settings, num_stop), cache)
 
-    return jax.lax.while_loop(lambda carry: searching(carry[0], settings), body, (beams, cache))
-
-
-def _prefill_logits(graphdef, state, cache, tokens, prompt_lengths):
-    """The prompts' next-token logits ``[B, V]`` and their cache (prefilled once per prompt)."""
-    return prompt_logits(nnx.merge(graphdef, state), cache, tokens, prompt_lengths)
-
-
-prefill_logits = jax.jit(_prefill_logits, static_argnames=("graphdef",), donate_argnames=("cache",))
-prefill_logits_shared = jax.jit(_prefill_logits, static_argnames=("graphdef",))  # keeps a caller's cache valid
+    return jax.lax.while_loop(lambda carry: searching(carry.beams, settings), step, carry)
 
 
 @dataclasses.dataclass
@@ -215,63 +213,64 @@ class BeamGeneration:
         return self.tokens[row, rank, : self.lengths[row, rank]].tolist()
 
 
+@dataclasses.dataclass(frozen=True)
+class BeamSearch(Strategy):
+    """``beam_search``'s strategy: the whole search in one compiled loop."""
+
+    request: Request
+    settings: BeamSettings
+
+    def check(self, batch: Batch) -> None:
+        """A cache too small to hold ``max_new_tokens`` more per beam would cut a beam short silently."""
+        capacity, written = batch.cache.max_length, self.request.max_new_tokens - 1
+        longest = int(np.max(np.asarray(batch.cache.lengths) + batch.prompt_lengths))
+        if capacity is not None and longest + written > capacity:
+            raise ValueError(
+                f"beam search writes up to {longest + written} tokens per row but the cache holds {capacity}; "
+                f"raise max_length or lower max_new_tokens"
+            )
+
+    def loop(self, run: Prefilled, started: None) -> Loop:
+        request = self.request
+        static = {
+            "settings": self.settings, "num_stop": len(request.stop_tokens), "max_new_tokens": request.max_new_tokens
+        }  # fmt: skip
+        return Loop(search, static, (run.state, run.cache, run.logits, request.stop_array))
+
+    def result(self, carry: BeamCarry, run: Prefilled) -> BeamGeneration:
+        beams = jax.device_get(carry.beams)
+        keep = slice(0, self.settings.num_return_sequences)
+        lengths = beams.finished_lengths[:, keep]
+        generated = np.arange(self.request.max_new_tokens)[None, None, :] < lengths[:, :, None]
+        tokens = np.where(generated, beams.finished_tokens[:, keep], -1)
+        timings = run.timings
+        return BeamGeneration(
+            tokens, lengths, beams.finished_scores[:, keep], timings.prefill_seconds, timings.loop_seconds,
+            timings.compile_seconds, carry.cache.nbytes,
+        )  # fmt: skip
+
+
 def beam_search(
-    model: nnx.Module,
+    model: DecoderModel,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
     num_beams: int,
     length_penalty: float = 1.0,
     early_stopping: bool | Literal["never"] = False,
     num_return_sequences: int = 1,
-    stop_tokens: Sequence[int] = (),
-    cache=None,
-    cache_kind: str = "static",
-    max_length: int | None = None,
-    **cache_kwargs,
+    **options,
 ) -> BeamGeneration:
     """Beam search over each prompt (token ids) of a ragged batch; see the module docstring.
 
-    Prompts and cache are prepared as ``generate`` does (``jaxkv.decoding.generate.prepare_batch``:
-    bucketed widths, a fresh cache or ``cache`` to continue). A hypothesis ends at a stop
-    token (included in its tokens) or at ``max_new_tokens``. A cache too small to hold
-    ``max_new_tokens`` more per beam is refused, so no beam is ever cut short by it.
+    ``options``: the keywords of ``jaxkv.decoding.driver.Request.create`` but ``sampling``,
+    ``seed`` and ``stream`` (the search is deterministic and returns whole hypotheses):
+    ``max_new_tokens``, ``stop_tokens``, ``encoder_inputs``, ``cache`` to continue, or
+    ``full_attention``, ``max_length`` and cache settings to build one. A hypothesis ends
+    at a stop token (included in its tokens) or at ``max_new_tokens``. A cache too small to
+    hold ``max_new_tokens`` more per beam is refused, so no beam is ever cut short by it.
     """
     settings = BeamSettings(num_beams, length_penalty, early_stopping, num_return_sequences)
-    given_cache = cache is not None  # the caller's: never donated
-    tokens, lengths, cache = prepare_batch(
-        model, prompts, max_new_tokens=max_new_tokens, cache=cache, cache_kind=cache_kind, max_length=max_length,
-        **cache_kwargs,
-    )  # fmt: skip
-    capacity, longest = cache.max_length, int(np.max(np.asarray(cache.lengths) + lengths))
-    if capacity is not None and longest + max_new_tokens - 1 > capacity:  # a beam would lose tokens silently
-        raise ValueError(
-            f"beam search writes up to {longest + max_new_tokens - 1} tokens per row but the cache holds {capacity}; "
-            f"raise max_length or lower max_new_tokens"
-        )
-    stops = sorted(set(stop_tokens))
-    stop_array = jnp.asarray(stops or [-2], jnp.int32)
-    graphdef, state = nnx.split(model)
-    prefill_fn = prefill_logits_shared if given_cache else prefill_logits
-    prefill_c, prefill_compile = compiled(prefill_fn, {}, graphdef, state, cache, tokens, lengths)
-    start = time.perf_counter()
-    logits, cache = prefill_c(state, cache, tokens, lengths)
-    logits.block_until_ready()
-    prefill_seconds = time.perf_counter() - start
-
-    static = {"settings": settings, "num_stop": len(stops), "max_new_tokens": max_new_tokens}
-    search_c, search_compile = compiled(search, static, graphdef, state, cache, logits, stop_array)
-    start = time.perf_counter()
-    beams, cache = search_c(state, cache, logits, stop_array)
-    out = jax.device_get(beams)
-    search_seconds = time.perf_counter() - start
-
-    keep = slice(0, num_return_sequences)
-    lengths_out = out.finished_lengths[:, keep]
-    tokens_out = np.where(
-        np.arange(max_new_tokens)[None, None, :] < lengths_out[:, :, None], out.finished_tokens[:, keep], -1
-    )
-    return BeamGeneration(
-        tokens_out, lengths_out, out.finished_scores[:, keep], prefill_seconds, search_seconds,
-        prefill_compile + search_compile, cache.nbytes,
-    )  # fmt: skip
+    request = Request.create(**options)
+    if (request.sampling, request.seed, request.stream) != (GREEDY, 0, None):
+        raise ValueError("beam search is deterministic and returns whole hypotheses: drop sampling, seed and stream")
+    return drive(model, prompts, BeamSearch(request, settings))

@@ -48,8 +48,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import inspect
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -57,20 +55,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.experimental import io_callback
 
+from jaxkv.decoding.driver import Batch, CacheSource, Loop, Prefilled, Request, Strategy, drive, emit, prefill
+from jaxkv.decoding.generate import Finish, Generation, Limits
+from jaxkv.decoding.model import DecoderModel, EarlyExitModel, EncoderDecoderModel, check_model
+from jaxkv.decoding.sampling import Sampling, sample, sampling_logits
 from jaxkv.sizing import bucket
-from jaxkv.decoding.generate import (
-    Finish,
-    Generation,
-    Sampling,
-    compiled,
-    prefill,
-    prepare_batch,
-    row_finish,
-    sample,
-    sampling_logits,
-)
 
 
 class Round(NamedTuple):
@@ -81,7 +71,7 @@ class Round(NamedTuple):
     draft_params: Any  # the drafter's parameters (loop-invariant), or None
     draft_state: Any  # the drafter's carry (its cache), or None
     history: jax.Array  # [B, S] each row's prompt then generated tokens
-    lengths: jax.Array  # [B] tokens of ``history`` in use (L + 1: the latest is not in the cache yet)
+    history_lengths: jax.Array  # [B] tokens of ``history`` in use (L + 1: the latest is not in the cache yet)
     running: jax.Array  # [B] bool
     key: jax.Array
     sampling: Sampling
@@ -98,12 +88,12 @@ class Proposal(NamedTuple):
     cache: Any  # the target's cache (self-speculation writes its first layers)
 
 
-def latest_tokens(history: jax.Array, lengths: jax.Array) -> jax.Array:
-    """``[B]``: each row's last token in ``history`` ``[B, S]``."""
-    return jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)[:, 0]
+def latest_tokens(history: jax.Array, history_lengths: jax.Array) -> jax.Array:
+    """``[B]``: each row's last token in ``history`` ``[B, S]`` (``history_lengths`` ``[B]`` in use)."""
+    return jnp.take_along_axis(history, (history_lengths - 1)[:, None], axis=1)[:, 0]
 
 
-def lookup_drafts(history, lengths, num_draft: int, max_ngram: int, min_ngram: int) -> jax.Array:
+def lookup_drafts(history, history_lengths, num_draft: int, max_ngram: int, min_ngram: int) -> jax.Array:
     """Drafts ``[B, k]`` copied from each row's own context (prompt lookup).
 
     For n from ``max_ngram`` down to ``min_ngram``, find the latest start s < length - n
@@ -115,17 +105,17 @@ def lookup_drafts(history, lengths, num_draft: int, max_ngram: int, min_ngram: i
     """
     batch, size = history.shape
     starts = jnp.arange(size, dtype=jnp.int32)[None, :]
-    last = latest_tokens(history, lengths)
+    last = latest_tokens(history, history_lengths)
     drafts = jnp.broadcast_to(last[:, None], (batch, num_draft))
     found = jnp.zeros((batch,), bool)
     for n in range(max_ngram, min_ngram - 1, -1):  # longest n-gram first
-        tail = jnp.take_along_axis(history, jnp.maximum(lengths[:, None] - n + jnp.arange(n), 0), axis=1)
-        match = starts < (lengths - n)[:, None]
+        tail = jnp.take_along_axis(history, jnp.maximum(history_lengths[:, None] - n + jnp.arange(n), 0), axis=1)
+        match = starts < (history_lengths - n)[:, None]
         for i in range(n):
             shifted = jnp.roll(history, -i, axis=1)  # shifted[:, s] = history[:, s + i] for s + i < S
             match &= shifted == tail[:, i : i + 1]
         start = jnp.max(jnp.where(match, starts, -1), axis=1)
-        period = jnp.maximum(lengths - n - start, 1)
+        period = jnp.maximum(history_lengths - n - start, 1)
         index = start[:, None] + n + jnp.arange(num_draft)[None, :] % period[:, None]
         copied = jnp.take_along_axis(history, jnp.clip(index, 0, size - 1), axis=1)
         hit = (start >= 0) & ~found
@@ -169,15 +159,15 @@ class Drafter(abc.ABC):
     under ``jit`` (hashable); its weights, if any, are ``params()``, an ordinary input.
     """
 
-    def check(self, target) -> None:
+    def check(self, target: DecoderModel) -> None:
         """Raise if this drafter cannot serve ``target``."""
 
     def params(self):
         return None
 
-    def start(self, prompt_tokens, prompt_lengths, cache_settings: dict, reserve: int):
-        """The drafter's carry after the prompts ``[B, W]`` and the seconds spent compiling."""
-        return None, 0.0
+    def start(self, run: Prefilled, cache_source: CacheSource, reserve: int):
+        """The drafter's carry after the prompts ``run.tokens`` ``[B, W]``; a cache of its own
+        comes from ``cache_source`` with room for ``reserve`` tokens per row (None: no carry)."""
 
     @abc.abstractmethod
     def propose(self, rnd: Round) -> Proposal:
@@ -203,7 +193,7 @@ class PromptLookup(Drafter):
             raise ValueError(f"PromptLookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
 
     def propose(self, rnd: Round) -> Proposal:
-        drafts = lookup_drafts(rnd.history, rnd.lengths, rnd.num_draft, self.max_ngram, self.min_ngram)
+        drafts = lookup_drafts(rnd.history, rnd.history_lengths, rnd.num_draft, self.max_ngram, self.min_ngram)
         return Proposal(drafts, None, rnd.draft_state, rnd.cache)
 
 
@@ -211,21 +201,19 @@ class PromptLookup(Drafter):
 class SelfSpeculation(Drafter):
     """Draft with the target's first ``exit_layer`` layers plus its final norm and head.
 
-    The target must accept ``num_layers=`` (``jaxkv.models.llama.Llama`` and ``jaxkv.models.gemma3.Gemma3`` do). Those layers'
-    K/V are exactly the target's, so the draft writes them into the target's cache;
-    the verification pass rewrites the same positions, and the rollback undoes both.
-    Drafts past what the round verifies are not stored, so the draft never writes a
-    position the verification does not rewrite.
+    The target must be an ``EarlyExitModel`` (``jaxkv.models.llama.Llama`` and
+    ``jaxkv.models.gemma3.Gemma3`` are). Those layers' K/V are exactly the target's, so
+    the draft writes them into the target's cache; the verification pass rewrites the
+    same positions, and the rollback undoes both. Drafts past what the round verifies are
+    not stored, so the draft never writes a position the verification does not rewrite.
     """
 
     exit_layer: int
 
-    def check(self, target) -> None:
-        if "num_layers" not in inspect.signature(type(target).__call__).parameters:
-            raise TypeError(
-                f"SelfSpeculation needs a target called with num_layers= (early exit); {type(target).__name__} is not. "
-                "Use PromptLookup or DraftModel instead"
-            )
+    def check(self, target: DecoderModel) -> None:
+        check_model(
+            target, EarlyExitModel, "SelfSpeculation needs a target that can exit early; use PromptLookup or DraftModel"
+        )
         layers = target.config.num_hidden_layers
         if not 1 <= self.exit_layer < layers:
             raise ValueError(
@@ -234,11 +222,11 @@ class SelfSpeculation(Drafter):
 
     def propose(self, rnd: Round) -> Proposal:
         def forward(tokens, positions, cache):
-            return rnd.target(tokens, positions, cache, num_layers=self.exit_layer)
+            return rnd.target.early_exit(tokens, positions, cache, self.exit_layer)
 
         lengths = rnd.cache.lengths
         positions = jnp.where(rnd.running, lengths, -1)[:, None]
-        last = latest_tokens(rnd.history, rnd.lengths)
+        last = latest_tokens(rnd.history, rnd.history_lengths)
         drafts, logits, cache = draft_tokens(
             forward, last[:, None], positions, rnd.cache, lengths + 1, rnd, write_until=lengths + rnd.num_verified
         )
@@ -260,11 +248,11 @@ class DraftState(struct.PyTreeNode):
 class DraftModel(Drafter):
     """A separate (smaller) draft model with the target's vocabulary and its own cache.
 
-    Built from an ``nnx.Module`` called like the target; equal (and hashed, for the
+    Built from a ``DecoderModel`` (an ``nnx.Module``); equal (and hashed, for the
     compiled-code cache) by its graph definition, so its weights are ordinary inputs.
     """
 
-    def __init__(self, model: nnx.Module):
+    def __init__(self, model: DecoderModel):
         self.model = model
         self.graphdef, self.state = nnx.split(model)
 
@@ -274,7 +262,8 @@ class DraftModel(Drafter):
     def __eq__(self, other):
         return isinstance(other, DraftModel) and self.graphdef == other.graphdef
 
-    def check(self, target) -> None:
+    def check(self, target: DecoderModel) -> None:
+        check_model(self.model, DecoderModel, "a DraftModel decodes like its target")
         if self.model.config.vocab_size != target.config.vocab_size:
             raise ValueError(
                 f"DraftModel: the draft's vocabulary ({self.model.config.vocab_size}) differs from the target's "
@@ -284,22 +273,19 @@ class DraftModel(Drafter):
     def params(self):
         return self.state
 
-    def start(self, prompt_tokens, prompt_lengths, cache_settings: dict, reserve: int):
+    def start(self, run: Prefilled, cache_source: CacheSource, reserve: int) -> DraftState:
         """Prefill the draft model's own cache (built like the target's) with the prompts."""
-        cache = self.model.init_cache(len(prompt_lengths), **cache_settings).reserve(reserve)
-        fill, seconds = compiled(
-            prefill, {"sampling": Sampling()}, self.graphdef, self.state, cache, prompt_tokens, prompt_lengths,
-            jax.random.key(0),
-        )  # fmt: skip
-        _, cache = fill(self.state, cache, prompt_tokens, prompt_lengths, jax.random.key(0))
-        return DraftState(cache, jnp.full((len(prompt_lengths),), -1, jnp.int32)), seconds
+        batch = len(run.prompt_lengths)
+        cache = cache_source.fresh(self.model, batch).reserve(reserve)
+        _, cache = run.timings.prefill(prefill, {}, self.graphdef, self.state, cache, run.tokens, run.prompt_lengths)
+        return DraftState(cache, jnp.full((batch,), -1, jnp.int32))
 
     def propose(self, rnd: Round) -> Proposal:
         model = nnx.merge(self.graphdef, rnd.draft_params)
         state: DraftState = rnd.draft_state
         lengths = rnd.cache.lengths  # the draft cache holds the same tokens, less a pending one
         pending = state.pending
-        tokens = jnp.stack([jnp.maximum(pending, 0), latest_tokens(rnd.history, rnd.lengths)], axis=1)
+        tokens = jnp.stack([jnp.maximum(pending, 0), latest_tokens(rnd.history, rnd.history_lengths)], axis=1)
         positions = jnp.stack([jnp.where(pending >= 0, lengths - 1, -1), lengths], axis=1)
         positions = jnp.where(rnd.running[:, None], positions, -1)
         drafts, logits, cache = draft_tokens(model, tokens, positions, state.cache, lengths + 1, rnd)
@@ -314,7 +300,9 @@ class DraftModel(Drafter):
         return DraftState(cache, pending)
 
 
-def verify(target_logits, drafts, draft_logits, key, sampling: Sampling, num_checked=None) -> tuple[jax.Array, jax.Array]:
+def verify(
+    target_logits, drafts, draft_logits, key, sampling: Sampling, num_checked=None
+) -> tuple[jax.Array, jax.Array]:
     """Which drafts the target accepts, and the row's tokens for this round.
 
     ``target_logits`` ``[B, k+1, V]`` (position j scores the token after ``x, d_1..d_j``),
@@ -359,93 +347,136 @@ def verify(target_logits, drafts, draft_logits, key, sampling: Sampling, num_che
     return num_accepted, tokens
 
 
+class SpeculativeCarry(struct.PyTreeNode):
+    """The speculative loop between rounds."""
+
+    cache: Any  # the target's
+    draft_state: Any  # the drafter's carry
+    history: jax.Array  # [B, S] int32: each row's prompt, then its generated tokens
+    history_lengths: jax.Array  # [B] int32: tokens of ``history`` in use (the latest is not in ``cache`` yet)
+    num_generated: jax.Array  # [B] int32
+    finish: jax.Array  # [B] int32 Finish
+    key: jax.Array
+    target_steps: jax.Array  # [B] int32: verification passes
+    accepted: jax.Array  # [B] int32: drafts the target accepted
+
+
+def appended(history: jax.Array, history_lengths: jax.Array, new: jax.Array, kept: jax.Array) -> jax.Array:
+    """``history`` ``[B, S]`` with each row's first ``kept`` ``[B]`` of ``new`` ``[B, k+1]`` after its
+    ``history_lengths`` ``[B]`` tokens."""
+    offsets = jnp.arange(new.shape[1])[None, :]
+    slots = jnp.where(offsets < kept[:, None], history_lengths[:, None] + offsets, history.shape[1])
+    return history.at[jnp.arange(history.shape[0])[:, None], slots].set(new, mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeLoop:
+    """The loop-invariant parts of ``speculative_decode`` and its rounds (traced, not a carry)."""
+
+    target: DecoderModel
+    draft_params: Any
+    drafter: Drafter
+    sampling: Sampling
+    num_draft: int
+    limits: Limits
+    stream: Callable[[np.ndarray], None] | None
+
+    @property
+    def offsets(self) -> jax.Array:
+        """``[1, k+1]``: a round's token offsets after a row's cached tokens."""
+        return jnp.arange(self.num_draft + 1, dtype=jnp.int32)[None, :]
+
+    def first_carry(self, cache, draft_state, history, prompt_lengths, first_logits, key) -> SpeculativeCarry:
+        """Each row's first token, drawn from the prefill's ``first_logits`` ``[B, V]`` and put
+        after its prompt in ``history`` ``[B, S]``."""
+        batch = history.shape[0]
+        first_key, key = jax.random.split(key)
+        first = sample(first_logits, first_key, self.sampling)
+        emit(self.stream, jnp.concatenate([first[:, None], jnp.full((batch, self.num_draft), -1, jnp.int32)], axis=1))
+        num_generated, zeros = jnp.ones((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)
+        return SpeculativeCarry(
+            cache, draft_state, history.at[jnp.arange(batch), prompt_lengths].set(first), prompt_lengths + 1,
+            num_generated, self.limits.finish(first, num_generated, cache.lengths), key, zeros, zeros,
+        )  # fmt: skip
+
+    def step(self, carry: SpeculativeCarry) -> SpeculativeCarry:
+        """Draft, verify, keep, and roll the caches back past what the rows did not keep."""
+        running = carry.finish == Finish.RUNNING
+        key, draft_key, verify_key = jax.random.split(carry.key, 3)
+        num_verified = self.verified_counts(carry.cache)
+        proposal = self.drafter.propose(Round(
+            self.target, carry.cache, self.draft_params, carry.draft_state, carry.history, carry.history_lengths,
+            running, draft_key, self.sampling, self.num_draft, num_verified,
+        ))  # fmt: skip
+        num_accepted, new, cache = self.verified(carry, proposal, running, num_verified, verify_key)
+        kept = self.kept_counts(new, num_accepted, carry, running)
+        new = jnp.where(self.offsets < kept[:, None], new, -1)
+        emit(self.stream, new)
+        cache = cache.rollback(jnp.where(running, num_verified - kept, 0))
+        num_generated = carry.num_generated + kept
+        latest = jnp.take_along_axis(new, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+        return SpeculativeCarry(
+            cache=cache,
+            draft_state=self.drafter.commit(proposal.draft_state, proposal, kept, running),
+            history=appended(carry.history, carry.history_lengths, new, kept),
+            history_lengths=carry.history_lengths + kept,
+            num_generated=num_generated,
+            finish=jnp.where(running, self.limits.finish(latest, num_generated, cache.lengths), carry.finish),
+            key=key,
+            target_steps=carry.target_steps + running,
+            accepted=carry.accepted + jnp.where(running, num_accepted, 0),
+        )
+
+    def verified_counts(self, cache) -> jax.Array:
+        """``[B]`` tokens a round's verification writes: k + 1, fewer within ``exact_chunk_lengths``."""
+        exact = cache.exact_chunk_lengths()
+        everything = jnp.full((cache.batch_size,), self.num_draft + 1)
+        return everything if exact is None else jnp.minimum(exact, self.num_draft + 1)
+
+    def verified(self, carry: SpeculativeCarry, proposal: Proposal, running, num_verified, key):
+        """The target's one pass over ``[x, d_1..d_k]`` at positions ``L..L+k`` (padding past
+        ``num_verified``): accepted drafts ``[B]``, the round's tokens ``[B, k+1]`` (see
+        ``verify``) and the target's cache holding them."""
+        latest = latest_tokens(carry.history, carry.history_lengths)
+        tokens = jnp.concatenate([latest[:, None], proposal.drafts], axis=1)
+        written = running[:, None] & (self.offsets < num_verified[:, None])
+        positions = jnp.where(written, carry.cache.lengths[:, None] + self.offsets, -1)
+        logits, cache = self.target(tokens, positions, proposal.cache)
+        num_accepted, new = verify(logits, proposal.drafts, proposal.logits, key, self.sampling, num_verified - 1)
+        return num_accepted, new, cache
+
+    def kept_counts(self, new, num_accepted, carry: SpeculativeCarry, running) -> jax.Array:
+        """``[B]`` tokens each row keeps: its accepted drafts and the target's token, cut at a
+        stop token, at ``max_new_tokens`` and at the capacity (a query past it missed its
+        own key); 0 for stopped rows."""
+        limits = self.limits
+        kept = jnp.minimum(num_accepted + 1, limits.max_new_tokens - carry.num_generated)
+        if limits.capacity is not None:
+            kept = jnp.minimum(kept, limits.capacity - carry.cache.lengths)
+        is_stop = jnp.isin(new, limits.stop_tokens) & (self.offsets < kept[:, None])
+        kept = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, kept)
+        return jnp.where(running, kept, 0)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("graphdef", "drafter", "sampling", "max_new_tokens", "num_draft", "stream"),
     donate_argnames=("cache", "draft_state", "history"),
 )
 def speculative_decode(
-    graphdef, state, cache, draft_params, draft_state, history, lengths, key, stop_tokens,
+    graphdef, state, cache, draft_params, draft_state, history, prompt_lengths, first_logits, key, stop_tokens,
     *, drafter, sampling, max_new_tokens, num_draft, stream=None,
 ):  # fmt: skip
-    """Decode speculatively until every row has stopped.
+    """Decode speculatively until every row has stopped; returns the final ``SpeculativeCarry``.
 
-    ``history`` ``[B, S]``: each row's prompt and first generated token, ``lengths``
-    ``[B]`` how many (the first generated token is not in ``cache`` yet). Returns the
-    history, the per-row generated counts, finish reasons, target passes and accepted
-    drafts, and the caches. ``stream``, if given, receives each round's tokens ``[B, k+1]``
-    (-1 past what a row kept) through ``io_callback``.
+    ``history`` ``[B, S]``: each row's prompt (``prompt_lengths`` ``[B]`` tokens, in
+    ``cache``), ``first_logits`` ``[B, V]`` the prefill's. ``stream``, if given, receives
+    each round's tokens ``[B, k+1]`` (-1 past what a row kept) through ``io_callback``.
     """
-    target = nnx.merge(graphdef, state)
-    batch, size = history.shape
-    capacity = cache.max_length
-    rows = jnp.arange(batch)[:, None]
-    offsets = jnp.arange(num_draft + 1, dtype=jnp.int32)[None, :]
-
-    def emit(tokens):
-        if stream is not None:
-            io_callback(stream, None, tokens, ordered=True)
-
-    first = latest_tokens(history, lengths)
-    emit(jnp.concatenate([first[:, None], jnp.full((batch, num_draft), -1, jnp.int32)], axis=1))
-    count = jnp.ones((batch,), jnp.int32)
-    reason = row_finish(first, count, cache.lengths, stop_tokens, max_new_tokens, capacity)
-    zeros = jnp.zeros((batch,), jnp.int32)
-
-    def cond(carry):
-        return jnp.any(carry["reason"] == Finish.RUNNING)
-
-    def body(carry):
-        running = carry["reason"] == Finish.RUNNING
-        key, draft_key, verify_key = jax.random.split(carry["key"], 3)
-        start = carry["cache"].lengths
-        exact = carry["cache"].exact_chunk_lengths()
-        num_verified = jnp.full((batch,), num_draft + 1) if exact is None else jnp.minimum(exact, num_draft + 1)
-        rnd = Round(
-            target, carry["cache"], draft_params, carry["draft_state"], carry["history"], carry["lengths"],
-            running, draft_key, sampling, num_draft, num_verified,
-        )  # fmt: skip
-        proposal = drafter.propose(rnd)
-        tokens = jnp.concatenate([latest_tokens(carry["history"], carry["lengths"])[:, None], proposal.drafts], axis=1)
-        written = running[:, None] & (offsets < num_verified[:, None])
-        positions = jnp.where(written, start[:, None] + offsets, -1)
-        logits, cache = target(tokens, positions, proposal.cache)
-        num_accepted, new = verify(logits, proposal.drafts, proposal.logits, verify_key, sampling, num_verified - 1)
-
-        # Keep the accepted drafts and the target's token, cut at a stop token, at
-        # max_new_tokens and at the capacity (a query past it missed its own key).
-        kept = jnp.minimum(num_accepted + 1, max_new_tokens - carry["count"])
-        if capacity is not None:
-            kept = jnp.minimum(kept, capacity - start)
-        is_stop = jnp.isin(new, stop_tokens) & (offsets < kept[:, None])
-        kept = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1) + 1, kept)
-        kept = jnp.where(running, kept, 0)
-        new = jnp.where(offsets < kept[:, None], new, -1)
-        emit(new)
-
-        slots = jnp.where(offsets < kept[:, None], carry["lengths"][:, None] + offsets, size)
-        history = carry["history"].at[rows, slots].set(new, mode="drop")
-        cache = cache.rollback(jnp.where(running, num_verified - kept, 0))
-        count = carry["count"] + kept
-        latest = jnp.take_along_axis(new, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
-        finished = row_finish(latest, count, cache.lengths, stop_tokens, max_new_tokens, capacity)
-        return {
-            "cache": cache,
-            "draft_state": drafter.commit(proposal.draft_state, proposal, kept, running),
-            "history": history,
-            "lengths": carry["lengths"] + kept,
-            "count": count,
-            "reason": jnp.where(running, finished, carry["reason"]),
-            "key": key,
-            "target_steps": carry["target_steps"] + running,
-            "accepted": carry["accepted"] + jnp.where(running, num_accepted, 0),
-        }
-
-    carry = {
-        "cache": cache, "draft_state": draft_state, "history": history, "lengths": lengths, "count": count,
-        "reason": reason, "key": key, "target_steps": zeros, "accepted": zeros,
-    }  # fmt: skip
-    return jax.lax.while_loop(cond, body, carry)
+    limits = Limits(stop_tokens, max_new_tokens, cache.max_length)
+    loop = SpeculativeLoop(nnx.merge(graphdef, state), draft_params, drafter, sampling, num_draft, limits, stream)
+    carry = loop.first_carry(cache, draft_state, history, prompt_lengths, first_logits, key)
+    return jax.lax.while_loop(lambda carry: jnp.any(carry.finish == Finish.RUNNING), loop.step, carry)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -467,78 +498,88 @@ class SpeculativeGeneration(Generation):
         return float((self.num_generated - 1).sum() / max(1, self.target_steps.sum()))
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativeDecoding(Strategy):
+    """``generate_speculative``'s strategy: ``drafter`` proposes ``num_draft`` (k) tokens a round."""
+
+    request: Request
+    drafter: Drafter
+    num_draft: int
+
+    @property
+    def extra_slots(self) -> int:
+        return self.num_draft + 1  # a verification writes up to k + 1 tokens past the kept ones
+
+    def check(self, batch: Batch) -> None:
+        budget = batch.cache.max_rollback
+        if budget is not None and budget < self.num_draft:
+            raise ValueError(
+                f"this cache can undo {budget} tokens but a round may reject all {self.num_draft} drafts; "
+                f"lower num_draft_tokens or use layers that can roll back further"
+            )
+
+    def start(self, run: Prefilled) -> Any:
+        """The drafter's carry; a draft cache is built like the target's, as long as the run needs."""
+        reserve = run.tokens.shape[1] + self.request.max_new_tokens + self.extra_slots
+        source = self.request.cache_source
+        draft_source = dataclasses.replace(source, max_length=source.max_length or bucket(reserve))
+        return self.drafter.start(run, draft_source, reserve)
+
+    def loop(self, run: Prefilled, started: Any) -> Loop:
+        request = self.request
+        history = np.zeros((len(run.prompt_lengths), run.tokens.shape[1] + request.max_new_tokens), np.int32)
+        history[:, : run.tokens.shape[1]] = run.tokens
+        args = (
+            run.state, run.cache, self.drafter.params(), started, history, run.prompt_lengths, run.logits,
+            request.key, request.stop_array,
+        )  # fmt: skip
+        static = {
+            "sampling": request.sampling, "drafter": self.drafter, "max_new_tokens": request.max_new_tokens,
+            "num_draft": self.num_draft, "stream": request.stream,
+        }  # fmt: skip
+        return Loop(speculative_decode, static, args)
+
+    def result(self, carry: SpeculativeCarry, run: Prefilled) -> SpeculativeGeneration:
+        history, counts = np.asarray(carry.history), np.asarray(carry.num_generated)
+        generated = np.full((len(counts), self.request.max_new_tokens), -1, np.int32)
+        for row, (begin, n) in enumerate(zip(run.prompt_lengths, counts)):
+            generated[row, :n] = history[row, begin : begin + n]
+        timings = run.timings
+        return SpeculativeGeneration(
+            generated, counts, [Finish(int(r)) for r in np.asarray(carry.finish)], timings.prefill_seconds,
+            timings.loop_seconds, timings.compile_seconds, carry.cache.nbytes, carry.cache,
+            target_steps=np.asarray(carry.target_steps), accepted=np.asarray(carry.accepted),
+            num_draft_tokens=self.num_draft,
+        )  # fmt: skip
+
+
 def generate_speculative(
-    model: nnx.Module,
+    model: DecoderModel,
     prompts: Sequence[Sequence[int]],
     *,
     drafter: Drafter,
     num_draft_tokens: int = 4,
-    max_new_tokens: int,
-    stop_tokens: Sequence[int] = (),
-    sampling: Sampling = Sampling(),
-    seed: int = 0,
-    cache_kind: str = "static",
-    max_length: int | None = None,
-    stream: Callable[[np.ndarray], None] | None = None,
-    **cache_kwargs,
+    **options,
 ) -> SpeculativeGeneration:
     """``jaxkv.decoding.generate.generate`` with speculative decoding (see the module docstring).
 
-    Same prompts, padding, cache building and finish reasons; greedy output is the same.
-    ``num_draft_tokens`` (k) drafts per round; windowed cache layers get
-    ``rollback_slots >= k``. ``stream(tokens [B, k+1])`` receives each round's tokens.
+    ``options``: ``generate``'s keywords but ``cache`` and ``encoder_inputs`` (a run starts
+    from its prompts, on a decoder-only model). Same prompts, padding, cache building and
+    finish reasons; greedy output is the same. ``num_draft_tokens`` (k) drafts per round;
+    windowed cache layers get ``rollback_slots >= k``. ``stream(tokens [B, k+1])`` receives
+    each round's tokens.
     """
     if num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be at least 1, got {num_draft_tokens}")
+    check_model(model, DecoderModel)
     drafter.check(model)
-    cache_kwargs["rollback_slots"] = max(cache_kwargs.get("rollback_slots", 0), num_draft_tokens)
-    tokens, prompt_lengths, cache = prepare_batch(
-        model, prompts, max_new_tokens=max_new_tokens, cache_kind=cache_kind, max_length=max_length, **cache_kwargs
-    )
-    if cache.max_rollback is not None and cache.max_rollback < num_draft_tokens:
+    request = Request.create(**options)
+    source = request.cache_source
+    if source.given is not None or request.encoder_inputs is not None or isinstance(model, EncoderDecoderModel):
         raise ValueError(
-            f"this cache can undo {cache.max_rollback} tokens but a round may reject all {num_draft_tokens} drafts; "
-            f"lower num_draft_tokens or use layers that can roll back further"
+            "speculative decoding starts a decoder-only model from its prompts: drop cache= and encoder_inputs=, "
+            "or use generate"
         )
-    # A verification writes up to k + 1 tokens past the kept ones.
-    reserve = tokens.shape[1] + max_new_tokens + num_draft_tokens + 1
-    cache = cache.reserve(reserve)
-    draft_length = max_length or bucket(reserve)
-    cache_settings = dict(max_length=draft_length, full_attention=cache_kind, **cache_kwargs)
-    graphdef, state = nnx.split(model)
-    key_prefill, key_decode = jax.random.split(jax.random.key(seed))
-    stop = jnp.asarray(list(stop_tokens) or [-2], jnp.int32)
-
-    prefill_c, compile_seconds = compiled(
-        prefill, {"sampling": sampling}, graphdef, state, cache, tokens, prompt_lengths, key_prefill
-    )
-    start = time.perf_counter()
-    first, cache = prefill_c(state, cache, tokens, prompt_lengths, key_prefill)
-    draft_state, draft_compile = drafter.start(tokens, prompt_lengths, cache_settings, reserve)
-    jax.block_until_ready((first, draft_state))
-    prefill_seconds = time.perf_counter() - start - draft_compile
-
-    history = np.zeros((len(prompts), tokens.shape[1] + max_new_tokens), np.int32)
-    history[:, : tokens.shape[1]] = tokens
-    history[np.arange(len(prompts)), prompt_lengths] = np.asarray(first)
-    args = (state, cache, drafter.params(), draft_state, history, prompt_lengths + 1, key_decode, stop)
-    static = {
-        "sampling": sampling, "drafter": drafter, "max_new_tokens": max_new_tokens, "num_draft": num_draft_tokens,
-        "stream": stream,
-    }  # fmt: skip
-    decode_c, decode_compile = compiled(speculative_decode, static, graphdef, *args)
-    start = time.perf_counter()
-    out = decode_c(*args)
-    history = np.asarray(out["history"])
-    decode_seconds = time.perf_counter() - start
-
-    counts = np.asarray(out["count"])
-    generated = np.full((len(prompts), max_new_tokens), -1, np.int32)
-    for row, (begin, n) in enumerate(zip(prompt_lengths, counts)):
-        generated[row, :n] = history[row, begin : begin + n]
-    return SpeculativeGeneration(
-        generated, counts, [Finish(int(r)) for r in np.asarray(out["reason"])], prefill_seconds, decode_seconds,
-        compile_seconds + draft_compile + decode_compile, out["cache"].nbytes, out["cache"],
-        target_steps=np.asarray(out["target_steps"]), accepted=np.asarray(out["accepted"]),
-        num_draft_tokens=num_draft_tokens,
-    )  # fmt: skip
+    rollback_slots = max(source.settings.get("rollback_slots", 0), num_draft_tokens)
+    request = dataclasses.replace(request, cache_source=source.with_settings(rollback_slots=rollback_slots))
+    return drive(model, prompts, SpeculativeDecoding(request, drafter, num_draft_tokens))

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.protocol import check_update_inputs, is_traced
+from jaxkv.protocol import PositionalLayer, check_update_inputs, is_traced
 from jaxkv.sizing import bucket
-from jaxkv.layers.static import PositionalLayer
+
 
 @struct.dataclass
 class DynamicLayer(PositionalLayer):

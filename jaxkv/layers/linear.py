@@ -43,32 +43,23 @@ container clamps every layer alike, so all stay in step). R = 0 costs nothing ex
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.protocol import BatchMajorLayer, check_positions, clamp_rollback, entry, is_traced, lengths_after
+from jaxkv.protocol import BatchMajorLayer, CacheLayer, check_array, check_positions, describe_extent, entry
+from jaxkv.protocol import lengths_after, limit_rollback
 
 
 def check_state_inputs(layer, index, conv_inputs: jax.Array, positions) -> jax.Array:
     """Shape, dtype and (eagerly) position checks for ``update_state_entry``; returns
     positions as int32. ``layer`` is a stacked ``LinearAttentionLayer``."""
-    name = type(layer).__name__
-    channels = layer.conv_inputs.shape[2]
-    if conv_inputs.ndim != 3 or conv_inputs.shape[0] != layer.lengths.shape[1] or conv_inputs.shape[2] != channels:
-        raise ValueError(
-            f"{name}.update_state: conv_inputs has shape {tuple(conv_inputs.shape)}, expected [B, T, C] = "
-            f"[{layer.lengths.shape[1]}, T, {channels}] as the cache was built"
-        )
-    if conv_inputs.dtype != layer.conv_inputs.dtype:
-        raise TypeError(
-            f"{name}.update_state: conv_inputs dtype {conv_inputs.dtype} differs from the cache dtype "
-            f"{layer.conv_inputs.dtype}; cast them or build the cache with dtype={conv_inputs.dtype}"
-        )
-    return check_positions(f"{name}.update_state", positions, conv_inputs.shape[:2], layer.lengths, index)
+    caller = f"{type(layer).__name__}.update_state"
+    expected = (layer.lengths.shape[1], None, layer.conv_inputs.shape[2])
+    check_array(caller, "conv_inputs", conv_inputs, ("B", "T", "C"), expected, layer.conv_inputs.dtype)
+    return check_positions(caller, positions, conv_inputs.shape[:2], layer.lengths, index)
 
 
 def conv_windows(ring: jax.Array, old_lengths: jax.Array, conv_inputs: jax.Array, positions: jax.Array, width: int):
@@ -102,21 +93,6 @@ def conv_windows(ring: jax.Array, old_lengths: jax.Array, conv_inputs: jax.Array
     windows = jnp.take_along_axis(source, index.reshape(batch, -1, 1), axis=1).reshape(*taps.shape, -1)
     real = (taps >= 0) & valid[:, :, None]
     return jnp.where(real[..., None], windows, 0).transpose(0, 1, 3, 2)
-
-
-def limit_rollback(name: str, budget: jax.Array, num_tokens: jax.Array) -> jax.Array:
-    """``num_tokens`` ``[B]`` limited to each row's ``budget`` ``[B]``: eagerly an error
-    naming the row, under jit clamped (the row then keeps its oldest recorded state)."""
-    if not is_traced(budget, num_tokens):
-        over = np.flatnonzero(np.asarray(num_tokens) > np.asarray(budget))
-        if over.size:
-            row = int(over[0])
-            raise ValueError(
-                f"{name}.rollback: row {row} can undo only {int(budget[row])} more token(s): rollbacks without a "
-                f"feed in between share the rollback_slots recorded steps; build the cache with a larger "
-                f"rollback_slots or feed tokens between rollbacks"
-            )
-    return jnp.minimum(num_tokens, jnp.maximum(budget, 0))
 
 
 def rows_where(condition: jax.Array, x: jax.Array, y) -> jax.Array:
@@ -200,9 +176,8 @@ class LinearAttentionLayer(BatchMajorLayer):
         since the row's longest length."""
         return self.rollback_slots - (self.high_water - self.lengths)
 
-    @property
-    def overflowed(self) -> jax.Array:
-        return jnp.zeros(self.lengths.shape, bool)
+    def describe(self) -> str:
+        return describe_extent(self.rollback_slots)
 
     def rollback_hint(self, num_tokens: int) -> str:
         """How to build a cache that can undo ``num_tokens`` (for the rollback error)."""
@@ -210,13 +185,6 @@ class LinearAttentionLayer(BatchMajorLayer):
             f"build the cache with rollback_slots >= {num_tokens} (a linear-attention layer keeps the states of "
             f"its last rollback_slots tokens)"
         )
-
-    def update_state(self, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
-        """``update_state_entry`` of a single layer; see the module docstring."""
-        stack, outputs = jax.tree.map(lambda leaf: leaf[None], self).update_state_entry(
-            0, conv_inputs, positions, conv_fn, step_fn
-        )
-        return jax.tree.map(lambda leaf: leaf[0], stack), outputs
 
     def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
         """Feed ``conv_inputs`` ``[B, T, C]`` at ``positions`` ``[B, T]`` to entry ``index``
@@ -270,8 +238,7 @@ class LinearAttentionLayer(BatchMajorLayer):
         return states_at(self.states, self.lengths)
 
     def rollback(self, num_tokens):
-        n = limit_rollback(type(self).__name__, self.rollback_budget, clamp_rollback(self, num_tokens))
-        return self.replace(lengths=self.lengths - n)
+        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
 
     def reset(self):
         return jax.tree.map(jnp.zeros_like, self)
@@ -288,7 +255,7 @@ class HybridLayer(BatchMajorLayer):
     """
 
     linear: LinearAttentionLayer
-    attention: Any  # a K/V layer
+    attention: CacheLayer  # a K/V layer
 
     @property
     def lengths(self) -> jax.Array:
@@ -307,24 +274,21 @@ class HybridLayer(BatchMajorLayer):
     def overflowed(self) -> jax.Array:
         return self.attention.overflowed
 
-    @property
     def exact_chunk_lengths(self) -> jax.Array | None:
-        return getattr(self.attention, "exact_chunk_lengths", None)
+        return self.attention.exact_chunk_lengths()
 
     def rollback_hint(self, num_tokens: int) -> str:
         return self.linear.rollback_hint(num_tokens)
 
     @property
     def rollback_budget(self) -> jax.Array:
-        return self.linear.rollback_budget
+        """Each row's smaller budget of the two halves (a ring's counts R + 1, the linear state's R)."""
+        attention = self.attention.rollback_budget
+        return self.linear.rollback_budget if attention is None else jnp.minimum(self.linear.rollback_budget, attention)
 
     def update_entry(self, index, keys, values, positions):
         attention, view = self.attention.update_entry(index, keys, values, positions)
         return self.replace(attention=attention), view
-
-    def update_state(self, conv_inputs, positions, conv_fn, step_fn):
-        linear, outputs = self.linear.update_state(conv_inputs, positions, conv_fn, step_fn)
-        return self.replace(linear=linear), outputs
 
     def update_state_entry(self, index, conv_inputs, positions, conv_fn, step_fn):
         linear, outputs = self.linear.update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
@@ -332,13 +296,11 @@ class HybridLayer(BatchMajorLayer):
 
     def grow(self, capacity: int) -> HybridLayer:
         """Grow a growing attention half (see ``DynamicLayer.grow``); others are unchanged."""
-        if not hasattr(self.attention, "grow"):
-            return self
         return self.replace(attention=self.attention.grow(capacity))
 
     def rollback(self, num_tokens):
         # Clamp to the combined budget first (eagerly: an error), so both halves stay in step.
-        n = clamp_rollback(self, num_tokens)
+        n = limit_rollback(self, num_tokens, self.lengths)
         return self.replace(linear=self.linear.rollback(n), attention=self.attention.rollback(n))
 
     def reset(self):

@@ -31,30 +31,23 @@ Rollback within the residual only shortens the row. Rolling back past it moves t
 partial block back into the residual in its dequantized (already lossy) form; that block
 is quantized again when the residual next fills, so such tokens carry the error of two
 quantizations. A sliding-window layer can undo ``rollback_slots + 1`` tokens, like the
-other rings.
+other rings, counted from the furthest position its quantized store has held: rollbacks
+without a feed in between share them (``rollback_budget``; a rollback within the residual
+needs no store slot). Eagerly undoing more is an error, under jit the count is clamped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.protocol import (
-    BatchMajorLayer,
-    KVView,
-    MaskInfo,
-    check_capacity,
-    check_update_inputs,
-    clamp_rollback,
-    entry,
-    lengths_after,
-    visible_positions,
-    write_slots,
-)
+from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_capacity, check_update_inputs, describe_extent
+from jaxkv.protocol import entry, lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
 
 PER_TOKEN, PER_CHANNEL = 0, -1
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
@@ -90,11 +83,9 @@ class QuantSpec:
             raise ValueError(
                 f"QuantSpec: fp8 format {self.format!r} stores 8 bits; drop nbits or set it to 8, got {self.nbits}"
             )
-        for name in ("axis_key", "axis_value"):
-            if getattr(self, name) not in (PER_TOKEN, PER_CHANNEL):
-                raise ValueError(
-                    f"QuantSpec: {name} must be 0 (per token) or -1 (per channel), got {getattr(self, name)!r}"
-                )
+        for name, axis in (("axis_key", self.axis_key), ("axis_value", self.axis_value)):
+            if axis not in (PER_TOKEN, PER_CHANNEL):
+                raise ValueError(f"QuantSpec: {name} must be 0 (per token) or -1 (per channel), got {axis!r}")
         if self.q_group_size <= 0:
             raise ValueError(f"QuantSpec: q_group_size must be positive, got {self.q_group_size}")
         if self.residual_length < 0:
@@ -333,6 +324,44 @@ class QuantizedView(struct.PyTreeNode):
         return iter((self.keys, self.values, self.mask_info))
 
 
+class Staging(NamedTuple):
+    """Where one update of a ``QuantizedLayer`` entry puts its tokens: the old residual and the T
+    new tokens in a staging buffer of W slots, slot i holding position ``old_quantized + i``."""
+
+    spec: QuantSpec
+    lengths: jax.Array  # [B] row lengths after the update
+    old_quantized: jax.Array  # [B] Q before the update
+    new_quantized: jax.Array  # [B] Q after it
+    flushed: jax.Array  # [B] leading staging slots that become quantized
+    slots: jax.Array  # [B, T] staging slot of each new token; W (dropped) for padding
+    positions: jax.Array  # [B, W] position of each staging slot
+    store_slots: jax.Array  # [B, W] store slot of each flushed staging slot; N (dropped) for the others
+
+    def stage(self, residual: jax.Array, new: jax.Array) -> jax.Array:
+        """The residual ``[B, H_kv, R, D]`` with the new tokens ``[B, H_kv, T, D]`` written: ``[B, H_kv, W, D]``."""
+        batch, heads, _, dim = new.shape
+        pad = jnp.zeros((batch, heads, self.positions.shape[1] - residual.shape[2], dim), new.dtype)
+        return write_slots(jnp.concatenate([residual, pad], axis=2)[None], 0, new, self.slots)[0]
+
+    def flush(self, store: QuantizedTensor, index, q: QuantizedTensor, axis: int) -> QuantizedTensor:
+        """``store`` with the flushed blocks of the quantized staging buffer ``q`` written into entry ``index``."""
+        scale_slots = self.store_slots
+        if axis == PER_CHANNEL:  # one row per group: the slot of the group's first token
+            group, num_slots, num_rows = self.spec.q_group_size, store.codes.shape[3], store.scales.shape[3]
+            first = self.store_slots[:, ::group]
+            scale_slots = jnp.where(first < num_slots, first // group, num_rows)
+        return QuantizedTensor(
+            write_slots(store.codes, index, q.codes, self.store_slots),
+            write_slots(store.scales, index, q.scales, scale_slots),
+            None if q.zeros is None else write_slots(store.zeros, index, q.zeros, scale_slots),
+        )
+
+    def shift(self, staged: jax.Array) -> jax.Array:
+        """The new residual ``[B, H_kv, R, D]``: slot s takes staging slot ``flushed + s``."""
+        take = self.flushed[:, None] + jnp.arange(self.spec.residual_length)[None, :]
+        return jnp.take_along_axis(staged, take[:, None, :, None], axis=2, mode="clip")
+
+
 @struct.dataclass
 class QuantizedLayer(BatchMajorLayer):
     """Quantized K/V ``[B, H_kv, N, D·bits/8]`` codes + group scales, and an R-token residual.
@@ -430,12 +459,20 @@ class QuantizedLayer(BatchMajorLayer):
         return None if self.window is None else self.rollback_slots + 1
 
     @property
+    def rollback_budget(self) -> jax.Array | None:
+        """A ring's ``[B]`` (``[L, B]`` stacked) tokens each row can still undo, counted from the
+        furthest position its quantized store has held (residual tokens are kept whole, so a
+        rollback within the residual needs no store slot); None for full attention."""
+        if self.window is None:
+            return None
+        return ring_rollback_budget(self.slot_positions, self.lengths, self.max_rollback)
+
+    @property
     def overflowed(self) -> jax.Array:
         if self.window is None:
             return self.lengths > self.capacity
         return jnp.zeros(self.lengths.shape, bool)
 
-    @property
     def exact_chunk_lengths(self) -> jax.Array | None:
         """``[B]`` (``[L, B]`` stacked): the most tokens the next update of each row may
         bring and still show every one of its queries what token-by-token decoding would.
@@ -449,6 +486,9 @@ class QuantizedLayer(BatchMajorLayer):
         residual_length = self.spec.residual_length
         return None if residual_length == 0 else residual_length - self.lengths % residual_length
 
+    def describe(self) -> str:
+        return describe_extent(self.rollback_slots, window=self.window)
+
     # --- update ------------------------------------------------------------------------
     def update_entry(self, index, keys, values, positions):
         """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` into entry ``index``.
@@ -461,81 +501,72 @@ class QuantizedLayer(BatchMajorLayer):
         positions = check_update_inputs(self, index, keys, values, positions)
         if self.window is None:
             check_capacity(self, positions, self.capacity)
-        spec, slots_total = self.spec, self.capacity
-        residual_length = spec.residual_length
-        old_lengths = entry(self.lengths, index)
-        lengths = lengths_after(old_lengths, positions)
-        old_quantized = quantized_lengths(old_lengths, residual_length)
-        new_quantized = quantized_lengths(lengths, residual_length)
-        flushed = new_quantized - old_quantized  # [B] staging slots that become quantized
-        batch, _, num_new, _ = keys.shape
+        spec = self.spec
+        plan = self.staging(entry(self.lengths, index), positions)
+        staged_keys = plan.stage(entry(self.residual_keys, index), keys)
+        staged_values = plan.stage(entry(self.residual_values, index), values)
+        # The whole staging buffer is quantized; only the blocks that filled are kept.
+        quantized_keys = quantize(staged_keys, spec, spec.axis_key)
+        quantized_values = quantize(staged_values, spec, spec.axis_value)
+        residual_keys, residual_values = plan.shift(staged_keys), plan.shift(staged_values)
+        new = self.replace(
+            quantized_keys=plan.flush(self.quantized_keys, index, quantized_keys, spec.axis_key),
+            quantized_values=plan.flush(self.quantized_values, index, quantized_values, spec.axis_value),
+            residual_keys=self.residual_keys.at[index].set(residual_keys),
+            residual_values=self.residual_values.at[index].set(residual_values),
+            lengths=self.lengths.at[index].set(plan.lengths),
+        )
+        if self.window is None:
+            return new, new.full_view(index, residual_keys, residual_values, plan)
+        rows = jnp.arange(keys.shape[0])[:, None]
+        slot_positions = self.slot_positions.at[index, rows, plan.store_slots].set(plan.positions, mode="drop")
+        view = self.ring_view(index, (staged_keys, quantized_keys), (staged_values, quantized_values), plan)
+        return new.replace(slot_positions=slot_positions), view
 
-        # Staging slot i holds position Q_old + i; pad to whole per-channel groups.
-        width = residual_length + num_new
+    def staging(self, old_lengths: jax.Array, positions: jax.Array) -> Staging:
+        """Where an update at ``positions`` ``[B, T]`` of rows ``old_lengths`` ``[B]`` long puts
+        its tokens: staging slot i holds position Q_old + i, padded to whole per-channel groups."""
+        spec, slots_total = self.spec, self.capacity
+        lengths = lengths_after(old_lengths, positions)
+        old_quantized = quantized_lengths(old_lengths, spec.residual_length)
+        new_quantized = quantized_lengths(lengths, spec.residual_length)
+        flushed = new_quantized - old_quantized
+        width = spec.residual_length + positions.shape[1]
         width += -width % spec.q_group_size if PER_CHANNEL in (spec.axis_key, spec.axis_value) else 0
-        staging_slots = jnp.where(positions >= 0, positions - old_quantized[:, None], width)
         staging_positions = old_quantized[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
         if self.window is None:  # past the capacity: dropped, like StaticLayer
             store_slots = jnp.where(staging_positions < slots_total, staging_positions, slots_total)
         else:  # a long update keeps only the last N quantized positions of the ring
             keep = staging_positions >= new_quantized[:, None] - slots_total
             store_slots = jnp.where(keep, staging_positions % slots_total, slots_total)
-        store_slots = jnp.where(jnp.arange(width)[None, :] < flushed[:, None], store_slots, slots_total)
-
-        def stage(residual, new):
-            pad = jnp.zeros((batch, new.shape[1], width - residual_length, new.shape[3]), new.dtype)
-            return write_slots(jnp.concatenate([residual, pad], axis=2)[None], 0, new, staging_slots)[0]
-
-        def flush(store: QuantizedTensor, q: QuantizedTensor, axis) -> QuantizedTensor:
-            scale_slots = store_slots
-            if axis == PER_CHANNEL:  # one row per group: the slot of the group's first token
-                group = spec.q_group_size
-                scale_slots = jnp.where(store_slots[:, ::group] < slots_total, store_slots[:, ::group] // group,
-                                        store.scales.shape[3])  # fmt: skip
-            return QuantizedTensor(
-                write_slots(store.codes, index, q.codes, store_slots),
-                write_slots(store.scales, index, q.scales, scale_slots),
-                None if q.zeros is None else write_slots(store.zeros, index, q.zeros, scale_slots),
-            )
-
-        def shift(staged):  # new residual slot s <- staging slot flushed + s
-            take = flushed[:, None] + jnp.arange(residual_length)[None, :]
-            return jnp.take_along_axis(staged, take[:, None, :, None], axis=2, mode="clip")
-
-        staged_keys = stage(entry(self.residual_keys, index), keys)
-        staged_values = stage(entry(self.residual_values, index), values)
-        # The whole staging buffer is quantized; only the blocks that filled are kept.
-        quantized_keys = quantize(staged_keys, spec, spec.axis_key)
-        quantized_values = quantize(staged_values, spec, spec.axis_value)
-        residual_keys, residual_values = shift(staged_keys), shift(staged_values)
-        new = self.replace(
-            quantized_keys=flush(self.quantized_keys, quantized_keys, spec.axis_key),
-            quantized_values=flush(self.quantized_values, quantized_values, spec.axis_value),
-            residual_keys=self.residual_keys.at[index].set(residual_keys),
-            residual_values=self.residual_values.at[index].set(residual_values),
-            lengths=self.lengths.at[index].set(lengths),
+        return Staging(
+            spec=spec,
+            lengths=lengths,
+            old_quantized=old_quantized,
+            new_quantized=new_quantized,
+            flushed=flushed,
+            slots=jnp.where(positions >= 0, positions - old_quantized[:, None], width),
+            positions=staging_positions,
+            store_slots=jnp.where(jnp.arange(width)[None, :] < flushed[:, None], store_slots, slots_total),
         )
-        if self.window is None:
-            slot_index = jnp.arange(slots_total, dtype=jnp.int32)[None, :]
-            kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
-            used = jnp.minimum(jnp.max(lengths), slots_total)
-            view = QuantizedView(
-                new.quantized_keys, new.quantized_values, residual_keys, residual_values, new_quantized, index,
-                MaskInfo(kv_positions, slots_used=used), spec,
-            )  # fmt: skip
-            return new, view
-        return new.replace(slot_positions=self.slot_positions.at[index, jnp.arange(batch)[:, None], store_slots].set(
-            staging_positions, mode="drop")), self._ring_view(index, (staged_keys, quantized_keys), (
-                staged_values, quantized_values), staging_positions, lengths, old_quantized, flushed)  # fmt: skip
 
-    def _ring_view(
-        self, index, staged_keys, staged_values, staging_positions, lengths, old_quantized, flushed
-    ) -> KVView:
+    def full_view(self, index, residual_keys, residual_values, plan: Staging) -> QuantizedView:
+        """Full attention's view of entry ``index`` after the update: slot p holds position p."""
+        slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
+        kv_positions = jnp.where(slot_index < plan.lengths[:, None], slot_index, -1)
+        used = jnp.minimum(jnp.max(plan.lengths), self.capacity)
+        return QuantizedView(
+            self.quantized_keys, self.quantized_values, residual_keys, residual_values, plan.new_quantized, index,
+            MaskInfo(kv_positions, slots_used=used), self.spec,
+        )  # fmt: skip
+
+    def ring_view(self, index, staged_keys, staged_values, plan: Staging) -> KVView:
         """The ring before the update (its quantized tokens) followed by the staging buffer,
         flushed blocks fake-quantized: every key a query of this update may need, even
-        those the write just overwrote, in the form the stored state holds them."""
+        those the write just overwrote, in the form the stored state holds them.
+        ``staged_keys``/``staged_values``: the staging buffer and its quantized form."""
         spec, dtype = self.spec, self.residual_keys.dtype
-        flushed_now = (jnp.arange(staging_positions.shape[1])[None, :] < flushed[:, None])[:, None, :, None]
+        flushed_now = (jnp.arange(plan.positions.shape[1])[None, :] < plan.flushed[:, None])[:, None, :, None]
 
         def part(store: QuantizedTensor, staged_and_quantized, axis):
             staged, quantized = staged_and_quantized
@@ -543,8 +574,8 @@ class QuantizedLayer(BatchMajorLayer):
             staged = jnp.where(flushed_now, dequantize(quantized, spec, axis, dtype), staged)
             return jnp.concatenate([ring, staged], axis=2)
 
-        ring_positions = visible_positions(entry(self.slot_positions, index), old_quantized)
-        staged_positions = jnp.where(staging_positions < lengths[:, None], staging_positions, -1)
+        ring_positions = visible_positions(entry(self.slot_positions, index), plan.old_quantized)
+        staged_positions = jnp.where(plan.positions < plan.lengths[:, None], plan.positions, -1)
         kv_positions = jnp.concatenate([ring_positions, staged_positions], axis=1)
         return KVView.of(
             part(self.quantized_keys, staged_keys, spec.axis_key),
@@ -556,7 +587,7 @@ class QuantizedLayer(BatchMajorLayer):
     def rollback(self, num_tokens):
         """Forget the last ``num_tokens`` (int or ``[B]``) of each (single, unstacked) layer row;
         see the module docstring for a rollback past the residual."""
-        lengths = self.lengths - clamp_rollback(self, num_tokens)
+        lengths = self.lengths - limit_rollback(self, num_tokens, self.lengths)
         old_quantized = quantized_lengths(self.lengths, self.spec.residual_length)
         new_quantized = quantized_lengths(lengths, self.spec.residual_length)
         residual_positions = new_quantized[:, None] + jnp.arange(self.spec.residual_length)[None, :]

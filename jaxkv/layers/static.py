@@ -4,63 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from jaxkv.protocol import (
-    BatchMajorLayer,
-    KVView,
-    MaskInfo,
-    check_capacity,
-    check_update_inputs,
-    clamp_rollback,
-    entry,
-    is_traced,
-    lengths_after,
-    write_slots,
-)
-
-
-class PositionalLayer(BatchMajorLayer):
-    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention)."""
-
-    @property
-    def capacity(self) -> int:
-        return self.keys.shape[-2]
-
-    def write(self, index, keys, values, positions):
-        """Write tokens at slot = position in entry ``index``; return its whole buffer.
-
-        Slots at or past a row's length hold nothing visible (``kv_positions`` -1), so
-        tokens left behind by a rollback never leak.
-        """
-        slots = jnp.where(positions >= 0, positions, self.capacity)
-        lengths = lengths_after(entry(self.lengths, index), positions)
-        new = self.replace(
-            keys=write_slots(self.keys, index, keys, slots),
-            values=write_slots(self.values, index, values, slots),
-            lengths=self.lengths.at[index].set(lengths),
-        )
-        slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
-        kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
-        used = jnp.minimum(jnp.max(lengths), self.capacity)
-        return new, KVView(new.keys, new.values, index, MaskInfo(kv_positions, slots_used=used))
-
-    @property
-    def max_rollback(self) -> None:
-        return None
-
-    @property
-    def overflowed(self) -> jax.Array:
-        """``[B]`` bool: rows written past the buffer under jit (those tokens were dropped)."""
-        return self.lengths > self.capacity
-
-    def rollback(self, num_tokens):
-        return self.replace(lengths=self.lengths - clamp_rollback(self, num_tokens))
-
-    def reset(self):
-        return jax.tree.map(jnp.zeros_like, self)
-
+from jaxkv.protocol import PositionalLayer, check_capacity, check_update_inputs
 
 
 @struct.dataclass

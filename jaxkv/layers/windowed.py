@@ -8,7 +8,10 @@ ring of that many slots suffices: slot ``p % N`` holds position ``p``.
 Rollback: after undoing n tokens, the next query at position L - n needs the W - 1
 positions before it, which a ring of W slots still holds only for n = 1. ``rollback_slots``
 R adds R slots, so that undoing up to R + 1 tokens (speculative decoding) leaves every
-needed key stored; the reference cannot roll a sliding window back past its window.
+needed key stored; the reference cannot roll a sliding window back past its window. The
+R + 1 count from the furthest position the ring has held, so rollbacks without a feed in
+between share them (``rollback_budget``): eagerly undoing more is an error naming the fix,
+under jit the count is clamped (the container clamps every layer alike, so all stay in step).
 """
 
 from __future__ import annotations
@@ -17,27 +20,30 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.protocol import (
-    BatchMajorLayer,
-    KVView,
-    MaskInfo,
-    check_update_inputs,
-    clamp_rollback,
-    entry,
-    lengths_after,
-    visible_positions,
-    write_slots,
-)
+from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_update_inputs, describe_extent, entry
+from jaxkv.protocol import lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
 
 
-
+@struct.dataclass
 class RingBufferLayer(BatchMajorLayer):
-    """The ring shared by the windowed layers; subclasses give ``span`` and the mask rule."""
+    """The ring shared by the windowed layers: ``[B, H_kv, span + R, D]``, slot ``p % (span + R)``
+    holding position p. Subclasses name the span (``SPAN_NAME``, the ``MaskInfo`` field it sets)."""
+
+    keys: jax.Array  # [B, H_kv, span + R, D]
+    values: jax.Array  # [B, H_kv, span + R, D]
+    slot_positions: jax.Array  # [B, span + R] int32, -1 = empty
+    lengths: jax.Array  # [B] int32: tokens seen, not slots filled
+    span: int = struct.field(pytree_node=False)
+    rollback_slots: int = struct.field(pytree_node=False, default=0)
+
+    SPAN_NAME = "span"
 
     @classmethod
     def create(cls, batch_size, num_kv_heads, head_dim, span, dtype=jnp.float32, rollback_slots=0):
         if span <= 0 or rollback_slots < 0:
-            raise ValueError(f"{cls.__name__}: span must be positive and rollback_slots >= 0, got {span}, {rollback_slots}")
+            raise ValueError(
+                f"{cls.__name__}: span must be positive and rollback_slots >= 0, got {span}, {rollback_slots}"
+            )
         slots = span + rollback_slots
         shape = (batch_size, num_kv_heads, slots, head_dim)
         return cls(
@@ -45,7 +51,7 @@ class RingBufferLayer(BatchMajorLayer):
             values=jnp.zeros(shape, dtype),
             slot_positions=jnp.full((batch_size, slots), -1, jnp.int32),
             lengths=jnp.zeros((batch_size,), jnp.int32),
-            **{cls.SPAN_FIELD: span},
+            span=span,
             rollback_slots=rollback_slots,
         )
 
@@ -53,7 +59,8 @@ class RingBufferLayer(BatchMajorLayer):
     def kv_bytes(cls, batch_size, seq_len, num_kv_heads, head_dim, dtype, span=None, rollback_slots=0, **_) -> int:
         """Bytes of the ring, whatever ``seq_len``: K/V, slot positions and lengths."""
         slots = span + rollback_slots
-        return 2 * batch_size * slots * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize + 4 * batch_size * (slots + 1)
+        kv = 2 * batch_size * slots * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        return kv + 4 * batch_size * (slots + 1)
 
     @property
     def max_length(self) -> None:
@@ -64,8 +71,14 @@ class RingBufferLayer(BatchMajorLayer):
         return self.rollback_slots + 1
 
     @property
-    def overflowed(self) -> jax.Array:
-        return jnp.zeros(self.lengths.shape, bool)
+    def rollback_budget(self) -> jax.Array:
+        return ring_rollback_budget(self.slot_positions, self.lengths, self.max_rollback)
+
+    def describe(self) -> str:
+        return describe_extent(self.rollback_slots, **{self.SPAN_NAME: self.span})
+
+    def mask_info(self, kv_positions: jax.Array) -> MaskInfo:
+        return MaskInfo(kv_positions, **{self.SPAN_NAME: self.span})
 
     def update_entry(self, index, keys, values, positions):
         """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` into ring ``index``.
@@ -92,14 +105,20 @@ class RingBufferLayer(BatchMajorLayer):
         if positions.shape[1] <= self.rollback_slots + 1:
             kv_positions = visible_positions(entry(new.slot_positions, index), lengths)
             return new, KVView(new.keys, new.values, index, self.mask_info(kv_positions))
-        old_positions = visible_positions(entry(self.slot_positions, index), old_lengths)
+        return new, self.ring_then_new(index, keys, values, positions)
+
+    def ring_then_new(self, index, keys, values, positions) -> KVView:
+        """Ring ``index`` before the write followed by the ``[B, H_kv, T, D]`` new tokens, padding
+        zeroed: a masked slot still enters the weighted sum with weight 0, and 0 * NaN is NaN."""
+        real = (positions >= 0)[:, None, :, None]
+        old_positions = visible_positions(entry(self.slot_positions, index), entry(self.lengths, index))
         kv_positions = jnp.concatenate([old_positions, positions], axis=1)
-        all_keys = jnp.concatenate([entry(self.keys, index), keys], axis=2)
-        all_values = jnp.concatenate([entry(self.values, index), values], axis=2)
-        return new, KVView.of(all_keys, all_values, self.mask_info(kv_positions))
+        all_keys = jnp.concatenate([entry(self.keys, index), jnp.where(real, keys, 0)], axis=2)
+        all_values = jnp.concatenate([entry(self.values, index), jnp.where(real, values, 0)], axis=2)
+        return KVView.of(all_keys, all_values, self.mask_info(kv_positions))
 
     def rollback(self, num_tokens):
-        return self.replace(lengths=self.lengths - clamp_rollback(self, num_tokens))
+        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
 
     def reset(self):
         return self.replace(
@@ -114,41 +133,21 @@ class RingBufferLayer(BatchMajorLayer):
 class SlidingWindowLayer(RingBufferLayer):
     """Sliding-window K/V: a ring ``[B, H_kv, W + R, D]``; a query at q sees ``(q - W, q]``."""
 
-    keys: jax.Array  # [B, H_kv, W + R, D]
-    values: jax.Array  # [B, H_kv, W + R, D]
-    slot_positions: jax.Array  # [B, W + R] int32, -1 = empty
-    lengths: jax.Array  # [B] int32: tokens seen, not slots filled
-    window: int = struct.field(pytree_node=False)
-    rollback_slots: int = struct.field(pytree_node=False, default=0)
-
-    SPAN_FIELD = "window"
+    SPAN_NAME = "window"
     MEMORY_FORMULA = "2·B·(W+R)·H_kv·D·bytes + 4·B·(W+R+1)"
 
     @property
-    def span(self) -> int:
-        return self.window
-
-    def mask_info(self, kv_positions):
-        return MaskInfo(kv_positions, window=self.window)
+    def window(self) -> int:
+        return self.span
 
 
 @struct.dataclass
 class ChunkedLayer(RingBufferLayer):
     """Chunked-attention K/V: a ring ``[B, H_kv, C + R, D]``; a query sees its own chunk."""
 
-    keys: jax.Array  # [B, H_kv, C + R, D]
-    values: jax.Array  # [B, H_kv, C + R, D]
-    slot_positions: jax.Array  # [B, C + R] int32, -1 = empty
-    lengths: jax.Array  # [B] int32
-    chunk: int = struct.field(pytree_node=False)
-    rollback_slots: int = struct.field(pytree_node=False, default=0)
-
-    SPAN_FIELD = "chunk"
+    SPAN_NAME = "chunk"
     MEMORY_FORMULA = "2·B·(C+R)·H_kv·D·bytes + 4·B·(C+R+1)"
 
     @property
-    def span(self) -> int:
-        return self.chunk
-
-    def mask_info(self, kv_positions):
-        return MaskInfo(kv_positions, chunk=self.chunk)
+    def chunk(self) -> int:
+        return self.span
