@@ -40,8 +40,9 @@ ModelConfig = DecoderOnlyConfig | BartConfig
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_qkv", "in_z", "in_b", "in_a", "out"}
 
-# Our name -> transformers tensor name; "{i}" is the layer index.
-HF_NAMES = {
+# Our name -> transformers tensor name; "{i}" is the layer index. The names every decoder
+# shares come first; each architecture adds or overrides its own.
+_HF_DECODER = {
     "embed": "model.embed_tokens.weight",
     "norm": "model.norm.weight",
     "lm_head": "lm_head.weight",
@@ -50,56 +51,17 @@ HF_NAMES = {
     "wk": "model.layers.{i}.self_attn.k_proj.weight",
     "wv": "model.layers.{i}.self_attn.v_proj.weight",
     "wo": "model.layers.{i}.self_attn.o_proj.weight",
-    "bq": "model.layers.{i}.self_attn.q_proj.bias",
-    "bk": "model.layers.{i}.self_attn.k_proj.bias",
-    "bv": "model.layers.{i}.self_attn.v_proj.bias",
     "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
     "w_up": "model.layers.{i}.mlp.up_proj.weight",
     "w_down": "model.layers.{i}.mlp.down_proj.weight",
 }
-
-# Our name -> llama.cpp tensor name for the "llama" GGUF architecture.
-GGUF_LLAMA_NAMES = {
-    "embed": "token_embd.weight",
-    "norm": "output_norm.weight",
-    "lm_head": "output.weight",
-    "attn_norm": "blk.{i}.attn_norm.weight",
-    "wq": "blk.{i}.attn_q.weight",
-    "wk": "blk.{i}.attn_k.weight",
-    "wv": "blk.{i}.attn_v.weight",
-    "wo": "blk.{i}.attn_output.weight",
-    "bq": "blk.{i}.attn_q.bias",
-    "bk": "blk.{i}.attn_k.bias",
-    "bv": "blk.{i}.attn_v.bias",
-    "mlp_norm": "blk.{i}.ffn_norm.weight",
-    "w_gate": "blk.{i}.ffn_gate.weight",
-    "w_up": "blk.{i}.ffn_up.weight",
-    "w_down": "blk.{i}.ffn_down.weight",
-}
-
-# Our name -> transformers tensor name for Gemma 3 (Gemma3ForCausalLM); norms hold w of (1 + w).
-GEMMA3_HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "wq": "model.layers.{i}.self_attn.q_proj.weight",
-    "wk": "model.layers.{i}.self_attn.k_proj.weight",
-    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+_HF_QK_NORMS = {
     "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
     "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "wo": "model.layers.{i}.self_attn.o_proj.weight",
-    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "w_up": "model.layers.{i}.mlp.up_proj.weight",
-    "w_down": "model.layers.{i}.mlp.down_proj.weight",
-    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
-
-# Our name -> llama.cpp tensor name for the "gemma3" GGUF architecture; norms hold 1 + w.
-GGUF_GEMMA3_NAMES = {
+# Our name -> llama.cpp tensor name, the same way.
+_GGUF_DECODER = {
     "embed": "token_embd.weight",
     "norm": "output_norm.weight",
     "lm_head": "output.weight",
@@ -107,44 +69,41 @@ GGUF_GEMMA3_NAMES = {
     "wq": "blk.{i}.attn_q.weight",
     "wk": "blk.{i}.attn_k.weight",
     "wv": "blk.{i}.attn_v.weight",
-    "q_norm": "blk.{i}.attn_q_norm.weight",
-    "k_norm": "blk.{i}.attn_k_norm.weight",
     "wo": "blk.{i}.attn_output.weight",
-    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
     "mlp_norm": "blk.{i}.ffn_norm.weight",
     "w_gate": "blk.{i}.ffn_gate.weight",
     "w_up": "blk.{i}.ffn_up.weight",
     "w_down": "blk.{i}.ffn_down.weight",
+}
+
+# Llama family (transformers, and the "llama" GGUF architecture): optional q/k/v biases (Qwen2).
+HF_NAMES = _HF_DECODER | {f"b{x}": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"}
+GGUF_LLAMA_NAMES = _GGUF_DECODER | {f"b{x}": f"blk.{{i}}.attn_{x}.bias" for x in "qkv"}
+
+# Gemma 3 (Gemma3ForCausalLM; "gemma3" GGUF): q/k norms and norms around attention and MLP.
+# transformers' norms hold w, llama.cpp's 1 + w.
+GEMMA3_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+GGUF_GEMMA3_NAMES = _GGUF_DECODER | {
+    "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
     "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
 }
 
-# Our name -> transformers tensor name for Qwen3.5 text (Qwen3_5ForCausalLM); mixer weights
-# exist only on the layers of their kind (see jaxkv.models.qwen3_5.param_layers).
-QWEN3_5_HF_NAMES = {
-    "embed": "model.embed_tokens.weight",
-    "norm": "model.norm.weight",
-    "lm_head": "lm_head.weight",
-    "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
-    "w_up": "model.layers.{i}.mlp.up_proj.weight",
-    "w_down": "model.layers.{i}.mlp.down_proj.weight",
-    "wq": "model.layers.{i}.self_attn.q_proj.weight",
-    "wk": "model.layers.{i}.self_attn.k_proj.weight",
-    "wv": "model.layers.{i}.self_attn.v_proj.weight",
-    "wo": "model.layers.{i}.self_attn.o_proj.weight",
-    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "in_qkv": "model.layers.{i}.linear_attn.in_proj_qkv.weight",
-    "in_z": "model.layers.{i}.linear_attn.in_proj_z.weight",
-    "in_b": "model.layers.{i}.linear_attn.in_proj_b.weight",
-    "in_a": "model.layers.{i}.linear_attn.in_proj_a.weight",
-    "conv": "model.layers.{i}.linear_attn.conv1d.weight",
-    "dt_bias": "model.layers.{i}.linear_attn.dt_bias",
-    "A_log": "model.layers.{i}.linear_attn.A_log",
-    "gated_norm": "model.layers.{i}.linear_attn.norm.weight",
-    "out": "model.layers.{i}.linear_attn.out_proj.weight",
-}
+# Qwen3.5 text (Qwen3_5ForCausalLM): mixer weights exist only on the layers of their kind
+# (see jaxkv.models.qwen3_5.param_layers).
+QWEN3_5_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
+    ours: f"model.layers.{{i}}.linear_attn.{theirs}"
+    for ours, theirs in (
+        ("in_qkv", "in_proj_qkv.weight"), ("in_z", "in_proj_z.weight"), ("in_b", "in_proj_b.weight"),
+        ("in_a", "in_proj_a.weight"), ("conv", "conv1d.weight"), ("dt_bias", "dt_bias"), ("A_log", "A_log"),
+        ("gated_norm", "norm.weight"), ("out", "out_proj.weight"),
+    )
+}  # fmt: skip
 
 # Tensors some checkpoints carry that the model recomputes (old transformers saved RoPE tables).
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -1,6 +1,6 @@
 """Run a toy decoder through a jaxkv cache: ragged prefill, then a compiled decode loop.
 
-    python scripts/demo.py [--config configs/toy.yaml] [--cache static|dynamic]
+    python scripts/demo.py [--config configs/toy.yaml] [--full-attention static|dynamic]
 
 Builds a cache from the toy config's layer types (full, sliding window, chunked), prefills
 two prompts of different lengths in one batch, decodes greedily in one ``lax.scan`` with
@@ -54,10 +54,10 @@ def decode(graphdef, state, cache, first_token, num_steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/toy.yaml", help="YAML file with model, cache, new_tokens")
-    parser.add_argument("--cache", choices=["static", "dynamic"], help="override cache.full_attention")
+    parser.add_argument("--full-attention", choices=["static", "dynamic"], help="override cache.full_attention")
     args = parser.parse_args()
     demo = load_config(args.config, DemoConfig)
-    cache_config = demo.cache.model_copy(update={"full_attention": args.cache or demo.cache.full_attention})
+    cache_config = demo.cache.model_copy(update={"full_attention": args.full_attention or demo.cache.full_attention})
     new_tokens = demo.new_tokens
 
     config = demo.model

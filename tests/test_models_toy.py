@@ -87,7 +87,7 @@ def test_config_errors_name_the_key_and_file(tmp_path):
 def test_demo_runs_and_checks_itself():
     """The README's run command: the demo exits non-zero if cached decoding disagrees."""
     result = subprocess.run(
-        [sys.executable, "scripts/demo.py", "--cache", "dynamic"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "scripts/demo.py", "--full-attention", "dynamic"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
     assert "max |cached - uncached| logits" in result.stdout

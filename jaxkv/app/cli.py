@@ -159,28 +159,66 @@ def cache_settings(args, cache: dict) -> dict:
 
 
 def run_generate(args) -> int:
-    import jax.numpy as jnp
-    import numpy as np
-
     from jaxkv.decoding.generate import generate
     from jaxkv.decoding.sampling import Sampling
-    from jaxkv.models.load import Pretrained
 
     config = resolve_config(args)
-    sampling = Sampling(config.temperature, config.top_k, config.top_p, config.min_p)
+    model, tokenizer, prompt, load_seconds = load_for_generate(config, args.weight_cache)
+    if config.num_beams > 1:
+        return run_beams(config, model, tokenizer, prompt)
+    decoder = generate
+    if config.speculative is not None:
+        decoder = speculative_decoder(config, use_weight_cache=args.weight_cache)
+    result = decoder(
+        model,
+        [prompt],
+        max_new_tokens=config.max_new_tokens,
+        stop_tokens=tokenizer.eos_token_ids,
+        sampling=Sampling(config.temperature, config.top_k, config.top_p, config.min_p),
+        seed=config.seed,
+        stream=token_printer(tokenizer) if args.stream else None,
+        **cache_options(config),
+    )
+    print("" if args.stream else tokenizer.decode(result.row(0)))
+    report_generation(config, prompt, result, load_seconds)
+    return 0
+
+
+def load_for_generate(config: GenerateConfig, use_weight_cache: bool):
+    """The model, its tokenizer, the prompt's token ids and the seconds loading took.
+
+    The tokenizer loads first: whether the prompt takes the chat template is settled (and
+    said) before the slow weight load."""
+    import jax.numpy as jnp
+
+    from jaxkv.models.load import Pretrained
+
     start = time.perf_counter()
-    single_row = config.num_beams == 1 and config.speculative is None  # one prompt, one token per step
-    source = Pretrained(config.model, use_weight_cache=args.weight_cache)
-    tokenizer = source.tokenizer(required=True)  # first: it decides the prompt's form before the slow weights load
+    source = Pretrained(config.model, use_weight_cache=use_weight_cache)
+    tokenizer = source.tokenizer(required=True)
     chat = config.chat and tokenizer.chat_template is not None
     if config.chat and not chat:
         print(f"jaxkv: {config.model} has no chat template: the prompt is plain text (--no-chat)", file=sys.stderr)
+    single_row = config.num_beams == 1 and config.speculative is None  # one prompt, one token per step
     model = source.model(jnp.dtype(config.dtype), single_row_decode=single_row)
-    load_seconds = time.perf_counter() - start
     text = tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}]) if chat else config.prompt
-    prompt = tokenizer.encode(text)
-    if config.num_beams > 1:
-        return run_beams(config, model, tokenizer, prompt)
+    return model, tokenizer, tokenizer.encode(text), time.perf_counter() - start
+
+
+def cache_options(config: GenerateConfig) -> dict:
+    """The decoders' cache keywords from the config's ``cache`` section."""
+    cache = config.cache
+    return {
+        "full_attention": cache.full_attention,
+        "max_length": cache.max_length,
+        "rollback_slots": cache.rollback_slots,
+        "quantization": cache.quantization_spec(),
+    }
+
+
+def token_printer(tokenizer):
+    """A ``stream`` callback that prints row 0's text as it grows, stop tokens left out."""
+    import numpy as np
 
     streamed: list[int] = []
     printed = [0]
@@ -193,27 +231,11 @@ def run_generate(args) -> int:
         sys.stdout.flush()
         printed[0] = len(text_so_far)
 
-    cache = config.cache
-    decoder = generate
-    if config.speculative is not None:
-        decoder = speculative_decoder(config, use_weight_cache=args.weight_cache)
-    result = decoder(
-        model,
-        [prompt],
-        max_new_tokens=config.max_new_tokens,
-        stop_tokens=tokenizer.eos_token_ids,
-        sampling=sampling,
-        seed=config.seed,
-        full_attention=cache.full_attention,
-        max_length=cache.max_length,
-        rollback_slots=cache.rollback_slots,
-        quantization=cache.quantization_spec(),
-        stream=stream if args.stream else None,
-    )
-    if args.stream:
-        print()
-    else:
-        print(tokenizer.decode(result.row(0)))
+    return stream
+
+
+def report_generation(config: GenerateConfig, prompt: list[int], result, load_seconds: float) -> None:
+    """Counts, finish reason, rates, compile and load time and cache size, on stderr."""
     new = int(result.num_generated[0])
     print(
         f"\n[{config.model}] prompt {len(prompt)} tok, {new} new ({result.finish[0].name.lower()}); "
@@ -227,14 +249,12 @@ def run_generate(args) -> int:
             f"{result.tokens_per_step:.2f} tokens per target pass",
             file=sys.stderr,
         )
-    return 0
 
 
 def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> int:
     """Beam search for ``jaxkv generate --num-beams N``: each returned hypothesis and its score."""
     from jaxkv.decoding.beam import beam_search
 
-    cache = config.cache
     result = beam_search(
         model,
         [prompt],
@@ -244,10 +264,7 @@ def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> in
         early_stopping=config.early_stopping,
         num_return_sequences=config.num_return_sequences,
         stop_tokens=tokenizer.eos_token_ids,
-        full_attention=cache.full_attention,
-        max_length=cache.max_length,
-        rollback_slots=cache.rollback_slots,
-        quantization=cache.quantization_spec(),
+        **cache_options(config),
     )
     for rank in range(config.num_return_sequences):
         if config.num_return_sequences > 1:
