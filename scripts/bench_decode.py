@@ -4,7 +4,6 @@
     python scripts/bench_decode.py                                   # smollm2, batch 1 and 8, 32 + 256 tokens
     python scripts/bench_decode.py --batch 1 --new-tokens 8 --prompt-tokens 16 --out results/smoke
     python scripts/bench_decode.py --long                            # + the 4k vs 32k cache capacity experiment
-    jaxkv bench --batch 1 8 --new-tokens 256                         # the same, through the CLI
 
 Every configuration (system x cache x batch) runs in a fresh subprocess (this script again,
 with a hidden ``--worker JSON`` argument), so its peak RSS and its compile caches are its
