@@ -163,50 +163,69 @@ def worker_jaxkv(spec: dict) -> dict:
     """One ``generate`` call; with ``spec['long']`` the prompt is random ids of ``spec['prompt_tokens']``."""
     import jax
     import numpy as np
-    from flax import nnx
 
-    from jaxkv.decoding.generate import generate
-    from jaxkv.decoding.sampling import Sampling
+    import jaxkv.decoding.generate  # noqa: F401  imported before the load timer: load_s times the model alone
 
     start = time.perf_counter()
     model = _jaxkv_model(spec)
     load_seconds = time.perf_counter() - start
-    config = model.config
-    batch, new = spec["batch"], spec["new_tokens"]
-    prompt = spec.get("prompt") or random_ids(config.vocab_size, spec["prompt_tokens"])
+    new = spec["new_tokens"]
+    prompt = spec.get("prompt") or random_ids(model.config.vocab_size, spec["prompt_tokens"])
     capacity = spec.get("max_length") or bucket(bucket(len(prompt)) + new)  # what generate picks when None
-
-    def run():
-        return generate(
-            model,
-            [prompt] * batch,
-            max_new_tokens=new,
-            stop_tokens=(),
-            sampling=Sampling(),  # greedy
-            full_attention=spec["cache"],
-            max_length=spec.get("max_length"),
-        )
-
-    cold = run()  # compiles: TTFT and compile time; transformers gets its warm-up call too
-    result = run()  # the measured run, on the compiled executables
-    if not np.array_equal(cold.tokens, result.tokens):
-        raise RuntimeError("jaxkv's two greedy runs of the same prompts gave different tokens")
-    if not np.all(result.num_generated == new):
-        raise RuntimeError(f"jaxkv generated {result.num_generated.tolist()} tokens, expected {new} per row")
-    itemsize = jax.numpy.dtype(spec["dtype"]).itemsize
+    cold = _jaxkv_generate(model, prompt, spec)  # compiles: TTFT and compile time; transformers gets its warm-up too
+    result = _jaxkv_generate(model, prompt, spec)  # the measured run, on the compiled executables
+    _check_jaxkv_runs(cold, result, new)
     return dict(
         prefill_s=result.prefill_seconds,
         decode_s=result.decode_seconds,
         compile_s=cold.compile_seconds,
         ttft_s=cold.compile_seconds + cold.prefill_seconds,
         cache_bytes=int(result.cache_bytes),
-        param_bytes=int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-        kv_bytes_per_token=2 * config.num_hidden_layers * config.kv_heads * config.dim_per_head * itemsize,
+        **_jaxkv_sizes(model, spec["dtype"]),
         capacity=capacity if spec["cache"] == "static" else None,
         load_s=load_seconds,
         tokens_head=result.tokens[0, :16].tolist(),
         rows_identical=bool(np.all(result.tokens == result.tokens[:1])),
         backend=jax.default_backend(),
+    )
+
+
+def _jaxkv_generate(model, prompt: list[int], spec: dict):
+    """``spec['batch']`` copies of ``prompt``, exactly ``spec['new_tokens']`` greedy tokens each."""
+    from jaxkv.decoding.generate import generate
+    from jaxkv.decoding.sampling import Sampling
+
+    return generate(
+        model,
+        [prompt] * spec["batch"],
+        max_new_tokens=spec["new_tokens"],
+        stop_tokens=(),
+        sampling=Sampling(),  # greedy
+        full_attention=spec["cache"],
+        max_length=spec.get("max_length"),
+    )
+
+
+def _check_jaxkv_runs(cold, result, new: int) -> None:
+    """Both greedy runs must give the same tokens, and every row exactly ``new`` of them."""
+    import numpy as np
+
+    if not np.array_equal(cold.tokens, result.tokens):
+        raise RuntimeError("jaxkv's two greedy runs of the same prompts gave different tokens")
+    if not np.all(result.num_generated == new):
+        raise RuntimeError(f"jaxkv generated {result.num_generated.tolist()} tokens, expected {new} per row")
+
+
+def _jaxkv_sizes(model, dtype: str) -> dict:
+    """Parameter bytes and K/V bytes per cached token of ``model`` in ``dtype``."""
+    import jax
+    from flax import nnx
+
+    config = model.config
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    return dict(
+        param_bytes=int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+        kv_bytes_per_token=2 * config.num_hidden_layers * config.kv_heads * config.dim_per_head * itemsize,
     )
 
 
@@ -242,14 +261,39 @@ def _hf_cache_bytes(cache) -> int:
 
 def worker_transformers(spec: dict) -> dict:
     import torch
-    import transformers
+    import transformers  # noqa: F401  imported before the load timer: load_s times the model alone
 
     torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
     model = _hf_model(spec)
     load_seconds = time.perf_counter() - start
-    batch, new = spec["batch"], spec["new_tokens"]
-    ids = torch.tensor([spec["prompt"]] * batch, dtype=torch.long)
+    new = spec["new_tokens"]
+    ids = torch.tensor([spec["prompt"]] * spec["batch"], dtype=torch.long)
+    _, start, times, _ = _hf_generate(model, ids, spec["cache"], min(2, new))  # warm-up, the cold first call
+    ttft = times[0] - start
+    out, start, times, end = _hf_generate(model, ids, spec["cache"], new)
+    generated = out.sequences.shape[1] - ids.shape[1]
+    if generated != new or len(times) != new:
+        raise RuntimeError(f"transformers generated {generated} tokens ({len(times)} steps), expected {new}")
+    cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+    sequences = out.sequences[:, ids.shape[1] :]
+    return dict(
+        prefill_s=times[0] - start,
+        decode_s=end - times[0],
+        compile_s=0.0,
+        ttft_s=ttft,
+        cache_bytes=_hf_cache_bytes(cache),
+        **_hf_sizes(model),
+        load_s=load_seconds,
+        tokens_head=sequences[0, :16].tolist(),
+        rows_identical=bool(torch.all(sequences == sequences[:1]).item()),
+        threads=torch.get_num_threads(),
+    )
+
+
+def _hf_step_timer():
+    """A logits processor that records ``time.perf_counter()`` in ``.times`` at each call."""
+    import transformers
 
     class StepTimes(transformers.LogitsProcessor):
         """Called once per generated token, right after the forward that produced its logits."""
@@ -261,49 +305,42 @@ def worker_transformers(spec: dict) -> dict:
             self.times.append(time.perf_counter())
             return scores
 
-    def run(max_new_tokens):
-        timer = StepTimes()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                num_beams=1,
-                eos_token_id=None,
-                pad_token_id=0,
-                cache_implementation="static" if spec["cache"] == "static" else None,
-                return_dict_in_generate=True,
-                logits_processor=transformers.LogitsProcessorList([timer]),
-            )
-        end = time.perf_counter()
-        return out, start, timer.times, end
+    return StepTimes()
 
-    _, start, times, _ = run(min(2, new))  # warm-up, the cold first call
-    ttft = times[0] - start
-    out, start, times, end = run(new)
-    generated = out.sequences.shape[1] - ids.shape[1]
-    if generated != new or len(times) != new:
-        raise RuntimeError(f"transformers generated {generated} tokens ({len(times)} steps), expected {new}")
-    cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+
+def _hf_generate(model, ids, cache: str, max_new_tokens: int):
+    """Greedy ``generate`` of exactly ``max_new_tokens``: (output, start time, per-step times, end time)."""
+    import torch
+    import transformers
+
+    timer = _hf_step_timer()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=None,
+            pad_token_id=0,
+            cache_implementation="static" if cache == "static" else None,
+            return_dict_in_generate=True,
+            logits_processor=transformers.LogitsProcessorList([timer]),
+        )
+    end = time.perf_counter()
+    return out, start, timer.times, end
+
+
+def _hf_sizes(model) -> dict:
+    """Parameter bytes and K/V bytes per cached token of a transformers model."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    sequences = out.sequences[:, ids.shape[1] :]
     return dict(
-        prefill_s=times[0] - start,
-        decode_s=end - times[0],
-        compile_s=0.0,
-        ttft_s=ttft,
-        cache_bytes=_hf_cache_bytes(cache),
         param_bytes=int(sum(p.numel() * p.element_size() for p in model.parameters())),
         kv_bytes_per_token=2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size(),
-        load_s=load_seconds,
-        tokens_head=sequences[0, :16].tolist(),
-        rows_identical=bool(torch.all(sequences == sequences[:1]).item()),
-        threads=torch.get_num_threads(),
     )
 
 
@@ -417,7 +454,15 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def check_targets(rows: list[dict], long: dict | None) -> list[dict]:
+    """Each target with its value, its display and whether it passed (None: not measured)."""
     ok = [r for r in rows if "error" not in r]
+    targets = speedup_targets(ok) + ttft_targets(ok)
+    if long is not None:
+        targets.append(long_target(long))
+    return targets
+
+
+def speedup_targets(ok: list[dict]) -> list[dict]:
     find = lambda name, batch: next((r for r in ok if r["name"] == name and r["batch"] == batch), None)  # noqa: E731
     targets = []
     for batch, factor in TARGET_SPEEDUP.items():
@@ -432,28 +477,31 @@ def check_targets(rows: list[dict], long: dict | None) -> list[dict]:
                     passed=None if value is None else value >= factor,
                 )
             )
-    for row in ok:
-        if row["system"] == "jaxkv":
-            targets.append(
-                dict(
-                    target=f"TTFT {row['name']} b{row['batch']} <= {TARGET_TTFT_S:g} s (compile + prefill)",
-                    value=row["ttft_s"],
-                    display=f"{row['ttft_s']:.2f} s",
-                    passed=row["ttft_s"] <= TARGET_TTFT_S,
-                )
-            )
-    if long is not None:
-        ratio = long.get("ratio")
-        targets.append(
-            dict(
-                target=f"long: decode ms/step at capacity {long['large_capacity']} / at {long['small_capacity']} "
-                f"<= {TARGET_LONG_RATIO}",
-                value=ratio,
-                display="failed" if ratio is None else f"{ratio:.3f}",
-                passed=None if ratio is None else ratio <= TARGET_LONG_RATIO,
-            )
-        )
     return targets
+
+
+def ttft_targets(ok: list[dict]) -> list[dict]:
+    return [
+        dict(
+            target=f"TTFT {row['name']} b{row['batch']} <= {TARGET_TTFT_S:g} s (compile + prefill)",
+            value=row["ttft_s"],
+            display=f"{row['ttft_s']:.2f} s",
+            passed=row["ttft_s"] <= TARGET_TTFT_S,
+        )
+        for row in ok
+        if row["system"] == "jaxkv"
+    ]
+
+
+def long_target(long: dict) -> dict:
+    ratio = long.get("ratio")
+    return dict(
+        target=f"long: decode ms/step at capacity {long['large_capacity']} / at {long['small_capacity']} "
+        f"<= {TARGET_LONG_RATIO}",
+        value=ratio,
+        display="failed" if ratio is None else f"{ratio:.3f}",
+        passed=None if ratio is None else ratio <= TARGET_LONG_RATIO,
+    )
 
 
 def bandwidth_bound(rows: list[dict], membw: dict, prompt_tokens: int, new_tokens: int) -> dict | None:
@@ -537,7 +585,9 @@ def plot(rows: list[dict], long: dict | None, path: Path, title: str) -> None:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2", help="default model name, .gguf file or checkpoint directory")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -589,17 +639,8 @@ def environment(args) -> dict:
     )  # fmt: skip
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker is not None:
-        return worker_main(json.loads(args.worker))
-
-    start = time.perf_counter()
-    prompt = prompt_ids(args.model, args.prompt_tokens)
-    common = dict(model=args.model, dtype=args.dtype, threads=args.threads)
-    timeout, verbose = args.worker_timeout, args.verbose
-
-    membw = run_worker(dict(kind="membw", mib=args.membw_mib, label="memory bandwidth"), timeout=timeout, verbose=verbose)
+def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
+    """One row per batch x ``--systems`` configuration, each from its own worker, with its speed-up over HF dynamic."""
     rows = []
     for batch in args.batch:
         for name in args.systems:
@@ -608,7 +649,7 @@ def main(argv=None) -> int:
                 kind="generate", system=system, cache=cache, model_kwargs=model_kwargs, batch=batch, prompt=prompt,
                 new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
             )  # fmt: skip
-            result = run_worker(spec, timeout=timeout, verbose=verbose)
+            result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
             row = dict(name=name, system=system, cache=cache, batch=batch, prompt_tokens=len(prompt),
                        new_tokens=args.new_tokens, **result)  # fmt: skip
             add_rates(row)
@@ -617,37 +658,75 @@ def main(argv=None) -> int:
         base = next((r for r in rows if r["name"] == BASELINE and r["batch"] == row["batch"]), None)
         if "error" not in row and base is not None and "error" not in base:
             row["speedup_vs_hf_dynamic"] = row["decode_tok_s"] / base["decode_tok_s"]
+    return rows
 
-    long = None
-    if args.long:
-        small_capacity = bucket(bucket(args.long_prompt) + args.long_new_tokens)
-        long = dict(prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens,
-                    small_capacity=small_capacity, large_capacity=args.long_capacity)  # fmt: skip
-        if args.long_capacity <= small_capacity:
-            print(f"[bench] warning: --long-capacity {args.long_capacity} is not above the default capacity "
-                  f"{small_capacity} for a {args.long_prompt}-token prompt", file=sys.stderr)  # fmt: skip
-        for which, capacity in (("small", None), ("large", args.long_capacity)):
-            spec = dict(
-                kind="long", system="jaxkv", cache="static", model_kwargs={}, batch=1, prompt=None, prompt_tokens=args.long_prompt,
-                new_tokens=args.long_new_tokens, max_length=capacity,
-                label=f"long jaxkv-static capacity {capacity or small_capacity}", **common,
-            )  # fmt: skip
-            result = run_worker(spec, timeout=timeout, verbose=verbose)
-            result.update(batch=1, prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens)
-            add_rates(result)
-            long[which] = result
-        if "error" not in long["small"] and "error" not in long["large"]:
-            long["ratio"] = long["large"]["decode_ms_per_step"] / long["small"]["decode_ms_per_step"]
 
-    targets = check_targets(rows, long)
-    bound = bandwidth_bound(rows, membw, len(prompt), args.new_tokens)
-    agree = agreement(rows)
-    table = markdown_table(rows)
+def run_long(args, common: dict) -> dict:
+    """The ``--long`` experiment: jaxkv static decode at the default capacity ("small") and at ``--long-capacity``."""
+    small_capacity = bucket(bucket(args.long_prompt) + args.long_new_tokens)
+    long = dict(prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens,
+                small_capacity=small_capacity, large_capacity=args.long_capacity)  # fmt: skip
+    if args.long_capacity <= small_capacity:
+        print(f"[bench] warning: --long-capacity {args.long_capacity} is not above the default capacity "
+              f"{small_capacity} for a {args.long_prompt}-token prompt", file=sys.stderr)  # fmt: skip
+    for which, capacity in (("small", None), ("large", args.long_capacity)):
+        spec = dict(
+            kind="long", system="jaxkv", cache="static", model_kwargs={}, batch=1, prompt=None,
+            prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens, max_length=capacity,
+            label=f"long jaxkv-static capacity {capacity or small_capacity}", **common,
+        )  # fmt: skip
+        result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
+        result.update(batch=1, prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens)
+        add_rates(result)
+        long[which] = result
+    if "error" not in long["small"] and "error" not in long["large"]:
+        long["ratio"] = long["large"]["decode_ms_per_step"] / long["small"]["decode_ms_per_step"]
+    return long
 
-    title = (
-        f"{args.model} {args.dtype}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; "
-        f"{cpu_cores()} cores"
+
+def print_long(long: dict) -> None:
+    print("\n### Cache capacity (jaxkv static, batch 1)\n")
+    print(f"prompt {long['prompt_tokens']} random ids, {long['new_tokens']} new tokens")
+    for which in ("small", "large"):
+        r, cap = long[which], long[f"{which}_capacity"]
+        value = f"failed: {r['error'][:80]}" if "error" in r else f"{r['decode_ms_per_step']:.2f} ms/step"
+        print(f"- capacity {cap}: {value}")
+    if long.get("ratio") is not None:
+        print(f"- ratio {long['large_capacity']}/{long['small_capacity']}: {long['ratio']:.3f}")
+
+
+def print_targets(targets: list[dict]) -> None:
+    print("\n### Targets\n")
+    for t in targets:
+        mark = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
+        print(f"- [{mark}] {t['target']}: {t['display']}")
+
+
+def print_bound(bound: dict | None) -> None:
+    print("\n### Memory-bandwidth bound (batch 1 decode)\n")
+    if bound is None:
+        print("- not available (bandwidth or model measurement failed)")
+        return
+    print(
+        f"- bandwidth {bound['bandwidth_gbps']:.1f} GB/s (numpy copy {bound['numpy_copy_gbps']:.1f}, "
+        f"jax sum {bound['jax_sum_gbps']:.1f})\n"
+        f"- bytes per step: parameters {bound['param_bytes'] / 2**20:.1f} MiB + live K/V "
+        f"{bound['kv_bytes'] / 2**20:.2f} MiB (average context)\n"
+        f"- upper bound {bound['tok_s_upper_bound_b1']:.1f} tok/s"
+        + (
+            f" ({bound['tok_s_upper_bound_b1_allocated_cache']:.1f} tok/s reading the whole static buffer)"
+            if "tok_s_upper_bound_b1_allocated_cache" in bound
+            else ""
+        )
     )
+    for key, value in bound.items():
+        if key.startswith("fraction_of_bound_"):
+            print(f"- {key.removeprefix('fraction_of_bound_')} b1 reaches {100 * value:.1f}% of the bound")
+
+
+def print_report(title: str, rows: list[dict], long: dict | None, targets: list[dict], bound: dict | None,
+                 agree: dict, table: str) -> None:  # fmt: skip
+    """The markdown report on stdout (a warning on stderr when jaxkv did not run on the CPU)."""
     backends = sorted({r["backend"] for r in rows if r.get("backend")})
     if backends and backends != ["cpu"]:
         print(f"[bench] warning: jaxkv ran on {backends}, transformers on CPU; set JAX_PLATFORMS=cpu to compare like "
@@ -655,43 +734,46 @@ def main(argv=None) -> int:
     print(f"## Decode benchmark: {title}\n")
     print(table)
     if long is not None:
-        print("\n### Cache capacity (jaxkv static, batch 1)\n")
-        print(f"prompt {long['prompt_tokens']} random ids, {long['new_tokens']} new tokens")
-        for which in ("small", "large"):
-            r, cap = long[which], long[f"{which}_capacity"]
-            value = f"failed: {r['error'][:80]}" if "error" in r else f"{r['decode_ms_per_step']:.2f} ms/step"
-            print(f"- capacity {cap}: {value}")
-        if long.get("ratio") is not None:
-            print(f"- ratio {long['large_capacity']}/{long['small_capacity']}: {long['ratio']:.3f}")
-    print("\n### Targets\n")
-    for t in targets:
-        mark = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
-        print(f"- [{mark}] {t['target']}: {t['display']}")
-    print("\n### Memory-bandwidth bound (batch 1 decode)\n")
-    if bound is None:
-        print("- not available (bandwidth or model measurement failed)")
-    else:
-        print(
-            f"- bandwidth {bound['bandwidth_gbps']:.1f} GB/s (numpy copy {bound['numpy_copy_gbps']:.1f}, "
-            f"jax sum {bound['jax_sum_gbps']:.1f})\n"
-            f"- bytes per step: parameters {bound['param_bytes'] / 2**20:.1f} MiB + live K/V "
-            f"{bound['kv_bytes'] / 2**20:.2f} MiB (average context)\n"
-            f"- upper bound {bound['tok_s_upper_bound_b1']:.1f} tok/s"
-            + (
-                f" ({bound['tok_s_upper_bound_b1_allocated_cache']:.1f} tok/s reading the whole static buffer)"
-                if "tok_s_upper_bound_b1_allocated_cache" in bound
-                else ""
-            )
-        )
-        for key, value in bound.items():
-            if key.startswith("fraction_of_bound_"):
-                print(f"- {key.removeprefix('fraction_of_bound_')} b1 reaches {100 * value:.1f}% of the bound")
+        print_long(long)
+    print_targets(targets)
+    print_bound(bound)
     if agree:
         print("\nGreedy agreement with jaxkv-static (leading tokens of row 0): "
               + ", ".join(f"{k} {v}" for k, v in agree.items()))  # fmt: skip
 
+
+def write_outputs(args, report: dict, title: str) -> None:
+    """``OUT.json`` and, when matplotlib is installed, the chart ``OUT.png``."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    json_path.write_text(json.dumps(report, indent=2))
+    try:
+        plot(report["rows"], report["long"], png_path, title)
+    except ImportError:
+        print(f"\nwrote {json_path}; no chart: matplotlib is not installed (pip install matplotlib)")
+    else:
+        print(f"\nwrote {json_path} and {png_path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(json.loads(args.worker))
+
+    start = time.perf_counter()
+    prompt = prompt_ids(args.model, args.prompt_tokens)
+    common = dict(model=args.model, dtype=args.dtype, threads=args.threads)
+    membw_spec = dict(kind="membw", mib=args.membw_mib, label="memory bandwidth")
+    membw = run_worker(membw_spec, timeout=args.worker_timeout, verbose=args.verbose)
+    rows = run_configurations(args, prompt, common)
+    long = run_long(args, common) if args.long else None
+
+    targets = check_targets(rows, long)
+    bound = bandwidth_bound(rows, membw, len(prompt), args.new_tokens)
+    agree = agreement(rows)
+    table = markdown_table(rows)
+    title = f"{args.model} {args.dtype}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; {cpu_cores()} cores"
+    print_report(title, rows, long, targets, bound, agree, table)
     report = dict(
         settings=dict(
             model=args.model, dtype=args.dtype, batch=args.batch, new_tokens=args.new_tokens,
@@ -701,13 +783,7 @@ def main(argv=None) -> int:
         bandwidth_bound=bound, greedy_agreement=agree, table_markdown=table,
         total_seconds=time.perf_counter() - start,
     )  # fmt: skip
-    json_path.write_text(json.dumps(report, indent=2))
-    try:
-        plot(rows, long, png_path, title)
-    except ImportError:
-        print(f"\nwrote {json_path}; no chart: matplotlib is not installed (pip install matplotlib)")
-    else:
-        print(f"\nwrote {json_path} and {png_path}")
+    write_outputs(args, report, title)
     return 0
 
 

@@ -91,35 +91,31 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not 1 <= args.requests <= len(QUESTIONS):
-        raise SystemExit(f"--requests must be in [1, {len(QUESTIONS)}]")
-    model, tokenizer = load_pretrained(args.model)
-    prefix = exact(tokenizer, SYSTEM + EXAMPLE * 64, args.prefix_tokens)
-    suffixes = [exact(tokenizer, question, args.suffix_tokens) for question in QUESTIONS[: args.requests]]
-    capacity = 1 << (args.prefix_tokens + args.suffix_tokens + args.new_tokens - 1).bit_length()
-    graphdef, state = nnx.split(model)
-
+def time_prefix(model, prefix: list[int], capacity: int):
+    """(prefix cache, seconds) of prefilling the shared prefix once, compilation included (a one-off per prefix)."""
     start = time.perf_counter()
     prefix_cache = prefill_prefix(model, [prefix], max_length=capacity)
     jax.block_until_ready(prefix_cache)
-    prefix_seconds = time.perf_counter() - start  # compile included: a one-off per prefix
+    return prefix_cache, time.perf_counter() - start
 
-    rows, identical = [], True
-    for number, suffix in enumerate(suffixes):
-        whole = np.asarray([prefix + suffix], np.int32)
-        compile_whole, ttft_whole = timed_prefill(
-            prefill, graphdef, state, lambda: model.init_cache(1, capacity), whole, args.repeats
-        )
-        compile_shared, ttft_shared = timed_prefill(
-            prefill_shared, graphdef, state, lambda: prefix_cache, np.asarray([suffix], np.int32), args.repeats
-        )
-        reference = generate(model, [prefix + suffix], max_new_tokens=args.new_tokens, max_length=capacity).row(0)
-        continued = generate(model, [suffix], max_new_tokens=args.new_tokens, cache=prefix_cache).row(0)
-        identical &= reference == continued
-        rows.append((number, ttft_whole, ttft_shared, compile_whole, compile_shared, reference == continued))
 
+def bench_request(model, prefix: list[int], suffix: list[int], prefix_cache, capacity: int, args) -> tuple:
+    """(whole TTFT, shared TTFT, whole compile, shared compile, identical tokens) of one request."""
+    graphdef, state = nnx.split(model)
+    whole = np.asarray([prefix + suffix], np.int32)
+    compile_whole, ttft_whole = timed_prefill(
+        prefill, graphdef, state, lambda: model.init_cache(1, capacity), whole, args.repeats
+    )
+    compile_shared, ttft_shared = timed_prefill(
+        prefill_shared, graphdef, state, lambda: prefix_cache, np.asarray([suffix], np.int32), args.repeats
+    )
+    reference = generate(model, [prefix + suffix], max_new_tokens=args.new_tokens, max_length=capacity).row(0)
+    continued = generate(model, [suffix], max_new_tokens=args.new_tokens, cache=prefix_cache).row(0)
+    return ttft_whole, ttft_shared, compile_whole, compile_shared, reference == continued
+
+
+def print_report(args, capacity: int, prefix_seconds: float, rows: list[tuple]) -> bool:
+    """The markdown table and the target on stdout; True when the target is met."""
     print(
         f"## Prefix reuse: {args.model}, {args.prefix_tokens}-token prefix + {args.suffix_tokens}-token suffix, "
         f"capacity {capacity}, {jax.devices()[0].platform}\n"
@@ -136,12 +132,29 @@ def main(argv=None) -> int:
             f"{compile_w:.1f} / {compile_s:.1f} | {'yes' if same else 'NO'} |"
         )
     speedup = statistics.median(whole_s / shared_s for _, whole_s, shared_s, *_ in rows)
+    identical = all(same for *_, same in rows)
     passed = speedup >= TARGET_SPEEDUP and identical
     print(
         f"\ntarget: TTFT >= {TARGET_SPEEDUP:g}x lower with identical output: median {speedup:.1f}x, "
         f"identical {identical} -> {'PASS' if passed else 'FAIL'}"
     )
-    return 0 if passed else 1
+    return passed
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not 1 <= args.requests <= len(QUESTIONS):
+        raise SystemExit(f"--requests must be in [1, {len(QUESTIONS)}]")
+    model, tokenizer = load_pretrained(args.model)
+    prefix = exact(tokenizer, SYSTEM + EXAMPLE * 64, args.prefix_tokens)
+    suffixes = [exact(tokenizer, question, args.suffix_tokens) for question in QUESTIONS[: args.requests]]
+    capacity = 1 << (args.prefix_tokens + args.suffix_tokens + args.new_tokens - 1).bit_length()
+    prefix_cache, prefix_seconds = time_prefix(model, prefix, capacity)
+    rows = [
+        (number, *bench_request(model, prefix, suffix, prefix_cache, capacity, args))
+        for number, suffix in enumerate(suffixes)
+    ]
+    return 0 if print_report(args, capacity, prefix_seconds, rows) else 1
 
 
 if __name__ == "__main__":

@@ -130,10 +130,60 @@ def first_divergence(a, b) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def run(config: PerplexityConfig) -> dict:
+def quantization_spec(setting: Setting):
+    """The cache quantization of ``setting`` (None: full precision)."""
+    return setting.quantization.spec() if setting.quantization else None
+
+
+def context_rows(model, name: str, ids: np.ndarray, context: int, config: PerplexityConfig) -> list[dict]:
+    """One row per setting for the first ``context`` predictions of ``ids``; deltas and ratios are against the first."""
+    from jaxkv.memory import cache_bytes
+
+    if len(ids) < context + 1:
+        raise SystemExit(f"the corpus has {len(ids)} tokens for {name}, fewer than a {context}-token window")
+    window = ids[: context + 1]
+    rows, baseline = [], None
+    for setting in config.settings:
+        spec = quantization_spec(setting)
+        start = time.perf_counter()
+        ppl, speed = perplexity_through_cache(model, window, config.chunk, spec, config.decode_tokens)
+        # K/V bytes of a cache sized to the window, and of the same cache in bfloat16.
+        kv = cache_bytes(model.config, 1, context, jnp.dtype(config.dtype), quantization=spec)
+        kv_bf16 = cache_bytes(model.config, 1, context, jnp.bfloat16, quantization=spec)
+        baseline = baseline or {"ppl": ppl, "kv": kv, "kv_bf16": kv_bf16}
+        row = {
+            "model": name, "context": context, "setting": setting.name, "perplexity": ppl,
+            "delta_pct": 100 * (ppl / baseline["ppl"] - 1), "kv_bytes": kv, "kv_ratio": kv / baseline["kv"],
+            "kv_bytes_bf16": kv_bf16, "kv_ratio_bf16": kv_bf16 / baseline["kv_bf16"],
+            "decode_tok_s": speed, "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def greedy_checks(model, tokenizer, name: str, config: PerplexityConfig) -> list[dict]:
+    """The first divergence of each ``greedy_check`` setting's greedy tokens from full precision's."""
     from jaxkv.app.cli import GenerateConfig
     from jaxkv.decoding.generate import generate
-    from jaxkv.memory import cache_bytes
+
+    text = GenerateConfig().prompt  # the CLI's default prompt, in the chat template if the model has one
+    if tokenizer.chat_template is not None:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    prompt = tokenizer.encode(text)
+    full = generate(model, [prompt], max_new_tokens=config.greedy_tokens).row(0)
+    greedy = []
+    for setting in config.settings:
+        if setting.name in config.greedy_check:
+            spec = quantization_spec(setting)
+            quantized = generate(model, [prompt], max_new_tokens=config.greedy_tokens, quantization=spec).row(0)
+            divergence = first_divergence(full, quantized)
+            greedy.append({"model": name, "setting": setting.name, "tokens": len(full), "first_divergence": divergence})
+            print(json.dumps(greedy[-1]), flush=True)
+    return greedy
+
+
+def run(config: PerplexityConfig) -> dict:
     from jaxkv.models.load import load_pretrained
 
     text = corpus_text()
@@ -142,47 +192,18 @@ def run(config: PerplexityConfig) -> dict:
         model, tokenizer = load_pretrained(name, dtype=jnp.dtype(config.dtype))
         ids = np.asarray(tokenizer.encode(text), np.int32)
         for context in config.contexts:
-            if len(ids) < context + 1:
-                raise SystemExit(f"the corpus has {len(ids)} tokens for {name}, fewer than a {context}-token window")
-            window = ids[: context + 1]
-            baseline = None
-            for setting in config.settings:
-                spec = setting.quantization.spec() if setting.quantization else None
-                start = time.perf_counter()
-                ppl, speed = perplexity_through_cache(model, window, config.chunk, spec, config.decode_tokens)
-                # K/V bytes of a cache sized to the window, and of the same cache in bfloat16.
-                kv = cache_bytes(model.config, 1, context, jnp.dtype(config.dtype), quantization=spec)
-                kv_bf16 = cache_bytes(model.config, 1, context, jnp.bfloat16, quantization=spec)
-                baseline = baseline or {"ppl": ppl, "kv": kv, "kv_bf16": kv_bf16}
-                row = {
-                    "model": name, "context": context, "setting": setting.name, "perplexity": ppl,
-                    "delta_pct": 100 * (ppl / baseline["ppl"] - 1), "kv_bytes": kv, "kv_ratio": kv / baseline["kv"],
-                    "kv_bytes_bf16": kv_bf16, "kv_ratio_bf16": kv_bf16 / baseline["kv_bf16"],
-                    "decode_tok_s": speed, "seconds": time.perf_counter() - start,
-                }  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+            rows += context_rows(model, name, ids, context, config)
         if config.greedy_check:
-            text = GenerateConfig().prompt  # the CLI's default prompt, in the chat template if the model has one
-            if tokenizer.chat_template is not None:
-                text = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            prompt = tokenizer.encode(text)
-            full = generate(model, [prompt], max_new_tokens=config.greedy_tokens).row(0)
-            for setting in config.settings:
-                if setting.name in config.greedy_check:
-                    spec = setting.quantization.spec() if setting.quantization else None
-                    quantized = generate(model, [prompt], max_new_tokens=config.greedy_tokens, quantization=spec).row(0)
-                    divergence = first_divergence(full, quantized)
-                    greedy.append(
-                        {"model": name, "setting": setting.name, "tokens": len(full), "first_divergence": divergence}
-                    )
-                    print(json.dumps(greedy[-1]), flush=True)
+            greedy += greedy_checks(model, tokenizer, name, config)
     return {"rows": rows, "greedy": greedy, "config": config.model_dump(), "machine": jax.devices()[0].device_kind}
 
 
 def markdown(result: dict) -> str:
     lines = [
-        "| model | context | cache | perplexity | delta % | KV bytes | ratio | KV bytes (bf16 cache) | ratio (bf16) | decode tok/s |",
+        (
+            "| model | context | cache | perplexity | delta % | KV bytes | ratio | KV bytes (bf16 cache) "
+            "| ratio (bf16) | decode tok/s |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
