@@ -67,3 +67,18 @@ def check_teacher_forced(forward, cache, sequences, prompt_lengths, expected, de
                 logits[row, 0], expected[row][n + step], atol=atol, rtol=0, err_msg=f"{label} step {step}"
             )
     return cache
+
+
+def hf_greedy(hf, prompts, max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (token ids), one row at a time, with
+    an explicit all-ones attention mask (a prompt may contain the pad id)."""
+    continuations = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                **generate_kwargs,
+            )  # fmt: skip
+        continuations.append(out[0, len(prompt) :].tolist())
+    return continuations

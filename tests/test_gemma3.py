@@ -22,7 +22,7 @@ from flax import nnx
 from jaxkv.decoding.generate import generate
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.weights import load_safetensors_checkpoint
-from tests.parity import check_teacher_forced, hf_early_exit_logits, save_tiny_hf_model
+from tests.parity import check_teacher_forced, hf_early_exit_logits, hf_greedy, save_tiny_hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -138,13 +138,7 @@ def test_greedy_generate_matches_transformers(checkpoint):
     config, params = load_safetensors_checkpoint(directory)
     prompts = [seq[:n].tolist() for seq, n in zip(sequences, PROMPTS)]
     result = generate(Gemma3(config, params), prompts, max_new_tokens=16)
-    for row, prompt in enumerate(prompts):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt) :].tolist()  # fmt: skip
+    for row, want in enumerate(hf_greedy(hf, prompts, 16, eos_token_id=None, pad_token_id=0)):
         assert result.row(row) == want, name
 
 
@@ -175,13 +169,7 @@ def gemma():
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf.generation_config.eos_token_id = None  # run exactly REAL_NEW_TOKENS, like stop_tokens=() below
     prompts = [tokenizer.encode(text) for text in REAL_PROMPTS]
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=REAL_NEW_TOKENS, do_sample=False)
-        expected.append(out[0, len(prompt) :].tolist())
-    return model, tokenizer, hf, path, prompts, expected
+    return model, tokenizer, hf, path, prompts, hf_greedy(hf, prompts, REAL_NEW_TOKENS)
 
 
 def test_gguf_config_and_params_equal_transformers(gemma):

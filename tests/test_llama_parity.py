@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
 
 from jaxkv.decoding.generate import generate
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.weights import load_safetensors_checkpoint
-from tests.parity import check_teacher_forced, hf_early_exit_logits, save_tiny_hf_model
+from tests.parity import check_teacher_forced, hf_early_exit_logits, hf_greedy, save_tiny_hf_model
 
 SMALL = dict(
     vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -94,11 +93,7 @@ def test_greedy_generate_matches_transformers(checkpoint):
     config, params = load_safetensors_checkpoint(directory)
     prompts = [seq[:n].tolist() for seq, n in zip(sequences, PROMPTS)]
     result = generate(Llama(config, params), prompts, max_new_tokens=16)
-    for row, prompt in enumerate(prompts):
-        with torch.no_grad():
-            want = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
-            )[0, len(prompt) :].tolist()
+    for row, want in enumerate(hf_greedy(hf, prompts, 16, eos_token_id=None, pad_token_id=0)):
         assert result.row(row) == want, name
 
 

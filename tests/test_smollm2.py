@@ -11,6 +11,7 @@ import transformers
 from jaxkv.decoding.generate import generate
 from jaxkv.models.defaults import resolve_model
 from jaxkv.models.load import load_pretrained
+from tests.parity import hf_greedy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 QUESTIONS = [
@@ -28,14 +29,8 @@ def models():
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf.generation_config.eos_token_id = None  # run exactly NEW_TOKENS, like stop_tokens=() below
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        # An explicit mask: the prompt contains <|im_end|>, which is also the pad id.
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected.append(out[0, len(prompt) :].tolist())
-    return model, tokenizer, prompts, expected
+    # hf_greedy passes an explicit mask: the prompt contains <|im_end|>, which is also the pad id.
+    return model, tokenizer, prompts, hf_greedy(hf, prompts, NEW_TOKENS)
 
 
 def test_ragged_batch_greedy_equals_transformers(models):
