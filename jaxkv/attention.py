@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxkv.layers.paged import PagedKVView
 from jaxkv.protocol import KVView, MaskInfo
 
 
@@ -112,33 +113,79 @@ def read_whole(q: Queries, kv: KVView) -> tuple[jax.Array, jax.Array]:
     return q.weighted(weights, kv.values), jnp.sum(weights, axis=-1, keepdims=True)
 
 
+def softmax_init(shape: tuple[int, ...], head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """An online softmax's empty carry for queries ``shape`` (``[..., T]``): running max, total, weighted values."""
+    return (
+        jnp.full((*shape, 1), -jnp.inf, jnp.float32),
+        jnp.zeros((*shape, 1), jnp.float32),
+        jnp.zeros((*shape, head_dim), jnp.float32),
+    )
+
+
+def softmax_step(carry, logits: jax.Array, weigh) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block of an online softmax: ``logits`` ``[..., S]`` (-inf where masked) folded into the
+    running ``(max, total, weighted values)``; ``weigh(weights)`` gives the block's weighted values."""
+    peak, total, acc = carry
+    new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1, keepdims=True))
+    safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
+    rescale = jnp.exp(peak - safe_peak)
+    weights = jnp.exp(logits - safe_peak)
+    total = total * rescale + jnp.sum(weights, axis=-1, keepdims=True)
+    return new_peak, total, acc * rescale + weigh(weights)
+
+
 def read_blocked(q: Queries, kv: KVView, block_size: int) -> tuple[jax.Array, jax.Array]:
     """``read_whole``'s result by an online softmax over blocks of ``block_size`` slots up to
     ``mask_info.slots_used``: running max, running total, running weighted values."""
     mask_info = kv.mask_info
 
     def step(block, carry):
-        peak, total, acc = carry
         start = block * block_size
         k_block, v_block = kv.read(start, block_size)
         positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=1)
-        logits = q.scores(k_block, positions)
-        new_peak = jnp.maximum(peak, jnp.max(logits, axis=-1, keepdims=True))
-        safe_peak = jnp.where(jnp.isfinite(new_peak), new_peak, 0.0)
-        rescale = jnp.exp(peak - safe_peak)
-        weights = jnp.exp(logits - safe_peak)
-        total = total * rescale + jnp.sum(weights, axis=-1, keepdims=True)
-        return new_peak, total, acc * rescale + q.weighted(weights, v_block)
+        return softmax_step(carry, q.scores(k_block, positions), lambda weights: q.weighted(weights, v_block))
 
-    shape = q.grouped.shape[:-1]  # [B, H_kv, G, T]
-    init = (
-        jnp.full((*shape, 1), -jnp.inf, jnp.float32),
-        jnp.zeros((*shape, 1), jnp.float32),
-        jnp.zeros((*shape, q.grouped.shape[-1]), jnp.float32),
-    )
+    init = softmax_init(q.grouped.shape[:-1], q.grouped.shape[-1])  # [B, H_kv, G, T]
     num_blocks = (mask_info.slots_used + block_size - 1) // block_size
     _, total, out = jax.lax.fori_loop(0, num_blocks, step, init)
     return out, total
+
+
+def paged_attention(
+    queries: jax.Array, kv: PagedKVView, q_positions: jax.Array, *, scale: float, logit_softcap: float | None
+) -> jax.Array:
+    """``attention`` over a paged layer's view: each of the ``B * T`` query tokens reads its own
+    row's pages (``kv.token_rows``) block by block with an online softmax, from the first
+    block its window reaches to its last filled page. Returns ``[B, H_q, T, D]``.
+
+    Tokens of different rows may share one packed sequence (a serving step); each token is
+    a batch of one for the mask (``attention_mask``), so rows never see each other's slots.
+    Values of slots the mask refuses are zeroed before they are weighted: a freed page may
+    hold anything (NaN included) and a zero weight times NaN is still NaN."""
+    batch, num_heads, length, head_dim = queries.shape
+    num_kv_heads = kv.num_kv_heads
+    tokens = batch * length
+    grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    positions = q_positions.reshape(tokens, 1)
+
+    def step(block, carry):
+        keys, values, slot_positions = kv.read_block(block)  # [N, S, H_kv, D], [N, S]
+        mask = attention_mask(positions, MaskInfo(slot_positions, window=kv.window))[:, 0]  # [N, S]
+        logits = jnp.einsum("nhgd,nshd->nhgs", grouped, keys, preferred_element_type=jnp.float32) * scale
+        if logit_softcap is not None:
+            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+        logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+        values = jnp.where(mask[:, :, None, None], values, 0)
+
+        def weigh(weights):
+            return jnp.einsum("nhgs,nshd->nhgd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+        return softmax_step(carry, logits, weigh)
+
+    first, end = kv.block_range(positions[:, 0])
+    _, total, out = jax.lax.fori_loop(first, end, step, softmax_init(grouped.shape[:-1], head_dim))
+    out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [N, H_kv, G, D]
+    return out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
 
 
 def attention(
@@ -163,9 +210,13 @@ def attention(
     count with an online softmax: cost follows the filled length, not the capacity, and
     neither the layer's whole buffer nor a ``[T, S]`` score matrix over it is built.
     ``block_size`` defaults to ``attention_block_size(S)``; a buffer shorter than two
-    blocks, or not a multiple of one, is read whole.
+    blocks, or not a multiple of one, is read whole. A paged layer's view is read page block
+    by page block (``paged_attention``).
     """
     batch, num_heads, length, head_dim = queries.shape
+    scale = head_dim**-0.5 if scale is None else scale
+    if isinstance(kv, PagedKVView):
+        return paged_attention(queries, kv, q_positions, scale=scale, logit_softcap=logit_softcap)
     _, num_kv_heads, num_slots, _ = kv.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"attention: {num_heads} query heads is not a multiple of {num_kv_heads} K/V heads")
@@ -175,7 +226,7 @@ def attention(
         grouped=queries.reshape(batch, num_kv_heads, group, length, head_dim),
         positions=q_positions,
         mask_info=kv.mask_info,
-        scale=head_dim**-0.5 if scale is None else scale,
+        scale=scale,
         logit_softcap=logit_softcap,
     )
     block_size = attention_block_size(num_slots) if block_size is None else block_size

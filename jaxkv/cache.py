@@ -22,6 +22,7 @@ from flax import struct
 
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
+from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
@@ -49,6 +50,8 @@ class LayerSpec:
     state_shapes: tuple[tuple[int, ...], ...] = ()
     # Store full and sliding attention K/V quantized (jaxkv.layers.quantized); None: the cache dtype.
     quantization: QuantSpec | None = None
+    # Store full and sliding attention K/V in page pools read through block tables (jaxkv.layers.paged).
+    paging: Paging | None = None
 
     def __post_init__(self):
         if self.full_attention not in FULL_ATTENTION_KINDS:
@@ -58,6 +61,12 @@ class LayerSpec:
         # A frozen dataclass normalizes its own fields through object.__setattr__.
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "state_shapes", tuple(tuple(shape) for shape in self.state_shapes))
+        if self.paging is not None and self.quantization is not None:
+            raise ValueError("paged layers store the cache dtype: pass paging= or quantization=, not both")
+
+
+def _paged_layer(spec: LayerSpec, window: int | None = None) -> CacheLayer:
+    return PagedLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.paging, spec.dtype, window)
 
 
 def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
@@ -67,6 +76,8 @@ def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
 
 
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
+    if spec.paging is not None:
+        return _paged_layer(spec)
     if spec.quantization is not None:
         if spec.full_attention != "static" or spec.max_length is None:
             raise ValueError(
@@ -83,6 +94,8 @@ def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
 def _sliding_layer(spec: LayerSpec) -> CacheLayer:
     if not spec.sliding_window:
         raise ValueError("layer type 'sliding_attention' needs the config's sliding_window (a positive int)")
+    if spec.paging is not None:
+        return _paged_layer(spec, spec.sliding_window)
     if spec.quantization is not None:
         return _quantized_layer(spec, window=spec.sliding_window, rollback_slots=spec.rollback_slots)
     return SlidingWindowLayer.create(
@@ -93,6 +106,8 @@ def _sliding_layer(spec: LayerSpec) -> CacheLayer:
 def _chunked_layer(spec: LayerSpec) -> CacheLayer:
     if not spec.attention_chunk_size:
         raise ValueError("layer type 'chunked_attention' needs the config's attention_chunk_size (a positive int)")
+    if spec.paging is not None:
+        raise ValueError("paging covers full and sliding attention; chunked_attention layers are not paged")
     if spec.quantization is not None:
         raise ValueError(
             "quantization covers full and sliding attention; chunked_attention layers are not quantized yet"
@@ -103,6 +118,11 @@ def _chunked_layer(spec: LayerSpec) -> CacheLayer:
 
 
 def _conv_state(spec: LayerSpec, state_shapes) -> LinearAttentionLayer:
+    if spec.paging is not None:
+        raise ValueError(
+            "paging covers full and sliding attention; linear-attention states (linear_attention, conv, hybrid) "
+            "are not paged"
+        )
     if not spec.conv_width or not spec.conv_channels:
         raise ValueError(
             "linear-attention and conv layer types need conv_width and conv_channels (and state_shapes for a "
@@ -139,21 +159,28 @@ class LayerType:
 
     ``storage``: the class per full-attention kind ('static', 'dynamic'), or under None for a
     type with one storage; empty for a type made of others (a hybrid holds a linear state and
-    an attention layer). ``quantized``: the class that stores it under ``quantization``, if any.
+    an attention layer). ``quantized``: the class that stores it under ``quantization``, if any;
+    ``paged``: under ``paging``.
     """
 
     build: Callable[[LayerSpec], CacheLayer]
     storage: Mapping[str | None, type[CacheLayer]]
     quantized: type[CacheLayer] | None = None
+    paged: type[CacheLayer] | None = None
 
 
 # The config's layer_types value -> its builder and storage. A new layer family registers
 # here; the container, the memory formulas and the README's table follow.
 LAYER_TYPES: dict[str, LayerType] = {
     "full_attention": LayerType(
-        _full_attention_layer, {"static": StaticLayer, "dynamic": DynamicLayer}, quantized=QuantizedLayer
+        _full_attention_layer,
+        {"static": StaticLayer, "dynamic": DynamicLayer},
+        quantized=QuantizedLayer,
+        paged=PagedLayer,
     ),
-    "sliding_attention": LayerType(_sliding_layer, {None: SlidingWindowLayer}, quantized=QuantizedLayer),
+    "sliding_attention": LayerType(
+        _sliding_layer, {None: SlidingWindowLayer}, quantized=QuantizedLayer, paged=PagedLayer
+    ),
     "chunked_attention": LayerType(_chunked_layer, {None: ChunkedLayer}),
     "linear_attention": LayerType(_linear_layer, {None: LinearAttentionLayer}),
     "conv": LayerType(_conv_layer, {None: LinearAttentionLayer}),
@@ -280,6 +307,7 @@ class Cache:
         conv_channels: int | None = None,
         state_shapes: tuple[tuple[int, ...], ...] = (),
         quantization: QuantSpec | None = None,
+        paging: Paging | None = None,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
@@ -292,6 +320,8 @@ class Cache:
         ``linear_attention``, ``conv`` and ``hybrid*`` layer types.
         ``quantization``: a ``QuantSpec`` stores full (static) and sliding attention
         layers as ``QuantizedLayer`` (int8/4/2 or fp8 codes, group scales, a residual).
+        ``paging``: a ``Paging`` stores full and sliding attention layers as ``PagedLayer``
+        (page pools read through block tables; ``batch_size`` is then the block table's rows).
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a
@@ -301,7 +331,7 @@ class Cache:
             batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
             sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
             rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
-            state_shapes=state_shapes, quantization=quantization,
+            state_shapes=state_shapes, quantization=quantization, paging=paging,
         )  # fmt: skip
         check_layer_types(layer_types)
         period = pattern_period(layer_types) if stacked else len(layer_types)

@@ -122,10 +122,12 @@ def checked_params(owner: str, shapes: dict, params: dict | None, *, dtype, seed
 # --- the output head --------------------------------------------------------------------
 def at_logits_index(x: jax.Array, logits_index: jax.Array | None) -> jax.Array:
     """``x`` ``[B, T, D]``, or each row's one position ``logits_index`` ``[B]``: ``[B, 1, D]``
-    (a prefill needs the logits of each row's last prompt token only)."""
+    (a prefill needs the logits of each row's last prompt token only), or K positions
+    ``[B, K]``: ``[B, K, D]`` (a serving step packs many requests into one row)."""
     if logits_index is None:
         return x
-    return jnp.take_along_axis(x, logits_index[:, None, None], axis=1)
+    index = logits_index if logits_index.ndim == 2 else logits_index[:, None]
+    return jnp.take_along_axis(x, index[:, :, None], axis=1)
 
 
 def output_logits(x: jax.Array, embed: jax.Array, lm_head: jax.Array | None = None) -> jax.Array:
