@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,3 +56,55 @@ def sampling_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
         probs = jax.nn.softmax(logits, axis=-1)
         logits = jnp.where(probs < sampling.min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, logits)
     return logits
+
+
+class RowSampling(NamedTuple):
+    """Per-row sampling parameters ``[R]`` (a serving step's rows each follow their own
+    request): ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 keep every token."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+    @classmethod
+    def stack(cls, rows: Sequence[Sampling]) -> RowSampling:
+        """The parameters of ``rows`` as host arrays ``[R]``."""
+        return cls(
+            np.array([s.temperature for s in rows], np.float32),
+            np.array([s.top_k for s in rows], np.int32),
+            np.array([s.top_p for s in rows], np.float32),
+            np.array([s.min_p for s in rows], np.float32),
+        )
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, params: RowSampling) -> jax.Array:
+    """Next tokens ``[R]`` from ``logits`` ``[R, V]`` (float32), row r drawn with ``keys[r]`` under
+    its own parameters, with ``sampling_logits``' rules (temperature, then top-k, top-p, min-p).
+
+    Rows with temperature 0 take the argmax. The vocabulary is sorted only when some row
+    asks for top-k or top-p, and nothing is drawn when every row is greedy."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw():
+        scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+        needs_sort = jnp.any((params.top_k > 0) | (params.top_p < 1))
+        scaled = jax.lax.cond(needs_sort, lambda: top_k_top_p(scaled, params.top_k, params.top_p), lambda: scaled)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        scaled = jnp.where(probs < params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, scaled)
+        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+    sampled = jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)
+    return jnp.where(params.temperature > 0, sampled, greedy)
+
+
+def top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """``logits`` ``[R, V]`` with tokens outside each row's ``top_k`` (0: all) and then outside the
+    smallest set of top tokens reaching probability ``top_p`` set to -inf, in one sort."""
+    order = jnp.argsort(-logits, axis=-1)
+    ranked = jnp.take_along_axis(logits, order, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    ranked = jnp.where((top_k[:, None] > 0) & (rank >= top_k[:, None]), -jnp.inf, ranked)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    ranked = jnp.where(jnp.cumsum(probs, axis=-1) - probs >= top_p[:, None], -jnp.inf, ranked)
+    return jnp.zeros_like(logits).at[jnp.arange(logits.shape[0])[:, None], order].set(ranked)

@@ -1,0 +1,108 @@
+"""What the engine knows about one request (one sample of it when ``n > 1``), and what it
+hands back after each step."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from jaxkv.decoding.sampling import GREEDY, Sampling
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its pages freed, to be recomputed)
+    RUNNING = "running"  # holds a block-table row and pages
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """What a caller asks of one request (``Engine.add_request``'s keywords, checked there)."""
+
+    sampling: Sampling = GREEDY
+    max_tokens: int = 16
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+    cache_salt: bytes = b""  # extra key of the prefix-cache hash chain (tenant isolation)
+    seed: int = 0
+    logprobs: int = 0  # top log-probabilities returned per token (0: only the chosen token's)
+    n: int = 1  # samples of the prompt; samples 1.. fork from sample 0 after its prefill
+
+
+@dataclasses.dataclass
+class SampleState:
+    """One sample of a request as the scheduler tracks it.
+
+    ``tokens`` are the prompt then the outputs; ``num_computed`` of them are in the cache.
+    The engine computes tokens until ``num_computed == len(tokens)``; the step that computes
+    the last known token samples the next one. A preempted sequence keeps its outputs and is
+    computed again from its prompt (or from the longest cached prefix)."""
+
+    request_id: int
+    index: int  # which of the request's n samples
+    prompt: list[int]
+    options: RequestOptions
+    arrival: float
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict] = dataclasses.field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    row: int | None = None  # block-table row while running
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain over full computed pages
+    num_registered: int = 0  # pages already offered to the prefix cache
+    finish_reason: str | None = None
+    text: str = ""
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The owner name of this sequence's pages."""
+        return (self.request_id, self.index)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sample: its new tokens (usually one; none for a prefill
+    chunk), and whether and why it finished ('stop', 'length', 'abort').
+
+    ``text`` is the whole output text so far (with a tokenizer; it ends before a stop string),
+    ``logprobs`` one dict per new token: ``{"token": id, "logprob": x, "top": [(id, x), ...]}``."""
+
+    request_id: int
+    index: int
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str = ""
+    logprobs: Sequence[dict] = ()
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """A finished sample (``Engine.generate_many``): all its tokens, text and finish reason."""
+
+    request_id: int
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[dict]
+    num_prompt_tokens: int
+    num_cached_tokens: int

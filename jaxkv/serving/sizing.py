@@ -1,0 +1,80 @@
+"""How many pages each pool gets from a byte budget (``kv_memory="1GiB"``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from jaxkv.cache import layer_types_of
+from jaxkv.layers.paged import Paging
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def parse_bytes(value: int | str) -> int:
+    """``"1GiB"``, ``"512 MiB"``, ``"2GB"`` or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if match is None or match.group(2).upper() not in UNITS:
+        raise ValueError(f"kv_memory {value!r} is not a size: write e.g. '1GiB', '512MiB' or a number of bytes")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSizes:
+    """Pages per pool (the null page included; 0: the model has no such layer) and their bytes."""
+
+    full_pages: int
+    full_page_bytes: int
+    sliding_pages: int
+    sliding_page_bytes: int
+    window: int | None
+    page_size: int
+
+    @property
+    def max_concurrent_tokens(self) -> int:
+        """Tokens the full-attention pool holds at once (all requests together); a model without
+        full-attention layers is bounded only by its rows."""
+        return (self.full_pages - 1) * self.page_size if self.full_pages else 0
+
+
+def page_bytes_of(model, page_size: int) -> tuple[dict[str, int], int | None]:
+    """Bytes of one page of each pool ('full', 'sliding') over all its layers, and the sliding
+    window; read from the shapes of the model's paged cache (nothing allocated)."""
+    layer_types = layer_types_of(model.config)
+    unsupported = sorted(set(layer_types) - set(PAGED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"the serving engine pages {' and '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
+        )
+    probe = jax.eval_shape(lambda: model.init_cache(1, paging=Paging(page_size, 2, page_size)))
+    sizes, window = {"full": 0, "sliding": 0}, None
+    for group in probe.groups:
+        pool = "full" if group.window is None else "sliding"
+        window = group.window or window
+        pages = group.key_pages.size // group.key_pages.shape[1] * 2  # per page, K and V, over the stack
+        sizes[pool] += pages * group.key_pages.dtype.itemsize
+    return sizes, window
+
+
+def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
+    """Split ``config.kv_memory`` between the pools: the sliding pool gets what its rows can
+    read at once (window plus a step's chunk, per row), the full pool the rest."""
+    page_bytes, window = page_bytes_of(model, config.page_size)
+    budget = parse_bytes(config.kv_memory)
+    sliding_pages = 0
+    if window is not None:
+        per_row = -(-(window - 1) // config.page_size) + 2
+        sliding_pages = config.max_num_seqs * per_row + -(-config.max_num_batched_tokens // config.page_size) + 1
+        budget -= sliding_pages * page_bytes["sliding"]
+    full_pages = budget // page_bytes["full"] if page_bytes["full"] else 0
+    if budget < 0 or (page_bytes["full"] and full_pages < 2):
+        raise ValueError(
+            f"kv_memory {config.kv_memory!r} cannot hold the pools: the sliding-window pool alone needs "
+            f"{sliding_pages} pages of {page_bytes['sliding']} bytes; raise kv_memory or lower max_num_seqs"
+        )
+    return PoolSizes(full_pages, page_bytes["full"], sliding_pages, page_bytes["sliding"], window, config.page_size)

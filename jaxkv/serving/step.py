@@ -1,0 +1,108 @@
+"""The one compiled serving step: a packed batch of prefill chunks and decode tokens through
+the model over paged K/V, then a token drawn for each row that asked for one.
+
+Shapes are static per bucket: ``N`` packed tokens (a few power-of-two buckets up to the
+token budget), ``R`` block-table rows (the engine's row count), ``W`` table columns, ``K``
+page copies. The page pools are donated and updated in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxkv.cache import Cache
+from jaxkv.decoding.sampling import RowSampling, sample_rows
+from jaxkv.layers.paged import PagedLayer
+
+
+@struct.dataclass
+class StepInputs:
+    """One step's packed batch.
+
+    ``tokens``, ``positions``, ``token_rows`` ``[N]``: the packed tokens, their absolute
+    positions (-1: padding) and block-table rows. ``lengths`` ``[R]``: each row's length after
+    the step. ``block_tables``: ``[R, W]`` per pool name ('full', 'sliding'). ``copies``:
+    ``[K, 2]`` (source, destination) pages per pool, copied before anything is written
+    (copy-on-write of a forked sample's last prompt page; padding copies the null page onto
+    itself). ``sample_index`` ``[R]``: where each row's last token sits in the packed batch.
+    ``seeds``, ``counters`` ``[R]``: each row draws with the key of (request seed, sample
+    index, tokens drawn so far), so a sample's tokens do not depend on what it was batched
+    with or on a preemption. ``sampling``: per-row parameters.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    token_rows: jax.Array
+    lengths: jax.Array
+    block_tables: dict
+    copies: dict
+    sample_index: jax.Array
+    seeds: jax.Array
+    sample_numbers: jax.Array
+    counters: jax.Array
+    sampling: RowSampling
+
+
+@struct.dataclass
+class StepOutputs:
+    """Per row ``[R]``: the drawn token and its log-probability, and the top ``M`` alternatives ``[R, M]``."""
+
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_tokens: jax.Array
+    top_logprobs: jax.Array
+
+
+def pool_of(layer: PagedLayer) -> str:
+    """The pool (and block table) a paged layer group reads: 'sliding' for a window, else 'full'."""
+    return "full" if layer.window is None else "sliding"
+
+
+def routed(cache: Cache, inputs: StepInputs) -> Cache:
+    """The cache with the step's copies applied and its block tables and rows in every group."""
+    groups = []
+    for group in cache.groups:
+        pool = pool_of(group)
+        source, destination = inputs.copies[pool][:, 0], inputs.copies[pool][:, 1]
+        group = group.replace(
+            key_pages=group.key_pages.at[:, destination].set(group.key_pages[:, source]),
+            value_pages=group.value_pages.at[:, destination].set(group.value_pages[:, source]),
+        )
+        groups.append(group.with_step(inputs.block_tables[pool], inputs.token_rows, inputs.lengths))
+    return cache.replace(groups=tuple(groups))
+
+
+def row_keys(inputs: StepInputs) -> jax.Array:
+    """One key per row from (seed, sample number, tokens drawn so far)."""
+
+    def key(seed, sample_number, counter):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_number), counter)
+
+    return jax.vmap(key)(inputs.seeds, inputs.sample_numbers, inputs.counters)
+
+
+def serving_step(graphdef, state, cache: Cache, inputs: StepInputs, num_top: int) -> tuple[StepOutputs, Cache]:
+    """Run the packed batch, then draw each row's next token from the logits at its
+    ``sample_index`` (rows that draw nothing this step are ignored by the host)."""
+    model = nnx.merge(graphdef, state)
+    logits, stepped = model(
+        inputs.tokens[None], inputs.positions[None], routed(cache, inputs), logits_index=inputs.sample_index[None]
+    )
+    # Only the pages persist between steps; the per-step fields keep the shapes the engine allocated.
+    cache = cache.replace(
+        groups=tuple(
+            kept.replace(key_pages=new.key_pages, value_pages=new.value_pages)
+            for kept, new in zip(cache.groups, stepped.groups)
+        )
+    )
+    logits = logits[0]  # [R, V]
+    tokens = sample_rows(logits, row_keys(inputs), inputs.sampling)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_tokens = jax.lax.top_k(logprobs, num_top)
+    return StepOutputs(tokens, chosen, top_tokens.astype(jnp.int32), top_logprobs), cache
+
+
+compiled_step = jax.jit(serving_step, static_argnames=("graphdef", "num_top"), donate_argnames=("cache",))
