@@ -8,6 +8,7 @@ Levels, lowest first (a module may import its own level or lower, never higher):
     attention, encoder_decoder  what reads a cache, the encoder-decoder container
     memory, persist             sizing formulas and cache files
     models/*  |  decoding/*     model files and decoding strategies (neither imports the other)
+    serving/*                   the engine: paged pools, scheduler, compiled step (uses decoding, not models)
     app/*                       CLI and YAML configs: nothing in the library imports it
 
 ``jaxkv/__init__.py`` re-exports the core (levels up to ``memory``/``persist``) and is
@@ -36,10 +37,11 @@ LEVELS = {
     "jaxkv": 4,  # the package's __init__: the core's public names
     "jaxkv.models": 5,
     "jaxkv.decoding": 5,
-    "jaxkv.app": 6,
+    "jaxkv.serving": 6,
+    "jaxkv.app": 7,
 }
-# Same level, but independent: neither may import the other.
-SIBLINGS = {"jaxkv.models": "jaxkv.decoding", "jaxkv.decoding": "jaxkv.models"}
+# Independent: the first may not import the second (the engine takes any model that keeps the contract).
+SIBLINGS = {"jaxkv.models": "jaxkv.decoding", "jaxkv.decoding": "jaxkv.models", "jaxkv.serving": "jaxkv.models"}
 
 
 def module_name(path: Path) -> str:
@@ -100,7 +102,7 @@ def violations() -> list[str]:
             if LEVELS[there] > LEVELS[here]:
                 problems.append(f"{name} (level {LEVELS[here]}) imports {target} (level {LEVELS[there]})")
             if SIBLINGS.get(here) == there:
-                problems.append(f"{name} imports {target}: models and decoding must not depend on each other")
+                problems.append(f"{name} imports {target}: {here} and {there} must not depend on each other")
             if here == there == "jaxkv.layers" and target != name and not target.startswith(name + "."):
                 if name != "jaxkv.layers":  # the package __init__ re-exports its modules
                     problems.append(f"{name} imports its sibling layer module {target}: share through jaxkv.protocol")

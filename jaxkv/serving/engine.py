@@ -97,6 +97,7 @@ class Engine:
         self.num_steps = self.peak_pages_used = self.peak_kv_bytes = 0
         self.slots_allocated = self.slots_unused = 0
         self.stop_token_ids = default_stop_tokens(model.config)
+        self.pending_copies = self.empty_copies()
 
     # --- construction ---------------------------------------------------------------------------
     def paging(self, sizes: PoolSizes) -> Paging:
@@ -166,7 +167,7 @@ class Engine:
                 f"add_request: prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) is {total}, past "
                 f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        self.check_fits(total, n)
+        self.check_fits(len(prompt_ids), total, n)
         stops = self.stop_token_ids if stop_token_ids is None and not ignore_eos else frozenset(stop_token_ids or ())
         return RequestOptions(
             sampling=sampling, max_tokens=max_tokens, stop_token_ids=frozenset(int(t) for t in stops), stop=stop,
@@ -174,13 +175,15 @@ class Engine:
             logprobs=logprobs, n=n,
         )  # fmt: skip
 
-    def check_fits(self, num_tokens: int, n: int) -> None:
-        """Refuse a request the pools could never hold, even alone."""
+    def check_fits(self, num_prompt: int, num_tokens: int, n: int) -> None:
+        """Refuse a request the pools could never hold, even alone (its samples share the prompt's full pages)."""
         if n > self.config.max_num_seqs:
             raise ValueError(f"add_request: n={n} samples exceed max_num_seqs={self.config.max_num_seqs} rows")
         for pool in self.scheduler.pools:
-            span = num_tokens if pool.window is None else min(num_tokens, pool.window + self.config.max_num_batched_tokens)
-            needed = n * (-(-span // pool.page_size) + 1)
+            pages = -(-num_tokens // pool.page_size)
+            if pool.window is not None:  # what one step reads and writes: the window and a chunk
+                pages = min(pages, -(-(pool.window - 1 + self.config.max_num_batched_tokens) // pool.page_size) + 1)
+            needed = pages + (n - 1) * max(pages - (num_prompt - 1) // pool.page_size, 1)
             if needed > pool.manager.num_usable:
                 raise ValueError(
                     f"add_request: {n} sample(s) of {num_tokens} tokens need {needed} pages of the {pool.name} pool, "
@@ -201,12 +204,12 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one compiled step, and return what each touched sample produced."""
         aborted = self.aborted_outputs()
-        copies = self.fork_samples()
         chunks = self.scheduler.schedule()
         if not chunks:
             return aborted
-        outputs = self.run(chunks, copies)
+        outputs = self.run(chunks, self.pending_copies)
         self.scheduler.computed(chunks)
+        self.pending_copies = self.fork_samples()  # before a first sample can finish and free its pages
         self.record_usage()
         return aborted + [self.advance(chunk, outputs) for chunk in chunks]
 
@@ -273,24 +276,36 @@ class Engine:
 
     # --- samples ----------------------------------------------------------------------------------
     def fork_samples(self) -> dict:
-        """Start the further samples (``n > 1``) of requests whose first sample has its prompt
-        computed, sharing its pages; returns the page copies the step performs first."""
-        copies, used = self.empty_copies(), 0
+        """Start the further samples (``n > 1``) of requests whose first sample has just computed
+        its prompt: each forks from it (sharing its pages; ``Scheduler.fork``) or, when rows,
+        pages or this step's copy slots are short, waits to be computed like a new request.
+        Returns the page copies ``[K, 2]`` per pool the next step makes first."""
+        pools = self.scheduler.pools
+        pairs: dict[str, list] = {pool.name: [] for pool in pools}
         for sample in list(self.scheduler.running):
             family = self.samples[sample.request_id]
-            while sample.index == 0 and len(family) < sample.options.n and sample.num_computed >= len(sample.prompt):
-                if used + len(self.scheduler.pools) > MAX_COPIES * len(self.scheduler.pools):
-                    return copies
+            while self.awaits_fork(sample):
                 child = SampleState(sample.request_id, len(family), sample.prompt, sample.options, sample.arrival)
-                pool_copies = self.scheduler.fork(sample, child)
-                if pool_copies is None:
-                    return copies
                 family.append(child)
-                for pool, pairs in zip(self.scheduler.pools, pool_copies):
-                    start = int(np.count_nonzero(copies[pool.name].any(axis=1)))
-                    copies[pool.name][start : start + len(pairs)] = pairs
-                used += len(self.scheduler.pools)
+                room = all(len(p) < MAX_COPIES for p in pairs.values())  # a fork copies at most one page per pool
+                forked = self.scheduler.fork(sample, child) if room else None
+                if forked is None:
+                    self.scheduler.waiting.appendleft(child)
+                    continue
+                for pool, copies in zip(pools, forked):
+                    pairs[pool.name] += copies
+        copies = self.empty_copies()
+        for name, found in pairs.items():
+            copies[name][: len(found)] = np.asarray(found, np.int32).reshape(-1, 2)
         return copies
+
+    def awaits_fork(self, sample: SampleState) -> bool:
+        """A first sample with its prompt computed, and fewer samples than asked."""
+        return (
+            sample.index == 0
+            and len(self.samples[sample.request_id]) < sample.options.n
+            and sample.num_computed >= len(sample.prompt)
+        )
 
     def advance(self, chunk: Chunk, outputs: StepOutputs) -> RequestOutput:
         """Append the token drawn for a chunk that computed its sample's last known token; finish the sample if it stops."""

@@ -1,0 +1,298 @@
+"""The serving engine on tiny models: continuous batching with staggered arrivals, chunked
+prefill, preemption, prefix caching, forks and isolation give exactly what ``generate``
+gives each request alone; the compiled step is compiled once per bucket."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.decoding.generate import generate
+from jaxkv.decoding.sampling import RowSampling, Sampling, sample_rows, sampling_logits, top_k_top_p
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+from jaxkv.serving import Engine
+from jaxkv.serving.pages import NULL_PAGE
+
+VOCAB = 61
+LLAMA = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)  # fmt: skip
+GEMMA = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, sliding_window=8, query_pre_attn_scalar=8, max_position_embeddings=256,
+    layer_types=("sliding_attention", "full_attention"),
+)  # fmt: skip
+# Small pages, rows and budget: prompts span many pages and chunks, and rows fill up.
+SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request):
+    return Llama(LlamaConfig(**LLAMA)) if request.param == "llama" else Gemma3(Gemma3Config(**GEMMA))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return Llama(LlamaConfig(**LLAMA))
+
+
+def prompts_of(seed: int, count: int, longest: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(1, longest, count)]
+
+
+def reference(model, prompts, new_tokens=NEW_TOKENS) -> list[list[int]]:
+    """``generate``'s greedy tokens for each prompt (rows are independent)."""
+    result = generate(model, prompts, max_new_tokens=new_tokens, stop_tokens=())
+    return [result.row(i) for i in range(len(prompts))]
+
+
+def run_arrivals(engine: Engine, prompts, arrival_steps, **options) -> dict[int, list[int]]:
+    """Add prompt i at step ``arrival_steps[i]``; run to the end; tokens by prompt index."""
+    ids, step = {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i, arrival in enumerate(arrival_steps):
+            if arrival == step:
+                ids[i] = engine.add_request(prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True, **options)
+        engine.step()
+        step += 1
+    return {i: engine.samples[request_id][0].output for i, request_id in ids.items()}
+
+
+def test_staggered_arrivals_equal_generate(model):
+    """Requests of mixed lengths arriving at different steps, chunked over many steps, with
+    rows and pages recycled: each gets exactly ``generate``'s greedy tokens (Gemma: prompts
+    past its window of 8)."""
+    prompts = prompts_of(0, 16)
+    engine = Engine(model, kv_memory=64 * 1024, **SMALL)
+    got = run_arrivals(engine, prompts, [3 * (i // 2) for i in range(len(prompts))])
+    assert [got[i] for i in range(len(prompts))] == reference(model, prompts)
+    assert engine.stats()["pages"]["full"]["used"] == 0
+
+
+def test_preempted_requests_finish_with_the_same_tokens(model):
+    """A pool too small for every admitted request forces preemptions (recompute); every
+    request still ends with the undisturbed tokens and every page comes back."""
+    prompts = prompts_of(1, 10)
+    engine = Engine(model, kv_memory=24 * 1024, **SMALL)
+    got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert engine.stats()["preemptions"] > 0
+    assert [c.token_ids for c in got] == reference(model, prompts)
+    for pool in engine.scheduler.pools:
+        pool.manager.check()
+        assert pool.manager.num_free == pool.manager.num_usable
+
+
+@pytest.mark.parametrize("shared", [23, 24, 30])
+def test_prefix_hit_equals_miss(model, shared):
+    """A request sharing a prefix with a finished one reuses its full pages and resumes prefill
+    mid-prompt (shared lengths on and off a page boundary); its tokens equal a cold run."""
+    rng = np.random.default_rng(shared)
+    prefix = rng.integers(0, VOCAB, shared).tolist()
+    first, second = prefix + [5, 6, 7], prefix + rng.integers(0, VOCAB, 9).tolist()
+    engine = Engine(model, kv_memory=64 * 1024, **SMALL)
+    warm = engine.generate_many([first], max_tokens=NEW_TOKENS, ignore_eos=True)
+    hit = engine.generate_many([second], max_tokens=NEW_TOKENS, ignore_eos=True)[0]
+    assert hit.num_cached_tokens == shared // 4 * 4 > 0
+    assert [warm[0].token_ids, hit.token_ids] == reference(model, [first, second])
+
+
+def test_whole_prompt_cached_still_computes_its_last_token(llama):
+    """The same prompt twice: the second reuses every full page but the one holding the last
+    prompt token, whose logits draw the first output."""
+    prompt = prompts_of(2, 1, 60)[0][:32] + [1] * (32 - len(prompts_of(2, 1, 60)[0][:32]))
+    engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    runs = [engine.generate_many([prompt], max_tokens=NEW_TOKENS, ignore_eos=True)[0] for _ in range(2)]
+    assert runs[1].num_cached_tokens == 28  # 32 tokens: pages of 4, all but the last page
+    assert runs[0].token_ids == runs[1].token_ids == reference(llama, [prompt])[0]
+
+
+def test_cache_salt_isolates_tenants(llama):
+    prompt = prompts_of(3, 1, 60)[0] * 2
+    engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    runs = [
+        engine.generate_many([prompt], max_tokens=4, ignore_eos=True, cache_salt=salt)[0]
+        for salt in ("tenant-a", "tenant-b", "tenant-a", None)
+    ]
+    assert [run.num_cached_tokens > 0 for run in runs] == [False, False, True, False]
+    assert len({tuple(run.token_ids) for run in runs}) == 1
+
+
+@pytest.mark.parametrize("poison", [np.nan, 1e30])
+def test_poisoned_free_pages_do_not_leak(model, poison):
+    """Every page of the pool (the null page included) filled with NaN or huge values after a
+    request finished: the next requests, given those pages, produce a clean run's tokens."""
+    prompts = prompts_of(4, 6)
+    engine = Engine(model, kv_memory=64 * 1024, prefix_caching=False, **SMALL)
+    engine.generate_many(prompts[:2], max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.cache = engine.cache.replace(
+        groups=tuple(
+            g.replace(key_pages=jnp.full_like(g.key_pages, poison), value_pages=jnp.full_like(g.value_pages, poison))
+            for g in engine.cache.groups
+        )
+    )
+    got = engine.generate_many(prompts[2:], max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [c.token_ids for c in got] == reference(model, prompts[2:])
+
+
+def test_no_compile_after_warmup(llama):
+    engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    engine.warmup()
+    buckets = engine.config.token_buckets()
+    assert engine.stats()["num_compiled"] == len(buckets) == 1
+    engine.generate_many(prompts_of(5, 8), max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert engine.stats()["num_compiled"] == len(buckets)
+    wide = Engine(llama, kv_memory=64 * 1024, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    assert wide.config.token_buckets() == (16, 32, 64)
+    wide.warmup()
+    wide.generate_many(prompts_of(6, 8, 100), max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert wide.stats()["num_compiled"] == 3
+
+
+def test_n_samples_share_the_prompt_pages(llama):
+    """``n=3``: the samples fork from the first after its prefill (full pages shared, the last
+    prompt page copied). Greedy samples all equal the reference; sampled ones are reproducible
+    with a seed and differ from each other."""
+    prompt = prompts_of(7, 1, 60)[0] * 2 + [3]
+    engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    greedy = engine.generate_many([prompt], max_tokens=NEW_TOKENS, ignore_eos=True, n=3)
+    assert [c.index for c in greedy] == [0, 1, 2]
+    assert all(c.token_ids == reference(llama, [prompt])[0] for c in greedy)
+    at_once = engine.generate_many([prompt], max_tokens=1, ignore_eos=True, n=3)  # the first finishes at once
+    assert [c.token_ids for c in at_once] == [greedy[0].token_ids[:1]] * 3
+    hot = Sampling(temperature=1.5)
+    runs = [
+        Engine(llama, kv_memory=64 * 1024, **SMALL).generate_many([prompt], hot, max_tokens=8, n=3, seed=11)
+        for _ in range(2)
+    ]
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+    assert len({tuple(c.token_ids) for c in runs[0]}) > 1
+
+
+def test_forked_samples_hold_fewer_pages(llama):
+    prompt = prompts_of(8, 1, 60)[0] * 3
+    peaks = []
+    for n in (1, 3):
+        engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+        engine.generate_many([prompt], max_tokens=4, ignore_eos=True, n=n)
+        peaks.append(engine.stats()["peak_pages_used"])
+    prompt_pages = len(prompt) // 4
+    assert peaks[1] < 3 * peaks[0] and peaks[1] <= peaks[0] + 2 * (peaks[0] - prompt_pages + 1)
+
+
+def test_abort_frees_pages_and_reports(llama):
+    engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    keep = engine.add_request(prompts_of(9, 1)[0], max_tokens=NEW_TOKENS, ignore_eos=True)
+    drop = engine.add_request(prompts_of(10, 1, 80)[0] + [1] * 30, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.pools[0].manager.pages(engine.samples[drop][0].key)
+    engine.abort(drop)
+    assert engine.scheduler.pools[0].manager.pages(engine.samples[drop][0].key) == []
+    outputs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [(drop, "abort")]
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.samples[keep][0].finish_reason == "length"
+
+
+class DigitTokenizer:
+    """A stand-in tokenizer: token t decodes to the text ``f"{t} "``."""
+
+    def decode(self, ids):
+        return "".join(f"{t} " for t in ids)
+
+
+def test_stop_tokens_and_strings(llama):
+    prompt = prompts_of(11, 1)[0]
+    expected = reference(llama, [prompt], 16)[0]
+    engine = Engine(llama, kv_memory=64 * 1024, tokenizer=DigitTokenizer(), **SMALL)
+    by_token = engine.generate_many([prompt], max_tokens=16, stop_token_ids=[expected[5]])[0]
+    assert by_token.token_ids == expected[: expected.index(expected[5]) + 1] and by_token.finish_reason == "stop"
+    stop = f"{expected[3]} {expected[4]}"
+    by_text = engine.generate_many([prompt], max_tokens=16, stop=[stop], ignore_eos=True)[0]
+    assert by_text.finish_reason == "stop" and stop not in by_text.text
+    assert DigitTokenizer().decode(expected).startswith(by_text.text + stop)
+    capped = engine.generate_many([prompt], max_tokens=3, ignore_eos=True)[0]
+    assert (capped.token_ids, capped.finish_reason) == (expected[:3], "length")
+
+
+def test_logprobs_are_the_model_distribution(llama):
+    prompt = prompts_of(12, 1)[0]
+    engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    done = engine.generate_many([prompt], max_tokens=4, ignore_eos=True, logprobs=3)[0]
+    logits, _ = llama(jnp.asarray([prompt]), jnp.arange(len(prompt))[None], llama.init_cache(1, 64))
+    expected = jax.nn.log_softmax(logits[0, -1])
+    first = done.logprobs[0]
+    assert first["token"] == done.token_ids[0] == first["top"][0][0] and len(first["top"]) == 3
+    np.testing.assert_allclose(first["logprob"], expected[first["token"]], atol=1e-5)
+    np.testing.assert_allclose([x for _, x in first["top"]], jnp.sort(expected)[::-1][:3], atol=1e-5)
+
+
+def test_bad_requests_are_refused_with_the_fix(llama):
+    engine = Engine(llama, kv_memory=16 * 1024, **SMALL)
+    cases = {
+        "empty": dict(prompt_ids=[]),
+        "past max_model_len": dict(prompt_ids=[1] * 250, max_tokens=10),
+        "need .* pages": dict(prompt_ids=[1] * 100, max_tokens=100),
+        "must be in \\[0, 61\\)": dict(prompt_ids=[61]),
+        "max_tokens and n must be positive": dict(prompt_ids=[1], max_tokens=0),
+        "logprobs must be in": dict(prompt_ids=[1], logprobs=21),
+        "stop strings need": dict(prompt_ids=[1], stop=["x"]),
+        "exceed max_num_seqs": dict(prompt_ids=[1], n=5),
+    }
+    for message, kwargs in cases.items():
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(**kwargs)
+    assert not engine.has_unfinished()
+
+
+def test_unpaged_layer_types_and_budgets_are_refused():
+    config = Qwen3_5Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        layer_types=("linear_attention", "full_attention"), max_position_embeddings=128,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="pages full_attention and sliding_attention layers.*linear_attention"):
+        Engine(Qwen3_5(config), kv_memory=64 * 1024)
+    with pytest.raises(ValueError, match="kv_memory '1KiB' cannot hold"):
+        Engine(Gemma3(Gemma3Config(**GEMMA)), kv_memory="1KiB")
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        Engine(Llama(LlamaConfig(**LLAMA)), max_num_seqs=32, max_num_batched_tokens=16)
+
+
+def test_row_sampling_follows_each_rows_parameters():
+    """``top_k_top_p`` keeps what ``sampling_logits`` keeps, per row; greedy rows take the argmax;
+    a row with top_k=1 always draws its argmax."""
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    settings = [Sampling(1.0, top_k=5), Sampling(1.0, top_p=0.7), Sampling(1.0, top_k=8, top_p=0.5), Sampling(1.0)]
+    params = RowSampling.stack(settings)
+    filtered = top_k_top_p(logits, jnp.asarray(params.top_k), jnp.asarray(params.top_p))
+    for row, setting in enumerate(settings):
+        want = sampling_logits(logits[row : row + 1], setting)[0]
+        assert np.array_equal(np.isfinite(filtered[row]), np.isfinite(want))
+    rows = [Sampling(), Sampling(0.8, top_k=1), Sampling(), Sampling(2.0, top_k=1)]
+    keys = jax.random.split(jax.random.key(1), 4)
+    drawn = sample_rows(logits, keys, RowSampling(*map(jnp.asarray, RowSampling.stack(rows))))
+    assert drawn.tolist() == jnp.argmax(logits, axis=-1).tolist()
+
+
+def test_paged_pools_are_sized_from_the_byte_budget(model):
+    engine = Engine(model, kv_memory="256KiB", **SMALL)
+    sizes, stats = engine.sizes, engine.stats()
+    total = sizes.full_pages * sizes.full_page_bytes + sizes.sliding_pages * sizes.sliding_page_bytes
+    assert total <= 256 * 1024 < total + max(sizes.full_page_bytes, sizes.sliding_page_bytes, 1)
+    assert stats["max_concurrent_tokens"] == (sizes.full_pages - 1) * 4
+    held = sum(
+        leaf.size * leaf.dtype.itemsize for g in engine.cache.groups for leaf in (g.key_pages, g.value_pages)
+    )
+    assert held == total
+    assert dataclasses.asdict(engine.config)["page_size"] == 4
+    assert NULL_PAGE == 0
