@@ -105,7 +105,8 @@ class PagedKVView:
         width = self.block_pages
         columns = jax.lax.dynamic_slice_in_dim(self.block_table, block * width, width, axis=1)
         pages = columns[self.token_rows]  # [N, block_pages]
-        keys, values = entry(self.key_stack, self.index)[pages], entry(self.value_stack, self.index)[pages]
+        # One gather from the stack: slicing the layer's pool out first would copy all of it.
+        keys, values = self.key_stack[self.index, pages], self.value_stack[self.index, pages]
         tokens, _, size, heads, dim = keys.shape
         slots = block * width * size + jnp.arange(width * size, dtype=jnp.int32)
         positions = jnp.where(jnp.repeat(pages, size, axis=1) != NULL_PAGE, slots[None, :], -1)
