@@ -1,0 +1,191 @@
+"""scripts/bench_serving.py without a model: the seeded workloads, the metrics, the targets and
+the table; then one smoke run of the static and transformers systems on a tiny random Llama."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPTS))  # the script imports its siblings (bench_decode, perplexity)
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serving"] = module  # dataclasses resolve the script's annotations through it
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+        sys.modules.pop("bench_serving", None)
+
+
+def shape(bench, **changes):
+    fields = dict(num_requests=64, rate=4.0, min_prompt=16, max_prompt=512, min_output=16, max_output=256,
+                  system_prompts=8, system_prompt_tokens=400)  # fmt: skip
+    return bench.WorkloadShape(**(fields | changes))
+
+
+SOURCE = np.arange(3, 5003)  # increasing ids: a slice's first id gives its offset, a jump where a slice ends
+
+
+def test_log_uniform_stays_in_range_and_favours_short(bench):
+    values = bench.log_uniform(np.random.default_rng(0), 16, 512, 20_000)
+    assert values.min() == 16 and values.max() == 512
+    # log-uniform: as many values in [16, 90] as in [91, 512] (each a factor of ~5.7)
+    assert abs(np.mean(values <= 90) - 0.5) < 0.02
+
+
+def test_poisson_arrivals_have_the_rate(bench):
+    arrivals = bench.poisson_arrivals(np.random.default_rng(0), 4.0, 20_000)
+    assert np.all(np.diff(arrivals) >= 0)
+    assert arrivals[-1] / len(arrivals) == pytest.approx(1 / 4.0, rel=0.03)
+    assert not bench.poisson_arrivals(np.random.default_rng(0), math.inf, 5).any()  # inf: all at the start
+
+
+def test_random_workload_is_seeded_and_within_bounds(bench):
+    requests = bench.make_workload("random", SOURCE, shape(bench), seed=0)
+    again = bench.make_workload("random", SOURCE, shape(bench), seed=0)
+    other = bench.make_workload("random", SOURCE, shape(bench), seed=1)
+    assert requests == again and requests != other
+    assert len(requests) == 64
+    assert all(16 <= len(r.prompt) <= 512 and 16 <= r.max_tokens <= 256 for r in requests)
+    assert [r.arrival for r in requests] == sorted(r.arrival for r in requests)
+    assert all(r.prompt == list(range(r.prompt[0], r.prompt[0] + len(r.prompt))) for r in requests)  # one slice
+
+
+def test_shared_prefix_workload_shares_system_prompts(bench):
+    requests = bench.make_workload("shared-prefix", SOURCE, shape(bench), seed=0)
+    system_lengths = [1 + int(np.flatnonzero(np.diff(r.prompt) != 1)[0]) for r in requests]  # two slices each
+    systems = {tuple(r.prompt[:n]) for r, n in zip(requests, system_lengths)}
+    assert 4 <= len(systems) <= 8  # 64 requests draw most of the 8
+    assert all(380 <= len(system) <= 420 for system in systems)  # 400 +- 5%
+    assert all(len(r.prompt) - n >= 16 and len(r.prompt) <= 512 for r, n in zip(requests, system_lengths))
+
+
+def test_token_slices_refuse_a_short_source(bench):
+    with pytest.raises(ValueError, match="fewer than a 600-token prompt"):
+        bench.token_slices(np.random.default_rng(0), SOURCE[:500], [600])
+
+
+def test_summarize_computes_rates_and_latencies(bench):
+    Record = bench.Record
+    records = [Record(0.0, 1.0, 3.0, 5), Record(1.0, 1.5, 4.0, 6), Record(2.0, 4.0, 4.0, 1)]
+    summary = bench.summarize(records)
+    assert summary["makespan_s"] == 4.0 and summary["output_tokens"] == 12
+    assert summary["output_tok_s"] == 3.0 and summary["requests_s"] == 0.75
+    assert summary["ttft_p50_s"] == 1.0  # TTFTs 1.0, 0.5, 2.0
+    assert summary["ttft_p99_s"] == pytest.approx(1.0 + 0.98 * (2.0 - 1.0))  # linear interpolation
+    # TPOT of the requests with more than one token: (3 - 1) / 4 = 0.5 s and (4 - 1.5) / 5 = 0.5 s
+    assert summary["tpot_p50_ms"] == pytest.approx(500.0) and summary["tpot_p99_ms"] == pytest.approx(500.0)
+    assert bench.percentile([], 50) is None
+
+
+def test_token_tally_records_first_token_and_finish(bench):
+    tally = bench.TokenTally(arrival=0.5)
+    tally.observe(1.0, 0, False)  # a step that only prefilled part of the prompt
+    tally.observe(2.0, 1, False)
+    tally.observe(3.0, 2, True)
+    assert tally.record() == bench.Record(0.5, 2.0, 3.0, 3)
+    with pytest.raises(RuntimeError, match="never finished"):
+        bench.TokenTally(arrival=0.0).record()
+
+
+def test_check_lengths_names_the_wrong_requests(bench):
+    requests = [bench.ServingRequest(0.0, [1, 2], 3), bench.ServingRequest(0.0, [1], 2)]
+    records = [bench.Record(0.0, 1.0, 2.0, 3), bench.Record(0.0, 1.0, 2.0, 1)]
+    with pytest.raises(RuntimeError, match=r"\(1, 1, 2\)"):
+        bench.check_lengths(records, requests, "hf")
+
+
+def test_static_batches_compile_once_per_shape(bench):
+    Request = bench.ServingRequest
+    a = [Request(0.0, [1] * 20, 16), Request(0.0, [1] * 30, 8)]  # rows 2, width 32, 16 new tokens
+    b = [Request(0.0, [1] * 17, 16), Request(0.0, [1] * 32, 4)]  # the same shape
+    c = [Request(0.0, [1] * 33, 16)]
+    assert bench.batch_shape(a) == bench.batch_shape(b) == (2, 32, 16)
+    assert bench.distinct_shapes([a, b, c]) == [a, c]
+
+
+def test_targets_and_table(bench):
+    def row(kind, system, tok_s, ttft, **stats):
+        return dict(workload=kind, system=system, output_tok_s=tok_s, requests_s=1.0, ttft_p50_s=ttft,
+                    ttft_p99_s=ttft, tpot_p50_ms=10.0, tpot_p99_ms=20.0,
+                    stats=dict.fromkeys(bench.STAT_KEYS) | stats)  # fmt: skip
+
+    rows = [
+        row("random", "engine", 300.0, 0.1, wasted_slot_fraction=0.03, prefix_hit_rate=0.0, num_compiled=6),
+        row("random", "engine-no-prefix", 303.0, 0.1),
+        row("random", "static", 150.0, 1.0),
+        row("random", "hf", 100.0, 0.5),
+        row("shared-prefix", "engine", 400.0, 0.2),
+        row("shared-prefix", "engine-no-prefix", 300.0, 0.5),
+        dict(workload="shared-prefix", system="hf", error="exit 1: boom"),
+    ]
+    targets = bench.check_targets(rows)
+    # 3x HF, 2x static, 3% wasted, TTFT only 2.5x lower with prefix caching, 1% slower at 0% hits
+    assert [t["passed"] for t in targets] == [True, True, True, False, True], targets
+    cost = targets[-1]
+    assert cost["value"] == pytest.approx(300 / 303) and "0.0% prefix hits" in cost["display"]
+    assert bench.check_targets(rows[2:4])[0]["passed"] is None  # no engine row: not measured
+    table = bench.markdown_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[2].startswith("| random | jaxkv engine | 300.0 | 1.00 | 0.10 |")
+    assert table[2].endswith("| 3.0 | 0.0 | 6 |")  # wasted %, hits %, compiles
+    assert "failed: exit 1: boom" in table[-1]
+
+
+def test_quick_sets_defaults_that_flags_override(bench):
+    args = bench.parse_args(["--quick", "--requests", "5", "--systems", "static", "hf"])
+    assert args.requests == 5 and args.max_prompt == bench.QUICK["max_prompt"]
+    assert bench.parse_args([]).requests == 64
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--systems", "static", "--min-prompt", "600"])
+
+
+def test_static_and_transformers_on_a_tiny_llama(tmp_path):
+    """The parent and two workers (jaxkv static, transformers CB) end to end, both workloads."""
+    out = tmp_path / "serving.json"
+    args = ["--model", "tiny-random", "--quick", "--requests", "4", "--systems", "static", "hf", "--out", str(out)]
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_serving.py"), *args], check=False,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [(r["workload"], r["system"]) for r in report["rows"]] == [
+        ("random", "static"), ("random", "hf"), ("shared-prefix", "static"), ("shared-prefix", "hf"),
+    ]  # fmt: skip
+    for row in report["rows"]:
+        assert "error" not in row, row
+        assert len(row["records"]) == 4 and row["output_tok_s"] > 0
+        assert all(r["arrival"] <= r["first_token"] <= r["finish"] for r in row["records"])
+        assert row["stats"]["peak_kv_bytes"] > 0
+    static = report["rows"][0]["stats"]
+    assert static["xla_compiles_run"] == 0 and 0 < static["wasted_slot_fraction"] < 1  # warm-up compiled it all
+    assert "| random | transformers CB (CPU) |" in proc.stdout and "### Targets" in proc.stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_engine_systems_on_a_tiny_llama(tmp_path):
+    """Both engine workers on the shared-prefix workload: warmed up, no compile while serving,
+    and only the engine with prefix caching reuses the system prompts' pages."""
+    out = tmp_path / "serving.json"
+    args = ["--model", "tiny-random", "--quick", "--requests", "6", "--workload", "shared-prefix", "--rate", "inf",
+            "--systems", "engine", "engine-no-prefix", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_serving.py"), *args], check=False,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine, no_prefix = json.loads(out.read_text())["rows"]
+    for row in (engine, no_prefix):
+        assert "error" not in row, row
+        assert [r["output_tokens"] for r in row["records"]] == [r["output_tokens"] for r in engine["records"]]
+        assert row["stats"]["xla_compiles_run"] == 0 and row["stats"]["num_compiled"] > 0
+    assert engine["stats"]["prefix_hit_rate"] > 0 and no_prefix["stats"]["prefix_hit_rate"] == 0

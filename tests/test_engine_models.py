@@ -1,0 +1,71 @@
+"""The serving engine on the real models: greedy outputs of requests arriving over time equal
+``generate``'s for each request (SmolLM2-135M, 32 requests; Gemma 3 270M past its 512-token
+window, with a prefix-cache hit that resumes prefill mid-prompt)."""
+
+import numpy as np
+
+from jaxkv.decoding.generate import generate
+from jaxkv.models.load import load_pretrained
+from jaxkv.serving import Engine
+from tests.test_gemma3 import PARAGRAPH
+
+NEW_TOKENS = 16
+TOPICS = ["rivers", "bread", "volcanoes", "chess", "bees", "glass", "trains", "comets"]
+
+
+def run_arrivals(engine: Engine, prompts, arrival_steps) -> list[list[int]]:
+    """Add prompt i at step ``arrival_steps[i]``, run to the end; each prompt's tokens."""
+    ids, step = {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i, arrival in enumerate(arrival_steps):
+            if arrival == step:
+                ids[i] = engine.add_request(prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True)
+        engine.step()
+        step += 1
+    return [engine.samples[ids[i]][0].output for i in range(len(prompts))]
+
+
+def reference(model, prompts) -> list[list[int]]:
+    result = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=())
+    return [result.row(i) for i in range(len(prompts))]
+
+
+def test_smollm2_32_requests_arriving_over_time_equal_generate():
+    model, tokenizer = load_pretrained("smollm2")
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(32):
+        question = f"Tell me {int(rng.integers(1, 6))} facts about {TOPICS[i % len(TOPICS)]}. " * int(rng.integers(1, 24))
+        prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}])))
+    assert min(map(len, prompts)) < 60 < 150 < max(map(len, prompts))
+    engine = Engine(model, kv_memory="96MiB", max_num_seqs=8, max_num_batched_tokens=64)
+    got = run_arrivals(engine, prompts, sorted(rng.integers(0, 60, len(prompts)).tolist()))
+    expected = reference(model, prompts)
+    assert [row for row in range(32) if got[row] != expected[row]] == []
+    stats = engine.stats()
+    assert stats["num_compiled"] <= len(engine.config.token_buckets()) and stats["pages"]["full"]["used"] == 0
+
+
+def test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate():
+    model, tokenizer = load_pretrained("gemma3")
+    long = tokenizer.encode(PARAGRAPH * 7 + "In summary, the printing press")
+    assert len(long) > 600  # past the 512-token sliding window
+    prompts = [long, long[:560] + tokenizer.encode(" To conclude, books"), tokenizer.encode("The capital of France is")]
+    engine = Engine(model, kv_memory="128MiB", max_num_seqs=4, max_num_batched_tokens=64)
+    first = run_arrivals(engine, prompts[:1], [0])
+    rest = run_arrivals(engine, prompts[1:], [0, 2])
+    hit = engine.samples[1][0]
+    assert hit.num_cached_tokens == 560 // 16 * 16  # resumed mid-prompt, window pages still cached
+    assert first + rest == reference(model, prompts)
+    assert engine.stats()["pages"]["sliding"]["usable"] < engine.stats()["pages"]["full"]["usable"]
+
+
+def test_stop_strings_with_the_real_tokenizer():
+    model, tokenizer = load_pretrained("smollm2")
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "List five fruits."}]))
+    engine = Engine(model, kv_memory="32MiB", max_num_seqs=2, max_num_batched_tokens=64, tokenizer=tokenizer)
+    full = engine.generate_many([prompt], max_tokens=24, ignore_eos=True, cache_salt="a")[0]
+    stop = full.text.split()[3]
+    cut = engine.generate_many([prompt], max_tokens=24, ignore_eos=True, stop=[stop], cache_salt="a")[0]
+    assert cut.finish_reason == "stop" and full.text.startswith(cut.text) and stop not in cut.text
+    assert cut.num_cached_tokens > 0
