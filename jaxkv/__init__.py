@@ -5,7 +5,8 @@ from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, LayerType, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
-from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
+from jaxkv.layers.quantized import QuantizedLayer
+from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.memory import cache_bytes, layer_bytes

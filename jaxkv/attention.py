@@ -178,7 +178,8 @@ def paged_attention(
         values = jnp.where(mask[:, :, None, None], values, 0)
 
         def weigh(weights):
-            return jnp.einsum("nhgs,nshd->nhgd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+            weights = weights.astype(values.dtype)
+            return jnp.einsum("nhgs,nshd->nhgd", weights, values, preferred_element_type=jnp.float32)
 
         return softmax_step(carry, logits, weigh)
 

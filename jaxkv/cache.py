@@ -23,7 +23,8 @@ from flax import struct
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.layers.paged import PagedLayer, Paging
-from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
+from jaxkv.layers.quantized import QuantizedLayer
+from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback
@@ -61,12 +62,12 @@ class LayerSpec:
         # A frozen dataclass normalizes its own fields through object.__setattr__.
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "state_shapes", tuple(tuple(shape) for shape in self.state_shapes))
-        if self.paging is not None and self.quantization is not None:
-            raise ValueError("paged layers store the cache dtype: pass paging= or quantization=, not both")
 
 
 def _paged_layer(spec: LayerSpec, window: int | None = None) -> CacheLayer:
-    return PagedLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.paging, spec.dtype, window)
+    return PagedLayer.create(
+        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.paging, spec.dtype, window, spec.quantization
+    )
 
 
 def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
@@ -321,7 +322,8 @@ class Cache:
         ``quantization``: a ``QuantSpec`` stores full (static) and sliding attention
         layers as ``QuantizedLayer`` (int8/4/2 or fp8 codes, group scales, a residual).
         ``paging``: a ``Paging`` stores full and sliding attention layers as ``PagedLayer``
-        (page pools read through block tables; ``batch_size`` is then the block table's rows).
+        (page pools read through block tables; ``batch_size`` is then the block table's rows),
+        quantized pages with ``quantization`` too.
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxkv.cache import LAYER_TYPES, Cache, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
 from jaxkv.layers.linear import LinearAttentionLayer
-from jaxkv.layers.quantized import QuantSpec
+from jaxkv.quantization import QuantSpec
 from jaxkv.sizing import bucket
 
 # (layer type, kind, class): the class that stores a layer type, of that full-attention kind
@@ -20,21 +20,23 @@ CROSS_ATTENTION: StorageRow = ("cross_attention", None, EncoderDecoderCache)
 
 
 def storage_rows() -> list[StorageRow]:
-    """Every storage with a byte formula: ``cache.LAYER_TYPES``' classes, their quantized class
-    (once, under the first type that has it) and cross-attention's. In the table's order: K/V
-    at the cache dtype (self-, then cross-attention), fixed-size states, quantized K/V."""
+    """Every storage with a byte formula: ``cache.LAYER_TYPES``' classes, their quantized and
+    paged classes (each once, under the first type that has it) and cross-attention's. In the
+    table's order: K/V at the cache dtype (self-, then cross-attention), fixed-size states,
+    quantized K/V, paged K/V."""
     rows = [(name, kind, cls) for name, layer_type in LAYER_TYPES.items() for kind, cls in layer_type.storage.items()]
-    first_with = {}
-    for name, layer_type in LAYER_TYPES.items():
-        first_with.setdefault(layer_type.quantized, name)
-    rows += [(name, "quantized", cls) for cls, name in first_with.items() if cls is not None]
+    for kind, storage_of in (("quantized", lambda t: t.quantized), ("paged", lambda t: t.paged)):
+        first_with = {}
+        for name, layer_type in LAYER_TYPES.items():
+            first_with.setdefault(storage_of(layer_type), name)
+        rows += [(name, kind, cls) for cls, name in first_with.items() if cls is not None]
     rows.append(CROSS_ATTENTION)
     return sorted(rows, key=_table_section)
 
 
 def _table_section(row: StorageRow) -> int:
     _, kind, cls = row
-    return 2 if kind == "quantized" else 1 if issubclass(cls, LinearAttentionLayer) else 0
+    return {"quantized": 2, "paged": 3}.get(kind, 1 if issubclass(cls, LinearAttentionLayer) else 0)
 
 
 def layer_class(layer_type: str, full_attention: str = "static") -> type:

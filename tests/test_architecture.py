@@ -3,6 +3,7 @@
 Levels, lowest first (a module may import its own level or lower, never higher):
 
     sizing, protocol            shared helpers and the layer contract
+    quantization                QuantSpec and the (de)quantizers the quantized layers share
     layers/*                    storage strategies (no layer module imports a sibling)
     cache                       the container and its registry of layer types
     attention, encoder_decoder  what reads a cache, the encoder-decoder container
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LEVELS = {
     "jaxkv.sizing": 0,
     "jaxkv.protocol": 0,
+    "jaxkv.quantization": 0,
     "jaxkv.layers": 1,
     "jaxkv.cache": 2,
     "jaxkv.attention": 3,

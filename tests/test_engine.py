@@ -14,6 +14,7 @@ from jaxkv.decoding.sampling import RowSampling, Sampling, sample_rows, sampling
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
+from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.pages import NULL_PAGE
 
@@ -290,9 +291,45 @@ def test_paged_pools_are_sized_from_the_byte_budget(model):
     total = sizes.full_pages * sizes.full_page_bytes + sizes.sliding_pages * sizes.sliding_page_bytes
     assert total <= 256 * 1024 < total + max(sizes.full_page_bytes, sizes.sliding_page_bytes, 1)
     assert stats["max_concurrent_tokens"] == (sizes.full_pages - 1) * 4
-    held = sum(
-        leaf.size * leaf.dtype.itemsize for g in engine.cache.groups for leaf in (g.key_pages, g.value_pages)
-    )
+    held = sum(leaf.size * leaf.dtype.itemsize for g in engine.cache.groups for leaf in (g.key_pages, g.value_pages))
     assert held == total
     assert dataclasses.asdict(engine.config)["page_size"] == 4
     assert NULL_PAGE == 0
+
+
+def test_paged_formula_equals_the_allocated_layer():
+    from jaxkv.cache import Cache
+    from jaxkv.layers.paged import Paging
+    from jaxkv.memory import layer_bytes
+
+    for rows, tokens in ((1, 16), (3, 100), (2, 300)):
+        paging = Paging(page_size=16, num_pages=rows * -(-tokens // 16) + 1, max_length=tokens)
+        cache = Cache.from_layer_types(["full_attention"], batch_size=rows, num_kv_heads=2, head_dim=8, paging=paging)
+        expected = layer_bytes(
+            "full_attention", batch_size=rows, seq_len=tokens, num_kv_heads=2, head_dim=8, dtype=jnp.float32,
+            full_attention="paged",
+        )  # fmt: skip
+        assert cache.nbytes == expected
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(nbits=8, residual_length=0, q_group_size=8),
+                                  QuantSpec(format="e4m3", residual_length=0, q_group_size=8),
+                                  QuantSpec(nbits=4, residual_length=0, q_group_size=8)], ids=["int8", "e4m3", "int4"])  # fmt: skip
+def test_quantized_pages_match_a_static_quantized_cache(model, spec):
+    """Pages stored as codes and scales: the engine's greedy tokens equal ``generate`` with a
+    static cache quantized the same way (every token quantized on arrival); the pool holds
+    more pages in the same bytes."""
+    prompts = prompts_of(13, 6)
+    engine = Engine(model, kv_memory=64 * 1024, quantization=spec, **SMALL)
+    got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    result = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=(), quantization=spec)
+    assert [c.token_ids for c in got] == [result.row(i) for i in range(len(prompts))]
+    plain = Engine(model, kv_memory=64 * 1024, **SMALL)
+    assert engine.sizes.full_pages > plain.sizes.full_pages
+    assert f"{spec.format}{spec.bits}" in repr(engine.cache)
+
+
+def test_page_quantization_must_be_per_token_without_residual(llama):
+    for spec in (QuantSpec(nbits=8), QuantSpec(nbits=8, residual_length=8, axis_key=-1, q_group_size=8)):
+        with pytest.raises(ValueError, match="quantized token by token"):
+            Engine(llama, kv_memory=64 * 1024, quantization=spec, **SMALL)

@@ -27,7 +27,7 @@ from jaxkv.app.cli import main
 from jaxkv.decoding.generate import generate, prefill_prefix
 from jaxkv.decoding.session import Session
 from jaxkv.persist import load_cache, save_cache
-from jaxkv.layers.quantized import QuantSpec
+from jaxkv.quantization import QuantSpec
 from jaxkv.models.llama import Llama, LlamaConfig
 
 TINY = {

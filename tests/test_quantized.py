@@ -14,15 +14,8 @@ from jaxkv.app.cli import resolve_config
 from jaxkv.app.config import CacheConfig
 from jaxkv.decoding.generate import generate
 from jaxkv.memory import cache_bytes, layer_bytes
-from jaxkv.layers.quantized import (
-    PER_CHANNEL,
-    PER_TOKEN,
-    QuantizedLayer,
-    QuantSpec,
-    dequantize,
-    quantize,
-    quantized_lengths,
-)
+from jaxkv.layers.quantized import QuantizedLayer, quantized_lengths
+from jaxkv.quantization import PER_CHANNEL, PER_TOKEN, QuantSpec, dequantize, quantize
 from jaxkv.models.llama import Llama, LlamaConfig
 from tests.oracle import full_attention
 

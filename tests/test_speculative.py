@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from jaxkv.cache import Cache
 from jaxkv.decoding.generate import Finish, generate
 from jaxkv.decoding.sampling import Sampling
-from jaxkv.layers.quantized import PER_CHANNEL, QuantSpec
+from jaxkv.quantization import PER_CHANNEL, QuantSpec
 from jaxkv.decoding.speculative import (
     DraftModel,
     PromptLookup,

@@ -8,7 +8,7 @@ from typing import Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
-from jaxkv.layers.quantized import QuantSpec
+from jaxkv.quantization import QuantSpec
 
 
 class Strict(BaseModel):

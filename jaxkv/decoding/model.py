@@ -8,7 +8,8 @@ with its name before anything compiles.
 
 Shapes: ``tokens`` and ``positions`` ``[B, T]`` int32, a negative position marks padding
 (neither stored nor attended); logits ``[B, T, V]`` float32, or ``[B, 1, V]`` at
-``logits_index`` ``[B]``.
+``logits_index`` ``[B]``, or ``[B, K, V]`` at ``logits_index`` ``[B, K]`` (the serving engine
+packs many requests into one row and reads one position per request).
 """
 
 from __future__ import annotations

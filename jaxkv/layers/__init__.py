@@ -2,7 +2,8 @@
 
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
-from jaxkv.layers.quantized import QuantizedLayer, QuantSpec
+from jaxkv.layers.quantized import QuantizedLayer
+from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 

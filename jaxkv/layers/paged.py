@@ -15,6 +15,10 @@ can run prefill chunks of some requests and single decode tokens of others as on
 ``[1, N]`` batch. Masks come from absolute positions only: slot s of logical page j holds
 position ``j * page_size + s`` and is visible to a query at q if it is not in the future, is
 inside the window, and its page is not the null page.
+
+Pages may hold quantized K/V (a ``QuantSpec`` with per-token groups and no residual: int8,
+int4 or fp8 codes with float16 group scales, quantized as they are written and dequantized
+as attention gathers them), which cuts a page's bytes 2-4x at float32.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.protocol import CacheLayer, check_array, entry, limit_rollback
+from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 
 NULL_PAGE = 0
 # Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
@@ -74,22 +79,49 @@ def table_width(max_length: int, page_size: int) -> int:
     return -(-pages // step) * step
 
 
+Pool = jax.Array | QuantizedTensor  # [L, P, page_size, H_kv, D], or its codes and scales
+
+
+def check_page_quantization(spec: QuantSpec, head_dim: int) -> None:
+    """Pages quantize each token on write: per-token groups, no full-precision residual."""
+    if spec.axis_key != PER_TOKEN or spec.axis_value != PER_TOKEN or spec.residual_length:
+        raise ValueError(
+            "paged K/V are quantized token by token as they are written: use QuantSpec(axis_key=0, axis_value=0, "
+            f"residual_length=0), got {spec}"
+        )
+    spec.check_head_dim(head_dim)
+
+
+def empty_pool(shape: tuple[int, int, int, int], dtype, spec: QuantSpec | None) -> Pool:
+    """Zero pages ``shape`` ``[P, page_size, H_kv, D]``: values, or codes and scales."""
+    if spec is None:
+        return jnp.zeros(shape, dtype)
+    pages, size, heads, dim = shape
+    return empty_quantized(pages, size, dim, heads, spec, PER_TOKEN)
+
+
+def pool_shape(pool: Pool) -> tuple[int, ...]:
+    """``[L, P, page_size, H_kv, ·]`` of a pool (its codes when quantized)."""
+    return (pool.codes if isinstance(pool, QuantizedTensor) else pool).shape
+
+
 @struct.dataclass
 class PagedKVView:
     """What a paged update hands to attention (``jaxkv.attention.paged_attention``): the pools,
     the block table and each query token's row. Attention gathers each token's pages block
     by block, so a decode step reads each row's filled pages, never the whole pool."""
 
-    key_stack: jax.Array  # [L, P, page_size, H_kv, D]
-    value_stack: jax.Array
+    key_stack: Pool  # [L, P, page_size, H_kv, D]
+    value_stack: Pool
     index: jax.Array | int
     block_table: jax.Array  # [R, W]
     token_rows: jax.Array  # [N]
     window: int | None = struct.field(pytree_node=False, default=None)
+    quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
 
     @property
     def page_size(self) -> int:
-        return self.key_stack.shape[2]
+        return pool_shape(self.key_stack)[2]
 
     @property
     def block_pages(self) -> int:
@@ -97,7 +129,13 @@ class PagedKVView:
 
     @property
     def num_kv_heads(self) -> int:
-        return self.key_stack.shape[3]
+        return pool_shape(self.key_stack)[3]
+
+    def gather(self, stack: Pool, pages: jax.Array) -> jax.Array:
+        """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized).
+        One gather from the stack: slicing the layer's pool out first would copy all of it."""
+        found = jax.tree.map(lambda leaf: leaf[self.index, pages], stack)
+        return found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
 
     def read_block(self, block) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Block ``block`` of every token's row: keys and values ``[N, S, H_kv, D]`` (S =
@@ -105,8 +143,7 @@ class PagedKVView:
         width = self.block_pages
         columns = jax.lax.dynamic_slice_in_dim(self.block_table, block * width, width, axis=1)
         pages = columns[self.token_rows]  # [N, block_pages]
-        # One gather from the stack: slicing the layer's pool out first would copy all of it.
-        keys, values = self.key_stack[self.index, pages], self.value_stack[self.index, pages]
+        keys, values = self.gather(self.key_stack, pages), self.gather(self.value_stack, pages)
         tokens, _, size, heads, dim = keys.shape
         slots = block * width * size + jnp.arange(width * size, dtype=jnp.int32)
         positions = jnp.where(jnp.repeat(pages, size, axis=1) != NULL_PAGE, slots[None, :], -1)
@@ -126,30 +163,37 @@ class PagedKVView:
 
 @struct.dataclass
 class PagedLayer(CacheLayer):
-    """K/V pages ``[P, page_size, H_kv, D]`` shared by every row, read through a block table ``[R, W]``."""
+    """Paged K/V: pages ``[P, page_size, H_kv, D]`` shared by all rows, read through a block table ``[B, W]``."""
 
-    key_pages: jax.Array  # [P, page_size, H_kv, D]
-    value_pages: jax.Array
+    key_pages: Pool  # [P, page_size, H_kv, D] (codes and scales when quantized)
+    value_pages: Pool
     block_table: jax.Array  # [R, W] int32: row r's logical page j is pool page block_table[r, j]
     token_rows: jax.Array  # [N] int32: the block-table row of each token of the next update
     lengths: jax.Array  # [R] int32
     window: int | None = struct.field(pytree_node=False, default=None)
+    quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
 
-    MEMORY_FORMULA = "2·P·page·H_kv·D·bytes + 4·R·(W + 1) + 4·N, P = pages in the pool, W = ⌈S_max / page⌉"
+    MEMORY_FORMULA = (
+        "2·P·page·H_kv·D·bytes + 4·B·(⌈S_max/page⌉ + 1) + 4·N; P pages (all rows share them), N packed tokens"
+    )
 
     @classmethod
     def create(
         cls, num_rows: int, num_kv_heads: int, head_dim: int, paging: Paging, dtype=jnp.float32,
-        window: int | None = None,
+        window: int | None = None, quantization: QuantSpec | None = None,
     ) -> PagedLayer:  # fmt: skip
+        """``quantization``: store the pages quantized (see ``check_page_quantization``)."""
+        if quantization is not None:
+            check_page_quantization(quantization, head_dim)
         pages = (paging.pool_pages(window), paging.page_size, num_kv_heads, head_dim)
         return cls(
-            key_pages=jnp.zeros(pages, dtype),
-            value_pages=jnp.zeros(pages, dtype),
+            key_pages=empty_pool(pages, dtype, quantization),
+            value_pages=empty_pool(pages, dtype, quantization),
             block_table=jnp.zeros((num_rows, table_width(paging.max_length, paging.page_size)), jnp.int32),
             token_rows=jnp.zeros((paging.num_tokens,), jnp.int32),
             lengths=jnp.zeros((num_rows,), jnp.int32),
             window=window,
+            quantization=quantization,
         )
 
     @staticmethod
@@ -162,18 +206,25 @@ class PagedLayer(CacheLayer):
 
     @property
     def page_size(self) -> int:
-        return self.key_pages.shape[-3]
+        return pool_shape(self.key_pages)[-3]
 
     @property
     def max_length(self) -> int:
         return self.block_table.shape[-1] * self.page_size
 
     @property
+    def head_dim(self) -> int:
+        if self.quantization is None:
+            return self.key_pages.shape[-1]
+        return self.key_pages.codes.shape[-1] * 8 // self.quantization.bits
+
+    @property
     def max_rollback(self) -> None:
         return None
 
     def describe(self) -> str:
-        return f"page={self.page_size}" + (f" window={self.window}" if self.window else "")
+        quantized = f" {self.quantization.format}{self.quantization.bits}" if self.quantization else ""
+        return f"page={self.page_size}" + (f" window={self.window}" if self.window else "") + quantized
 
     def with_step(self, block_table: jax.Array, token_rows: jax.Array, lengths: jax.Array) -> PagedLayer:
         """This stacked layer with a step's ``block_table`` ``[R, W]``, ``token_rows`` ``[N]`` and
@@ -193,12 +244,18 @@ class PagedLayer(CacheLayer):
         page. Under ``jit`` nothing checks that a row owns the page a position maps to: the
         host page manager gives rows their pages before the step."""
         tokens, page, offset, rows = self.slots(index, keys, values, positions)
+
+        def write(pool: Pool, new: jax.Array) -> Pool:
+            stored = new if self.quantization is None else quantize(new, self.quantization, PER_TOKEN)
+            return jax.tree.map(lambda leaf, x: leaf.at[index, page, offset].set(x), pool, stored)
+
         new = self.replace(
-            key_pages=self.key_pages.at[index, page, offset].set(self.flat(keys)),
-            value_pages=self.value_pages.at[index, page, offset].set(self.flat(values)),
+            key_pages=write(self.key_pages, self.flat(keys)),
+            value_pages=write(self.value_pages, self.flat(values)),
             lengths=self.lengths.at[index].set(entry(self.lengths, index).at[rows].max(jnp.maximum(tokens + 1, 0))),
         )
-        view = PagedKVView(new.key_pages, new.value_pages, index, entry(self.block_table, index), rows, self.window)
+        table = entry(self.block_table, index)
+        view = PagedKVView(new.key_pages, new.value_pages, index, table, rows, self.window, self.quantization)
         return new, view
 
     @staticmethod
@@ -211,13 +268,17 @@ class PagedLayer(CacheLayer):
         """Checked inputs as flat token positions ``[N]``, the page and offset each is written to,
         and each token's row."""
         caller = f"{type(self).__name__}.update"
-        _, _, _, heads, dim = self.key_pages.shape
+        _, _, _, heads, _ = pool_shape(self.key_pages)
+        dim = self.head_dim
+        dtype = keys.dtype if self.quantization else self.key_pages.dtype  # quantized: any float dtype
         for what, x in (("keys", keys), ("values", values)):
-            check_array(caller, what, x, ("B", "H_kv", "T", "D"), (keys.shape[0], heads, None, dim), self.key_pages.dtype)
+            check_array(caller, what, x, ("B", "H_kv", "T", "D"), (keys.shape[0], heads, None, dim), dtype)
         positions = jnp.asarray(positions, jnp.int32)
         rows = entry(self.token_rows, index)
         if keys.shape != values.shape or positions.shape != keys.shape[:1] + keys.shape[2:3]:
-            raise ValueError(f"{caller}: keys {keys.shape}, values {values.shape}, positions {positions.shape} disagree")
+            raise ValueError(
+                f"{caller}: keys {keys.shape}, values {values.shape}, positions {positions.shape} disagree"
+            )
         if positions.size != rows.shape[0]:
             raise ValueError(
                 f"{caller}: {positions.size} tokens but token_rows names the rows of {rows.shape[0]}; give the "

@@ -20,16 +20,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxkv.cache import layer_types_of
 from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, RowSampling, Sampling
 from jaxkv.layers.paged import Paging, table_width
+from jaxkv.quantization import QuantSpec
 from jaxkv.serving.pages import NULL_PAGE, PageManager, salt_key
-from jaxkv.serving.requests import Completion, RequestOptions, RequestOutput, SampleState, Status
+from jaxkv.serving.requests import Completion, RequestOptions, RequestOutput, SampleState
 from jaxkv.serving.scheduler import Chunk, Pool, Scheduler
 from jaxkv.serving.step import StepInputs, StepOutputs, compiled_step
 from jaxkv.serving.sizing import PoolSizes, pool_sizes
@@ -43,7 +42,8 @@ class EngineConfig:
     ``max_num_seqs``: rows decoding at once; ``max_num_batched_tokens``: tokens per step
     (prefill chunks plus decodes; also the largest packed-token bucket); ``max_model_len``:
     the longest prompt plus output (default: the model's ``max_position_embeddings``);
-    ``max_logprobs``: the most ``logprobs`` a request may ask for."""
+    ``max_logprobs``: the most ``logprobs`` a request may ask for; ``quantization``: store the
+    pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8 with ``format="e4m3"``)."""
 
     kv_memory: int | str = "1GiB"
     page_size: int = 16
@@ -53,6 +53,7 @@ class EngineConfig:
     prefix_caching: bool = True
     max_logprobs: int = 20
     seed: int = 0
+    quantization: QuantSpec | None = None
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -85,7 +86,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.sizes = pool_sizes(model, self.config, self.max_model_len)
-        self.cache = model.init_cache(self.config.max_num_seqs, paging=self.paging(self.sizes))
+        self.cache = model.init_cache(
+            self.config.max_num_seqs, paging=self.paging(self.sizes), quantization=self.config.quantization
+        )
         self.scheduler = Scheduler(
             self.pools(self.sizes), self.config.max_num_seqs, self.config.max_num_batched_tokens,
             self.config.prefix_caching,
@@ -109,7 +112,9 @@ class Engine:
     def pools(self, sizes: PoolSizes) -> list[Pool]:
         pools = []
         if sizes.full_pages:
-            pools.append(Pool("full", PageManager(sizes.full_pages, self.config.page_size), None, sizes.full_page_bytes))
+            pools.append(
+                Pool("full", PageManager(sizes.full_pages, self.config.page_size), None, sizes.full_page_bytes)
+            )
         if sizes.sliding_pages:
             manager = PageManager(sizes.sliding_pages, self.config.page_size)
             pools.append(Pool("sliding", manager, sizes.window, sizes.sliding_page_bytes))
@@ -224,7 +229,9 @@ class Engine:
         """The compiled step for this packed-token bucket (compiled on first use, or by ``warmup``)."""
         num_tokens = inputs.tokens.shape[0]
         if num_tokens not in self.executables:
-            lowered = compiled_step.lower(self.graphdef, self.state, self.cache, inputs, max(1, self.config.max_logprobs))
+            lowered = compiled_step.lower(
+                self.graphdef, self.state, self.cache, inputs, max(1, self.config.max_logprobs)
+            )
             self.executables[num_tokens] = lowered.compile()
         return self.executables[num_tokens]
 
@@ -265,7 +272,9 @@ class Engine:
 
     def block_table(self, pool: Pool) -> np.ndarray:
         """``[R, W]``: each running sample's pages in its row, the null page elsewhere."""
-        table = np.full((self.config.max_num_seqs, table_width(self.max_model_len, pool.page_size)), NULL_PAGE, np.int32)
+        table = np.full(
+            (self.config.max_num_seqs, table_width(self.max_model_len, pool.page_size)), NULL_PAGE, np.int32
+        )
         for sample in self.scheduler.running:
             pages = pool.manager.pages(sample.key)
             table[sample.row, : len(pages)] = pages
@@ -308,7 +317,8 @@ class Engine:
         )
 
     def advance(self, chunk: Chunk, outputs: StepOutputs) -> RequestOutput:
-        """Append the token drawn for a chunk that computed its sample's last known token; finish the sample if it stops."""
+        """Append the token drawn for a chunk that computed its sample's last known token; finish
+        the sample if it stops."""
         sample = chunk.sample
         new: list[int] = []
         if chunk.samples_next:
@@ -360,7 +370,9 @@ class Engine:
         return outputs
 
     # --- convenience and metrics ------------------------------------------------------------------
-    def generate_many(self, prompts: Sequence[Sequence[int]], sampling: Sampling = GREEDY, **options) -> list[Completion]:
+    def generate_many(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling = GREEDY, **options
+    ) -> list[Completion]:
         """Run ``prompts`` (all queued now) to the end; one ``Completion`` per sample, in request order."""
         ids = [self.add_request(prompt, sampling, **options) for prompt in prompts]
         while self.has_unfinished():

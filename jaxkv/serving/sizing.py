@@ -42,7 +42,7 @@ class PoolSizes:
         return (self.full_pages - 1) * self.page_size if self.full_pages else 0
 
 
-def page_bytes_of(model, page_size: int) -> tuple[dict[str, int], int | None]:
+def page_bytes_of(model, page_size: int, **cache_options) -> tuple[dict[str, int], int | None]:
     """Bytes of one page of each pool ('full', 'sliding') over all its layers, and the sliding
     window; read from the shapes of the model's paged cache (nothing allocated)."""
     layer_types = layer_types_of(model.config)
@@ -51,20 +51,20 @@ def page_bytes_of(model, page_size: int) -> tuple[dict[str, int], int | None]:
         raise ValueError(
             f"the serving engine pages {' and '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
-    probe = jax.eval_shape(lambda: model.init_cache(1, paging=Paging(page_size, 2, page_size)))
+    probe = jax.eval_shape(lambda: model.init_cache(1, paging=Paging(page_size, 2, page_size), **cache_options))
     sizes, window = {"full": 0, "sliding": 0}, None
     for group in probe.groups:
         pool = "full" if group.window is None else "sliding"
         window = group.window or window
-        pages = group.key_pages.size // group.key_pages.shape[1] * 2  # per page, K and V, over the stack
-        sizes[pool] += pages * group.key_pages.dtype.itemsize
+        for leaf in jax.tree.leaves((group.key_pages, group.value_pages)):  # values, or codes and scales
+            sizes[pool] += leaf.size // leaf.shape[1] * leaf.dtype.itemsize  # one page over the stack
     return sizes, window
 
 
 def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
     """Split ``config.kv_memory`` between the pools: the sliding pool gets what its rows can
     read at once (window plus a step's chunk, per row), the full pool the rest."""
-    page_bytes, window = page_bytes_of(model, config.page_size)
+    page_bytes, window = page_bytes_of(model, config.page_size, quantization=config.quantization)
     budget = parse_bytes(config.kv_memory)
     sliding_pages = 0
     if window is not None:

@@ -66,10 +66,11 @@ def routed(cache: Cache, inputs: StepInputs) -> Cache:
     for group in cache.groups:
         pool = pool_of(group)
         source, destination = inputs.copies[pool][:, 0], inputs.copies[pool][:, 1]
-        group = group.replace(
-            key_pages=group.key_pages.at[:, destination].set(group.key_pages[:, source]),
-            value_pages=group.value_pages.at[:, destination].set(group.value_pages[:, source]),
-        )
+
+        def copied(stack):
+            return jax.tree.map(lambda leaf: leaf.at[:, destination].set(leaf[:, source]), stack)
+
+        group = group.replace(key_pages=copied(group.key_pages), value_pages=copied(group.value_pages))
         groups.append(group.with_step(inputs.block_tables[pool], inputs.token_rows, inputs.lengths))
     return cache.replace(groups=tuple(groups))
 
