@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
-from jaxkv.layers.paged import PagedKVView
+from jaxkv.layers.paged import QUERY_BLOCK, PagedKVView
 from jaxkv.protocol import KVView, MaskInfo
 
 
@@ -154,39 +155,63 @@ def read_blocked(q: Queries, kv: KVView, block_size: int) -> tuple[jax.Array, ja
 def paged_attention(
     queries: jax.Array, kv: PagedKVView, q_positions: jax.Array, *, scale: float, logit_softcap: float | None
 ) -> jax.Array:
-    """``attention`` over a paged layer's view: each of the ``B * T`` query tokens reads its own
-    row's pages (``kv.token_rows``) block by block with an online softmax, from the first
-    block its window reaches to its last filled page. Returns ``[B, H_q, T, D]``.
+    """``attention`` over a paged layer's view. Returns ``[B, H_q, T, D]``.
 
-    Tokens of different rows may share one packed sequence (a serving step); each token is
-    a batch of one for the mask (``attention_mask``), so rows never see each other's slots.
-    Values of slots the mask refuses are zeroed before they are weighted: a freed page may
-    hold anything (NaN included) and a zero weight times NaN is still NaN."""
+    The ``B * T`` query tokens (row-major) may come from many rows (a serving step packs
+    prefill chunks and decode tokens of many requests into one sequence). The first
+    ``kv.single_tokens`` each read their own row's pages (``kv.token_rows``); the rest come in
+    blocks of ``QUERY_BLOCK`` tokens of one row each (a prefill chunk), which read their row's
+    pages once per block instead of once per token (``paged_blocks``)."""
     batch, num_heads, length, head_dim = queries.shape
-    num_kv_heads = kv.num_kv_heads
-    tokens = batch * length
+    tokens, num_kv_heads = batch * length, kv.num_kv_heads
     grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    positions = q_positions.reshape(tokens, 1)
+    positions = q_positions.reshape(tokens)
+    single = tokens if kv.single_tokens is None else kv.single_tokens
+    read = functools.partial(paged_blocks, kv=kv, scale=scale, logit_softcap=logit_softcap)
+    parts = [read(grouped[:single], positions[:single], kv.token_rows[:single], 1)] if single else []
+    if single < tokens:
+        parts.append(read(grouped[single:], positions[single:], kv.token_rows[single::QUERY_BLOCK], QUERY_BLOCK))
+    out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [N, H_kv, G, D]
+    return out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
+
+
+def paged_blocks(
+    grouped: jax.Array, positions: jax.Array, rows: jax.Array, query_block: int, *, kv: PagedKVView, scale: float,
+    logit_softcap: float | None,
+) -> jax.Array:  # fmt: skip
+    """Blocks of ``query_block`` query tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions``
+    ``[M]``, block b of row ``rows[b]``, over their rows' pages page block by page block with an
+    online softmax, from the first page block a window reaches to the last filled one.
+    Returns ``[M, H_kv, G, D]`` float32.
+
+    The mask is ``attention_mask``'s, per query: rows never see each other's slots. Values of
+    slots no query of the block may see are zeroed before they are weighted: a freed page may
+    hold anything (NaN included), and a zero weight times NaN is still NaN."""
+    tokens, num_kv_heads, group, head_dim = grouped.shape
+    num_blocks = tokens // query_block
+    q = grouped.reshape(num_blocks, query_block, num_kv_heads, group, head_dim)
+    q_positions = positions.reshape(num_blocks, query_block)
 
     def step(block, carry):
-        keys, values, slot_positions = kv.read_block(block)  # [N, S, H_kv, D], [N, S]
-        mask = attention_mask(positions, MaskInfo(slot_positions, window=kv.window))[:, 0]  # [N, S]
-        logits = jnp.einsum("nhgd,nshd->nhgs", grouped, keys, preferred_element_type=jnp.float32) * scale
+        keys, values, slot_positions = kv.read_block(block, rows)  # [b, S, H_kv, D], [b, S]
+        mask = attention_mask(q_positions, MaskInfo(slot_positions, window=kv.window))  # [b, Q, S]
+        logits = jnp.einsum("bqhgd,bshd->bhgqs", q, keys, preferred_element_type=jnp.float32) * scale
         if logit_softcap is not None:
             logits = logit_softcap * jnp.tanh(logits / logit_softcap)
         logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-        values = jnp.where(mask[:, :, None, None], values, 0)
+        values = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], values, 0)
 
         def weigh(weights):
             weights = weights.astype(values.dtype)
-            return jnp.einsum("nhgs,nshd->nhgd", weights, values, preferred_element_type=jnp.float32)
+            return jnp.einsum("bhgqs,bshd->bhgqd", weights, values, preferred_element_type=jnp.float32)
 
         return softmax_step(carry, logits, weigh)
 
-    first, end = kv.block_range(positions[:, 0])
-    _, total, out = jax.lax.fori_loop(first, end, step, softmax_init(grouped.shape[:-1], head_dim))
-    out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [N, H_kv, G, D]
-    return out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
+    first, end = kv.block_range(positions)
+    init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
+    _, total, out = jax.lax.fori_loop(first, end, step, init)
+    out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [b, H_kv, G, Q, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(tokens, num_kv_heads, group, head_dim)
 
 
 def attention(

@@ -143,17 +143,18 @@ def test_poisoned_free_pages_do_not_leak(model, poison):
 
 
 def test_no_compile_after_warmup(llama):
+    """One executable per prefill bucket, all compiled by ``warmup``; none while serving."""
     engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    assert engine.config.prefill_buckets() == (0, 16)
     engine.warmup()
-    buckets = engine.config.token_buckets()
-    assert engine.stats()["num_compiled"] == len(buckets) == 1
+    assert engine.stats()["num_compiled"] == 2
     engine.generate_many(prompts_of(5, 8), max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["num_compiled"] == len(buckets)
+    assert engine.stats()["num_compiled"] == 2
     wide = Engine(llama, kv_memory=64 * 1024, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
-    assert wide.config.token_buckets() == (16, 32, 64)
+    assert wide.config.prefill_buckets() == (0, 16, 32, 64)
     wide.warmup()
     wide.generate_many(prompts_of(6, 8, 100), max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert wide.stats()["num_compiled"] == 3
+    assert wide.stats()["num_compiled"] == 4
 
 
 def test_n_samples_share_the_prompt_pages(llama):
@@ -265,8 +266,8 @@ def test_unpaged_layer_types_and_budgets_are_refused():
         Engine(Qwen3_5(config), kv_memory=64 * 1024)
     with pytest.raises(ValueError, match="kv_memory '1KiB' cannot hold"):
         Engine(Gemma3(Gemma3Config(**GEMMA)), kv_memory="1KiB")
-    with pytest.raises(ValueError, match="at least max_num_seqs"):
-        Engine(Llama(LlamaConfig(**LLAMA)), max_num_seqs=32, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="must be a multiple of 16"):
+        Engine(Llama(LlamaConfig(**LLAMA)), max_num_batched_tokens=40)
 
 
 def test_row_sampling_follows_each_rows_parameters():

@@ -35,7 +35,9 @@ def test_smollm2_32_requests_arriving_over_time_equal_generate():
     rng = np.random.default_rng(0)
     prompts = []
     for i in range(32):
-        question = f"Tell me {int(rng.integers(1, 6))} facts about {TOPICS[i % len(TOPICS)]}. " * int(rng.integers(1, 24))
+        question = f"Tell me {int(rng.integers(1, 6))} facts about {TOPICS[i % len(TOPICS)]}. " * int(
+            rng.integers(1, 24)
+        )
         prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}])))
     assert min(map(len, prompts)) < 60 < 150 < max(map(len, prompts))
     engine = Engine(model, kv_memory="96MiB", max_num_seqs=8, max_num_batched_tokens=64)
@@ -43,7 +45,7 @@ def test_smollm2_32_requests_arriving_over_time_equal_generate():
     expected = reference(model, prompts)
     assert [row for row in range(32) if got[row] != expected[row]] == []
     stats = engine.stats()
-    assert stats["num_compiled"] <= len(engine.config.token_buckets()) and stats["pages"]["full"]["used"] == 0
+    assert stats["num_compiled"] <= len(engine.config.prefill_buckets()) and stats["pages"]["full"]["used"] == 0
 
 
 def test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate():

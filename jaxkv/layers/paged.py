@@ -36,6 +36,10 @@ NULL_PAGE = 0
 # Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
 # page at a time, while the reads stay proportional to the filled length.
 ATTENTION_BLOCK_SLOTS = 128
+# Query tokens of one row that read their row's pages together (a prefill chunk's tokens come
+# in blocks of this many; see ``PagedLayer.with_step``): gathering pages per token would
+# read each page once per query token.
+QUERY_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +122,7 @@ class PagedKVView:
     token_rows: jax.Array  # [N]
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
+    single_tokens: int | None = struct.field(pytree_node=False, default=None)  # see PagedLayer
 
     @property
     def page_size(self) -> int:
@@ -137,12 +142,12 @@ class PagedKVView:
         found = jax.tree.map(lambda leaf: leaf[self.index, pages], stack)
         return found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
 
-    def read_block(self, block) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Block ``block`` of every token's row: keys and values ``[N, S, H_kv, D]`` (S =
-        ``block_pages * page_size`` slots) and the positions they hold ``[N, S]`` (-1 on the null page)."""
+    def read_block(self, block, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Page block ``block`` of each of ``rows`` ``[M]``: keys and values ``[M, S, H_kv, D]`` (S =
+        ``block_pages * page_size`` slots) and the positions they hold ``[M, S]`` (-1 on the null page)."""
         width = self.block_pages
         columns = jax.lax.dynamic_slice_in_dim(self.block_table, block * width, width, axis=1)
-        pages = columns[self.token_rows]  # [N, block_pages]
+        pages = columns[rows]  # [M, block_pages]
         keys, values = self.gather(self.key_stack, pages), self.gather(self.value_stack, pages)
         tokens, _, size, heads, dim = keys.shape
         slots = block * width * size + jnp.arange(width * size, dtype=jnp.int32)
@@ -172,6 +177,9 @@ class PagedLayer(CacheLayer):
     lengths: jax.Array  # [R] int32
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
+    # The update's first ``single_tokens`` tokens read their rows' pages one by one; the rest
+    # come in blocks of QUERY_BLOCK tokens of one row each. None: every token on its own.
+    single_tokens: int | None = struct.field(pytree_node=False, default=None)
 
     MEMORY_FORMULA = (
         "2·P·page·H_kv·D·bytes + 4·B·(⌈S_max/page⌉ + 1) + 4·N; P pages (all rows share them), N packed tokens"
@@ -226,11 +234,24 @@ class PagedLayer(CacheLayer):
         quantized = f" {self.quantization.format}{self.quantization.bits}" if self.quantization else ""
         return f"page={self.page_size}" + (f" window={self.window}" if self.window else "") + quantized
 
-    def with_step(self, block_table: jax.Array, token_rows: jax.Array, lengths: jax.Array) -> PagedLayer:
+    def with_step(
+        self, block_table: jax.Array, token_rows: jax.Array, lengths: jax.Array, single_tokens: int | None = None
+    ) -> PagedLayer:
         """This stacked layer with a step's ``block_table`` ``[R, W]``, ``token_rows`` ``[N]`` and
-        ``lengths`` ``[R]`` (the same for every entry of the stack; ``N`` may change per step)."""
+        ``lengths`` ``[R]`` (the same for every entry of the stack; ``N`` may change per step).
+
+        ``single_tokens``: the first tokens read their rows' pages one by one (decodes of many
+        rows); the other ``N - single_tokens`` must come in blocks of ``QUERY_BLOCK`` tokens of
+        one row each (prefill chunks, padded to whole blocks), which attention reads once per
+        block. None: every token on its own."""
+        if single_tokens is not None and (token_rows.shape[0] - single_tokens) % QUERY_BLOCK:
+            raise ValueError(
+                f"PagedLayer.with_step: the {token_rows.shape[0] - single_tokens} tokens after single_tokens must "
+                f"fill whole blocks of {QUERY_BLOCK}"
+            )
         depth = self.lengths.shape[0]
         return self.replace(
+            single_tokens=single_tokens,
             block_table=jnp.broadcast_to(block_table, (depth, *block_table.shape)),
             token_rows=jnp.broadcast_to(token_rows, (depth, *token_rows.shape)),
             lengths=jnp.broadcast_to(lengths, (depth, *lengths.shape)),
@@ -255,7 +276,9 @@ class PagedLayer(CacheLayer):
             lengths=self.lengths.at[index].set(entry(self.lengths, index).at[rows].max(jnp.maximum(tokens + 1, 0))),
         )
         table = entry(self.block_table, index)
-        view = PagedKVView(new.key_pages, new.value_pages, index, table, rows, self.window, self.quantization)
+        view = PagedKVView(
+            new.key_pages, new.value_pages, index, table, rows, self.window, self.quantization, self.single_tokens
+        )
         return new, view
 
     @staticmethod

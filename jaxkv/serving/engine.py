@@ -25,11 +25,11 @@ from flax import nnx
 
 from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, RowSampling, Sampling
-from jaxkv.layers.paged import Paging, table_width
+from jaxkv.layers.paged import QUERY_BLOCK, Paging, table_width
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.pages import NULL_PAGE, PageManager, salt_key
 from jaxkv.serving.requests import Completion, RequestOptions, RequestOutput, SampleState
-from jaxkv.serving.scheduler import Chunk, Pool, Scheduler
+from jaxkv.serving.scheduler import Chunk, Pool, Scheduler, chunk_cost
 from jaxkv.serving.step import StepInputs, StepOutputs, compiled_step
 from jaxkv.serving.sizing import PoolSizes, pool_sizes
 
@@ -39,8 +39,9 @@ MAX_COPIES = 8  # page copies (forks) per pool per step; more forks wait a step
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes. ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``);
-    ``max_num_seqs``: rows decoding at once; ``max_num_batched_tokens``: tokens per step
-    (prefill chunks plus decodes; also the largest packed-token bucket); ``max_model_len``:
+    ``max_num_seqs``: rows decoding at once (each step has a decode slot per row);
+    ``max_num_batched_tokens``: prefill-chunk tokens per step besides the decodes (a multiple
+    of ``QUERY_BLOCK``; also the largest prefill bucket); ``max_model_len``:
     the longest prompt plus output (default: the model's ``max_position_embeddings``);
     ``max_logprobs``: the most ``logprobs`` a request may ask for; ``quantization``: store the
     pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8 with ``format="e4m3"``)."""
@@ -59,15 +60,15 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_batched_tokens % QUERY_BLOCK:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
-                f"({self.max_num_seqs}): every running request decodes one token per step"
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of {QUERY_BLOCK}: prefill "
+                f"chunks are packed in blocks of {QUERY_BLOCK} tokens"
             )
 
-    def token_buckets(self) -> tuple[int, ...]:
-        """Packed-token shapes: powers of two from 16 (or the budget) up to the budget."""
-        sizes, size = [], min(16, self.max_num_batched_tokens)
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Sizes of a step's prefill section: 0, then powers of two from ``QUERY_BLOCK`` up to the budget."""
+        sizes, size = [0], QUERY_BLOCK
         while size < self.max_num_batched_tokens:
             sizes.append(size)
             size *= 2
@@ -101,12 +102,13 @@ class Engine:
         self.slots_allocated = self.slots_unused = 0
         self.stop_token_ids = default_stop_tokens(model.config)
         self.pending_copies = self.empty_copies()
+        self.aborted: list[SampleState] = []
 
     # --- construction ---------------------------------------------------------------------------
     def paging(self, sizes: PoolSizes) -> Paging:
         return Paging(
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
-            sliding_num_pages=sizes.sliding_pages or None, num_tokens=self.config.token_buckets()[0],
+            sliding_num_pages=sizes.sliding_pages or None, num_tokens=self.config.max_num_seqs,
         )  # fmt: skip
 
     def pools(self, sizes: PoolSizes) -> list[Pool]:
@@ -196,11 +198,20 @@ class Engine:
                 )
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now: its pages are freed; its outputs report finish reason 'abort'."""
+        """Stop a request now: its pages are freed at once; the next ``step`` reports each of its
+        unfinished samples with finish reason 'abort'. Unknown or finished requests are ignored."""
         for sample in self.samples.get(request_id, ()):
             if not sample.finished:
-                sample.finish_reason = "abort"
+                sample.finish_reason, sample.finish_time = "abort", time.perf_counter()
                 self.scheduler.finish(sample)
+                self.aborted.append(sample)
+
+    def pop(self, request_id: int) -> list[SampleState]:
+        """Forget a request (a long-lived server calls this once it has reported a finished one);
+        returns its samples. An unfinished request is aborted first."""
+        self.abort(request_id)
+        self.aborted = [sample for sample in self.aborted if sample.request_id != request_id]
+        return self.samples.pop(request_id, [])
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -226,43 +237,54 @@ class Engine:
         return jax.device_get(outputs)
 
     def executable(self, inputs: StepInputs) -> Callable:
-        """The compiled step for this packed-token bucket (compiled on first use, or by ``warmup``)."""
+        """The compiled step for this prefill bucket (compiled on first use, or by ``warmup``)."""
         num_tokens = inputs.tokens.shape[0]
         if num_tokens not in self.executables:
             lowered = compiled_step.lower(
-                self.graphdef, self.state, self.cache, inputs, max(1, self.config.max_logprobs)
+                self.graphdef,
+                self.state,
+                self.cache,
+                inputs,
+                max(1, self.config.max_logprobs),
+                self.config.max_num_seqs,
             )
             self.executables[num_tokens] = lowered.compile()
         return self.executables[num_tokens]
 
     def warmup(self) -> None:
-        """Compile the step for every packed-token bucket, so no request waits for a compile."""
-        for size in self.config.token_buckets():
-            inputs = self.packed([], size, self.empty_copies())
-            self.executable(inputs)
+        """Compile the step for every prefill bucket, so no request waits for a compile."""
+        for size in self.config.prefill_buckets():
+            self.executable(self.packed([], size, self.empty_copies()))
 
     def step_inputs(self, chunks: list[Chunk], copies: dict) -> StepInputs:
-        total = sum(chunk.count for chunk in chunks)
-        size = next(size for size in self.config.token_buckets() if size >= total)
-        return self.packed(chunks, size, copies)
+        prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
+        return self.packed(chunks, next(size for size in self.config.prefill_buckets() if size >= prefill), copies)
 
-    def packed(self, chunks: list[Chunk], size: int, copies: dict) -> StepInputs:
-        """The chunks' tokens packed into ``size`` slots (the rest padding), with each row's tables and sampling."""
+    def packed(self, chunks: list[Chunk], prefill_size: int, copies: dict) -> StepInputs:
+        """The step's tokens: a decode slot per row (single-token chunks), then ``prefill_size``
+        slots of prefill chunks, each starting a block of ``QUERY_BLOCK``; the rest padding. With
+        each row's tables and sampling."""
         rows = self.config.max_num_seqs
+        size = rows + prefill_size
         tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
         sample_index, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         seeds, numbers, counters = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         row_sampling = [GREEDY] * rows
-        offset = 0
+        decode_slot, prefill_slot = 0, rows
         for chunk in chunks:
-            sample, row, end = chunk.sample, chunk.sample.row, offset + chunk.count
-            tokens[offset:end] = sample.tokens[chunk.start : chunk.start + chunk.count]
-            positions[offset:end] = np.arange(chunk.start, chunk.start + chunk.count)
-            token_rows[offset:end] = row
+            sample, row = chunk.sample, chunk.sample.row
+            if chunk.count == 1:
+                start, decode_slot = decode_slot, decode_slot + 1
+            else:
+                start, prefill_slot = prefill_slot, prefill_slot + chunk_cost(chunk.count)
+                token_rows[start:prefill_slot] = row  # padding of the chunk's last block: its row too
+            end = start + chunk.count
+            tokens[start:end] = sample.tokens[chunk.start : chunk.start + chunk.count]
+            positions[start:end] = np.arange(chunk.start, chunk.start + chunk.count)
+            token_rows[start:end] = row
             sample_index[row], lengths[row] = end - 1, chunk.start + chunk.count
             seeds[row], numbers[row], counters[row] = sample.options.seed, sample.index, len(sample.output)
             row_sampling[row] = sample.options.sampling
-            offset = end
         return StepInputs(
             tokens=tokens, positions=positions, token_rows=token_rows, lengths=lengths,
             block_tables={pool.name: self.block_table(pool) for pool in self.scheduler.pools}, copies=copies,
@@ -361,12 +383,8 @@ class Engine:
 
     def aborted_outputs(self) -> list[RequestOutput]:
         """One final output for each sample aborted since the last step."""
-        outputs = []
-        for family in self.samples.values():
-            for sample in family:
-                if sample.finish_reason == "abort" and sample.finish_time is None:
-                    sample.finish_time = time.perf_counter()
-                    outputs.append(self.output(sample, []))
+        outputs = [self.output(sample, []) for sample in self.aborted]
+        self.aborted = []
         return outputs
 
     # --- convenience and metrics ------------------------------------------------------------------
@@ -377,7 +395,7 @@ class Engine:
         ids = [self.add_request(prompt, sampling, **options) for prompt in prompts]
         while self.has_unfinished():
             self.step()
-        return [completion(sample) for request_id in ids for sample in self.samples[request_id]]
+        return [completion(sample) for request_id in ids for sample in self.pop(request_id)]
 
     def record_usage(self) -> None:
         pools = self.scheduler.pools

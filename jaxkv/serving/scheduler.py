@@ -1,10 +1,11 @@
 """Continuous batching on the host: which tokens of which requests the next step computes.
 
 vLLM's rule: every running sample's computed tokens catch up with its known tokens (the
-prompt, then each sampled token), under a budget of tokens per step. Running samples go
-first, oldest first: a decode brings one token, a prompt brings a chunk of what the budget
-leaves (chunked prefill); then waiting samples are admitted while rows, budget and pages
-last. A sample that needs a page when the pool is full preempts the newest running sample
+prompt, then each sampled token). Running samples go first, oldest first: a decode brings
+one token (every running row has a decode slot in each step), a prompt brings a chunk of
+what the step's prefill budget leaves (chunked prefill; a chunk costs whole blocks of
+``QUERY_BLOCK`` tokens, the unit paged attention reads); then waiting samples are admitted
+while rows, budget and pages last. A sample that needs a page when the pool is full preempts the newest running sample
 (its pages are freed and it is computed again later, so nothing is dropped); with prefix
 caching the pages it filled stay cached and usually make its recomputation a cache hit.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from jaxkv.layers.paged import QUERY_BLOCK
 from jaxkv.serving.pages import NULL_PAGE, PageManager, page_hashes
 from jaxkv.serving.requests import SampleState, Status
 
@@ -63,6 +65,18 @@ class Chunk:
         return self.start + self.count == self.sample.num_tokens
 
 
+def chunk_length(sample: SampleState, budget: int) -> int:
+    """Tokens ``sample`` computes next: its one missing token (a decode: no budget), else as
+    many of its missing tokens as ``budget`` holds."""
+    missing = sample.num_tokens - sample.num_computed
+    return missing if missing <= 1 else min(missing, budget)
+
+
+def chunk_cost(count: int) -> int:
+    """Prefill budget a chunk takes: none for a decode, else whole query blocks."""
+    return 0 if count == 1 else -(-count // QUERY_BLOCK) * QUERY_BLOCK
+
+
 @dataclasses.dataclass
 class SchedulerStats:
     preemptions: int = 0
@@ -93,24 +107,23 @@ class Scheduler:
 
     # --- the step's work ------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
-        """This step's chunks, running samples first, then admissions; at most ``token_budget`` tokens."""
+        """This step's chunks, running samples first, then admissions; prefill chunks within
+        ``token_budget`` tokens (counted in whole query blocks)."""
         budget, chunks = self.token_budget, []
         for sample in list(self.running):
-            if budget == 0:
-                break
             if sample.status is not Status.RUNNING:  # preempted for an older sample this step
                 continue
-            count = min(sample.num_tokens - sample.num_computed, budget)
+            count = chunk_length(sample, budget)
             if count and self.reserve_or_preempt(sample, count):
                 chunks.append(Chunk(sample, sample.num_computed, count))
-                budget -= count
+                budget -= chunk_cost(count)
         while self.waiting and self.free_rows and budget:
             chunk = self.admit(self.waiting[0], budget)
             if chunk is None:
                 break
             self.waiting.popleft()
             chunks.append(chunk)
-            budget -= chunk.count
+            budget -= chunk_cost(chunk.count)
         return chunks
 
     def reserve_or_preempt(self, sample: SampleState, count: int) -> bool:
@@ -141,12 +154,15 @@ class Scheduler:
         the pages of its first chunk. None (and nothing changed) when its pages do not fit."""
         if self.prefix_caching:
             self.reuse_prefix(sample)
-        count = min(sample.num_tokens - sample.num_computed, budget)
-        if not self.reserve(sample, count):
+        count = chunk_length(sample, budget)
+        if not count or not self.reserve(sample, count):
             self.release(sample)
             return None
         sample.status, sample.row = Status.RUNNING, self.free_rows.pop(0)
         self.running.append(sample)
+        if self.prefix_caching:
+            self.stats.prefix_queried_tokens += sample.num_tokens
+            self.stats.prefix_hit_tokens += sample.num_computed
         return Chunk(sample, sample.num_computed, count)
 
     def reuse_prefix(self, sample: SampleState) -> None:
@@ -154,7 +170,6 @@ class Scheduler:
         still holds, leaving at least its last token to compute (its logits draw the next)."""
         num_pages = (sample.num_tokens - 1) // self.page_size
         hashes = self.chain(sample, num_pages)
-        self.stats.prefix_queried_tokens += sample.num_tokens
         while num_pages:
             found = [pool.cached_pages(hashes, num_pages) for pool in self.pools]
             if all(pages is not None for pages in found):
@@ -164,7 +179,6 @@ class Scheduler:
             num_pages -= 1
         sample.num_computed = sample.num_cached_tokens = num_pages * self.page_size
         sample.num_registered = num_pages
-        self.stats.prefix_hit_tokens += sample.num_computed
 
     def chain(self, sample: SampleState, num_pages: int) -> list[bytes]:
         """The hash chain of ``sample``'s first ``num_pages`` full pages (extended as it grows)."""

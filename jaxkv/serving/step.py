@@ -60,7 +60,7 @@ def pool_of(layer: PagedLayer) -> str:
     return "full" if layer.window is None else "sliding"
 
 
-def routed(cache: Cache, inputs: StepInputs) -> Cache:
+def routed(cache: Cache, inputs: StepInputs, single_tokens: int) -> Cache:
     """The cache with the step's copies applied and its block tables and rows in every group."""
     groups = []
     for group in cache.groups:
@@ -71,7 +71,7 @@ def routed(cache: Cache, inputs: StepInputs) -> Cache:
             return jax.tree.map(lambda leaf: leaf.at[:, destination].set(leaf[:, source]), stack)
 
         group = group.replace(key_pages=copied(group.key_pages), value_pages=copied(group.value_pages))
-        groups.append(group.with_step(inputs.block_tables[pool], inputs.token_rows, inputs.lengths))
+        groups.append(group.with_step(inputs.block_tables[pool], inputs.token_rows, inputs.lengths, single_tokens))
     return cache.replace(groups=tuple(groups))
 
 
@@ -84,12 +84,18 @@ def row_keys(inputs: StepInputs) -> jax.Array:
     return jax.vmap(key)(inputs.seeds, inputs.sample_numbers, inputs.counters)
 
 
-def serving_step(graphdef, state, cache: Cache, inputs: StepInputs, num_top: int) -> tuple[StepOutputs, Cache]:
-    """Run the packed batch, then draw each row's next token from the logits at its
-    ``sample_index`` (rows that draw nothing this step are ignored by the host)."""
+def serving_step(
+    graphdef, state, cache: Cache, inputs: StepInputs, num_top: int, single_tokens: int
+) -> tuple[StepOutputs, Cache]:
+    """Run the packed batch (its first ``single_tokens`` are decode slots, the rest prefill chunks
+    in query blocks; ``PagedLayer.with_step``), then draw each row's next token from the logits at
+    its ``sample_index`` (rows that draw nothing this step are ignored by the host)."""
     model = nnx.merge(graphdef, state)
     logits, stepped = model(
-        inputs.tokens[None], inputs.positions[None], routed(cache, inputs), logits_index=inputs.sample_index[None]
+        inputs.tokens[None],
+        inputs.positions[None],
+        routed(cache, inputs, single_tokens),
+        logits_index=inputs.sample_index[None],
     )
     # Only the pages persist between steps; the per-step fields keep the shapes the engine allocated.
     cache = cache.replace(
@@ -106,4 +112,6 @@ def serving_step(graphdef, state, cache: Cache, inputs: StepInputs, num_top: int
     return StepOutputs(tokens, chosen, top_tokens.astype(jnp.int32), top_logprobs), cache
 
 
-compiled_step = jax.jit(serving_step, static_argnames=("graphdef", "num_top"), donate_argnames=("cache",))
+compiled_step = jax.jit(
+    serving_step, static_argnames=("graphdef", "num_top", "single_tokens"), donate_argnames=("cache",)
+)
