@@ -21,7 +21,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.layers.dynamic import DynamicLayer
-from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
+from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
@@ -118,21 +118,19 @@ def _chunked_layer(spec: LayerSpec) -> CacheLayer:
     )
 
 
-def _conv_state(spec: LayerSpec, state_shapes) -> LinearAttentionLayer:
-    if spec.paging is not None:
-        raise ValueError(
-            "paging covers full and sliding attention; linear-attention states (linear_attention, conv, hybrid) "
-            "are not paged"
-        )
+def _conv_state(spec: LayerSpec, state_shapes) -> CacheLayer:
     if not spec.conv_width or not spec.conv_channels:
         raise ValueError(
             "linear-attention and conv layer types need conv_width and conv_channels (and state_shapes for a "
             "recurrent state): pass them to Cache.from_layer_types, or give from_config a config with "
             "linear_conv_kernel_dim and the linear_* head sizes"
         )
-    return LinearAttentionLayer.create(
+    layer = LinearAttentionLayer.create(
         spec.batch_size, spec.conv_channels, spec.conv_width, state_shapes, spec.dtype, spec.rollback_slots
     )
+    if spec.paging is None:
+        return layer
+    return PackedStateLayer(layer, jnp.zeros((spec.paging.num_tokens,), jnp.int32))
 
 
 def _linear_layer(spec: LayerSpec) -> CacheLayer:
@@ -145,11 +143,21 @@ def _conv_layer(spec: LayerSpec) -> CacheLayer:
     return _conv_state(spec, ())
 
 
+def _check_not_paged(spec: LayerSpec) -> None:
+    if spec.paging is not None:
+        raise ValueError(
+            "paging keeps linear-attention states in their own layers (linear_attention, conv); a hybrid layer "
+            "(hybrid, hybrid_sliding) is not paged"
+        )
+
+
 def _hybrid_layer(spec: LayerSpec) -> CacheLayer:
+    _check_not_paged(spec)
     return HybridLayer(_linear_layer(spec), _full_attention_layer(spec))
 
 
 def _hybrid_sliding_layer(spec: LayerSpec) -> CacheLayer:
+    _check_not_paged(spec)
     return HybridLayer(_linear_layer(spec), _sliding_layer(spec))
 
 
@@ -183,8 +191,8 @@ LAYER_TYPES: dict[str, LayerType] = {
         _sliding_layer, {None: SlidingWindowLayer}, quantized=QuantizedLayer, paged=PagedLayer
     ),
     "chunked_attention": LayerType(_chunked_layer, {None: ChunkedLayer}),
-    "linear_attention": LayerType(_linear_layer, {None: LinearAttentionLayer}),
-    "conv": LayerType(_conv_layer, {None: LinearAttentionLayer}),
+    "linear_attention": LayerType(_linear_layer, {None: LinearAttentionLayer}, paged=PackedStateLayer),
+    "conv": LayerType(_conv_layer, {None: LinearAttentionLayer}, paged=PackedStateLayer),
     "hybrid": LayerType(_hybrid_layer, {}),
     "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
 }

@@ -255,15 +255,37 @@ def test_bad_requests_are_refused_with_the_fix(llama):
     assert not engine.has_unfinished()
 
 
+QWEN = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=("linear_attention", "full_attention"),
+    max_position_embeddings=256,
+)  # fmt: skip
+
+
+def test_hybrid_recurrent_states_live_in_row_slots():
+    """Qwen3.5's gated-DeltaNet states sit in one slot per row beside the pages: staggered
+    arrivals, rows taken over by new requests, preemptions and n=2 samples all give
+    ``generate``'s tokens; prefix caching is off for such a model (with a warning)."""
+    model = Qwen3_5(Qwen3_5Config(**QWEN))
+    prompts = prompts_of(14, 12)
+    with pytest.warns(UserWarning, match="without prefix caching"):
+        Engine(model, kv_memory=64 * 1024, **SMALL)
+    engine = Engine(model, kv_memory=64 * 1024, prefix_caching=False, **SMALL)
+    got = run_arrivals(engine, prompts, [2 * i for i in range(len(prompts))])
+    expected = reference(model, prompts)
+    assert [got[i] for i in range(len(prompts))] == expected
+    tight = Engine(model, kv_memory=12 * 1024, prefix_caching=False, **SMALL)
+    done = tight.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert tight.stats()["preemptions"] > 0 and [c.token_ids for c in done] == expected
+    pair = engine.generate_many(prompts[:1], max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    assert [c.token_ids for c in pair] == [expected[0]] * 2
+
+
 def test_unpaged_layer_types_and_budgets_are_refused():
-    config = Qwen3_5Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        layer_types=("linear_attention", "full_attention"), max_position_embeddings=128,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="pages full_attention and sliding_attention layers.*linear_attention"):
-        Engine(Qwen3_5(config), kv_memory=64 * 1024)
+    chunked = Llama(LlamaConfig(**LLAMA, layer_types=("chunked_attention",) * 3))
+    with pytest.raises(ValueError, match="serves full_attention, sliding_attention.*chunked_attention"):
+        Engine(chunked, kv_memory=64 * 1024)
     with pytest.raises(ValueError, match="kv_memory '1KiB' cannot hold"):
         Engine(Gemma3(Gemma3Config(**GEMMA)), kv_memory="1KiB")
     with pytest.raises(ValueError, match="must be a multiple of 16"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import jax
@@ -90,9 +91,17 @@ class Engine:
         self.cache = model.init_cache(
             self.config.max_num_seqs, paging=self.paging(self.sizes), quantization=self.config.quantization
         )
+        # A recurrent state cannot be rebuilt from cached pages or forked from a longer one.
+        self.has_states = self.sizes.state_bytes > 0
+        if self.has_states and self.config.prefix_caching:
+            warnings.warn(
+                "this model keeps recurrent states (linear-attention layers): the engine serves it without prefix "
+                "caching; pass prefix_caching=False to silence this",
+                stacklevel=2,
+            )
         self.scheduler = Scheduler(
             self.pools(self.sizes), self.config.max_num_seqs, self.config.max_num_batched_tokens,
-            self.config.prefix_caching,
+            self.config.prefix_caching and not self.has_states,
         )  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.executables: dict[int, Callable] = {}
@@ -318,7 +327,8 @@ class Engine:
             while self.awaits_fork(sample):
                 child = SampleState(sample.request_id, len(family), sample.prompt, sample.options, sample.arrival)
                 family.append(child)
-                room = all(len(p) < MAX_COPIES for p in pairs.values())  # a fork copies at most one page per pool
+                # A fork copies at most one page per pool; a recurrent state is recomputed instead.
+                room = not self.has_states and all(len(p) < MAX_COPIES for p in pairs.values())
                 forked = self.scheduler.fork(sample, child) if room else None
                 if forked is None:
                     self.scheduler.waiting.appendleft(child)

@@ -8,10 +8,11 @@ import re
 import jax
 
 from jaxkv.cache import layer_types_of
+from jaxkv.layers.linear import PackedStateLayer
 from jaxkv.layers.paged import Paging
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-PAGED_LAYER_TYPES = ("full_attention", "sliding_attention")
+PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
 
 
 def parse_bytes(value: int | str) -> int:
@@ -34,6 +35,7 @@ class PoolSizes:
     sliding_page_bytes: int
     window: int | None
     page_size: int
+    state_bytes: int = 0  # recurrent-state slots (one per row), outside the pools
 
     @property
     def max_concurrent_tokens(self) -> int:
@@ -42,30 +44,37 @@ class PoolSizes:
         return (self.full_pages - 1) * self.page_size if self.full_pages else 0
 
 
-def page_bytes_of(model, page_size: int, **cache_options) -> tuple[dict[str, int], int | None]:
-    """Bytes of one page of each pool ('full', 'sliding') over all its layers, and the sliding
-    window; read from the shapes of the model's paged cache (nothing allocated)."""
+def page_bytes_of(model, config) -> tuple[dict[str, int], int | None, int]:
+    """Bytes of one page of each pool ('full', 'sliding') over all its layers, the sliding
+    window, and the bytes of the recurrent-state slots (one per row); read from the shapes of
+    the model's paged cache (nothing allocated)."""
     layer_types = layer_types_of(model.config)
     unsupported = sorted(set(layer_types) - set(PAGED_LAYER_TYPES))
     if unsupported:
         raise ValueError(
-            f"the serving engine pages {' and '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
+            f"the serving engine serves {', '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
-    probe = jax.eval_shape(lambda: model.init_cache(1, paging=Paging(page_size, 2, page_size), **cache_options))
-    sizes, window = {"full": 0, "sliding": 0}, None
+    paging = Paging(config.page_size, 2, config.page_size)
+    probe = jax.eval_shape(
+        lambda: model.init_cache(config.max_num_seqs, paging=paging, quantization=config.quantization)
+    )
+    sizes, window, state_bytes = {"full": 0, "sliding": 0}, None, 0
     for group in probe.groups:
+        if isinstance(group, PackedStateLayer):
+            state_bytes += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(group.slots))
+            continue
         pool = "full" if group.window is None else "sliding"
         window = group.window or window
         for leaf in jax.tree.leaves((group.key_pages, group.value_pages)):  # values, or codes and scales
             sizes[pool] += leaf.size // leaf.shape[1] * leaf.dtype.itemsize  # one page over the stack
-    return sizes, window
+    return sizes, window, state_bytes
 
 
 def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
     """Split ``config.kv_memory`` between the pools: the sliding pool gets what its rows can
     read at once (window plus a step's chunk, per row), the full pool the rest."""
-    page_bytes, window = page_bytes_of(model, config.page_size, quantization=config.quantization)
-    budget = parse_bytes(config.kv_memory)
+    page_bytes, window, state_bytes = page_bytes_of(model, config)
+    budget = parse_bytes(config.kv_memory) - state_bytes
     sliding_pages = 0
     if window is not None:
         per_row = -(-(window - 1) // config.page_size) + 2
@@ -75,6 +84,9 @@ def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
     if budget < 0 or (page_bytes["full"] and full_pages < 2):
         raise ValueError(
             f"kv_memory {config.kv_memory!r} cannot hold the pools: the sliding-window pool alone needs "
-            f"{sliding_pages} pages of {page_bytes['sliding']} bytes; raise kv_memory or lower max_num_seqs"
+            f"{sliding_pages} pages of {page_bytes['sliding']} bytes and the recurrent states {state_bytes} bytes; "
+            f"raise kv_memory or lower max_num_seqs"
         )
-    return PoolSizes(full_pages, page_bytes["full"], sliding_pages, page_bytes["sliding"], window, config.page_size)
+    return PoolSizes(
+        full_pages, page_bytes["full"], sliding_pages, page_bytes["sliding"], window, config.page_size, state_bytes
+    )

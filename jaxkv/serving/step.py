@@ -14,6 +14,7 @@ from flax import nnx, struct
 
 from jaxkv.cache import Cache
 from jaxkv.decoding.sampling import RowSampling, sample_rows
+from jaxkv.layers.linear import PackedStateLayer
 from jaxkv.layers.paged import PagedLayer
 
 
@@ -61,9 +62,14 @@ def pool_of(layer: PagedLayer) -> str:
 
 
 def routed(cache: Cache, inputs: StepInputs, single_tokens: int) -> Cache:
-    """The cache with the step's copies applied and its block tables and rows in every group."""
+    """The cache with the step's page copies applied and its block tables and token rows in
+    every group (recurrent-state groups take the token rows only)."""
+    tokens_per_row = max(1, inputs.tokens.shape[0] - single_tokens)  # a prefill chunk fills at most the rest
     groups = []
     for group in cache.groups:
+        if isinstance(group, PackedStateLayer):
+            groups.append(group.with_step(inputs.token_rows, tokens_per_row))
+            continue
         pool = pool_of(group)
         source, destination = inputs.copies[pool][:, 0], inputs.copies[pool][:, 1]
 
@@ -73,6 +79,14 @@ def routed(cache: Cache, inputs: StepInputs, single_tokens: int) -> Cache:
         group = group.replace(key_pages=copied(group.key_pages), value_pages=copied(group.value_pages))
         groups.append(group.with_step(inputs.block_tables[pool], inputs.token_rows, inputs.lengths, single_tokens))
     return cache.replace(groups=tuple(groups))
+
+
+def persistent(kept: PagedLayer | PackedStateLayer, stepped: PagedLayer | PackedStateLayer):
+    """What carries over to the next step: ``stepped``'s pages or states, with ``kept``'s per-step
+    fields (their shapes are the engine's, whatever this step's bucket)."""
+    if isinstance(kept, PackedStateLayer):
+        return kept.replace(slots=stepped.slots)
+    return kept.replace(key_pages=stepped.key_pages, value_pages=stepped.value_pages)
 
 
 def row_keys(inputs: StepInputs) -> jax.Array:
@@ -97,13 +111,7 @@ def serving_step(
         routed(cache, inputs, single_tokens),
         logits_index=inputs.sample_index[None],
     )
-    # Only the pages persist between steps; the per-step fields keep the shapes the engine allocated.
-    cache = cache.replace(
-        groups=tuple(
-            kept.replace(key_pages=new.key_pages, value_pages=new.value_pages)
-            for kept, new in zip(cache.groups, stepped.groups)
-        )
-    )
+    cache = cache.replace(groups=tuple(persistent(kept, new) for kept, new in zip(cache.groups, stepped.groups)))
     logits = logits[0]  # [R, V]
     tokens = sample_rows(logits, row_keys(inputs), inputs.sampling)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
