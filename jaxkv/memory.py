@@ -42,7 +42,7 @@ def _table_section(row: StorageRow) -> int:
 def layer_class(layer_type: str, full_attention: str = "static") -> type:
     """The class storing ``layer_type``; ``full_attention`` picks among a type's kinds."""
     kinds = {kind: cls for name, kind, cls in storage_rows() if name == layer_type}
-    cls = kinds.get(full_attention) if len(kinds) > 1 else next(iter(kinds.values()), None)
+    cls = kinds.get(full_attention, kinds.get(None))  # a type with one storage keeps it for every kind
     if cls is None:
         known = sorted({name for name, _, _ in storage_rows()})
         raise ValueError(f"no memory formula for layer type {layer_type!r}; known: {known}")

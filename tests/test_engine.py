@@ -335,9 +335,14 @@ def test_paged_formula_equals_the_allocated_layer():
         assert cache.nbytes == expected
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(nbits=8, residual_length=0, q_group_size=8),
-                                  QuantSpec(format="e4m3", residual_length=0, q_group_size=8),
-                                  QuantSpec(nbits=4, residual_length=0, q_group_size=8)], ids=["int8", "e4m3", "int4"])  # fmt: skip
+PAGE_FORMATS = {
+    "int8": QuantSpec(nbits=8, residual_length=0, q_group_size=8),
+    "e4m3": QuantSpec(format="e4m3", residual_length=0, q_group_size=8),
+    "int4": QuantSpec(nbits=4, residual_length=0, q_group_size=8),
+}
+
+
+@pytest.mark.parametrize("spec", PAGE_FORMATS.values(), ids=PAGE_FORMATS.keys())
 def test_quantized_pages_match_a_static_quantized_cache(model, spec):
     """Pages stored as codes and scales: the engine's greedy tokens equal ``generate`` with a
     static cache quantized the same way (every token quantized on arrival); the pool holds

@@ -309,10 +309,10 @@ class HybridLayer(BatchMajorLayer):
 
 @struct.dataclass
 class PackedStateLayer(CacheLayer):
-    """Linear-attention states in per-request slots, fed with packed tokens of many rows (the
-    serving engine's paged cache keeps a model's recurrent states here, beside its K/V pages).
+    """Linear-attention states in one slot per engine row, fed with packed tokens of many rows.
 
-    ``slots``: a ``LinearAttentionLayer`` with one row per engine row: the conv inputs and
+    The serving engine's paged cache keeps a model's recurrent states here, beside its K/V
+    pages. ``slots``: a ``LinearAttentionLayer`` with one row per engine row: the conv inputs and
     recurrent state of the request that holds the row. An update brings ``[1, N]`` packed tokens,
     token i of row ``token_rows[i]``; the layer lays them out ``[R, T]`` (each row's tokens in
     order, ``T = tokens_per_row``), runs the conv and the recurrence there, and returns the

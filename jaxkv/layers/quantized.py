@@ -113,7 +113,8 @@ class QuantizedView(struct.PyTreeNode):
         group = self.spec.q_group_size
         if axis == PER_TOKEN:
             scales, zeros = cut(stack.scales), None if stack.zeros is None else cut(stack.zeros)
-            scales, zeros = expand_scales(scales, group, axis), None if zeros is None else expand_scales(zeros, group, axis)
+            scales = expand_scales(scales, group, axis)
+            zeros = None if zeros is None else expand_scales(zeros, group, axis)
         else:  # one scale row per group of tokens: the rows covering the block, one per slot
             # ceil(size / G) + 1 rows hold any ``size`` slots, whatever ``start``'s offset in its group.
             num_rows, total_rows = -(-size // group) + 1, stack.scales.shape[3]
