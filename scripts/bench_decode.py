@@ -147,7 +147,7 @@ def random_ids(vocab_size: int, num_tokens: int, seed: int = 0) -> list[int]:
 # workers: each runs in its own process and returns a dict
 
 
-def _jaxkv_model(spec):
+def jaxkv_model(spec):
     import jax.numpy as jnp
 
     if spec["model"] == TINY:
@@ -167,7 +167,7 @@ def worker_jaxkv(spec: dict) -> dict:
     import jaxkv.decoding.generate  # noqa: F401  imported before the load timer: load_s times the model alone
 
     start = time.perf_counter()
-    model = _jaxkv_model(spec)
+    model = jaxkv_model(spec)
     load_seconds = time.perf_counter() - start
     new = spec["new_tokens"]
     prompt = spec.get("prompt") or random_ids(model.config.vocab_size, spec["prompt_tokens"])
@@ -229,7 +229,7 @@ def _jaxkv_sizes(model, dtype: str) -> dict:
     )
 
 
-def _hf_model(spec):
+def hf_model(spec):
     import torch
     import transformers
 
@@ -265,7 +265,7 @@ def worker_transformers(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     start = time.perf_counter()
-    model = _hf_model(spec)
+    model = hf_model(spec)
     load_seconds = time.perf_counter() - start
     new = spec["new_tokens"]
     ids = torch.tensor([spec["prompt"]] * spec["batch"], dtype=torch.long)
@@ -283,7 +283,7 @@ def worker_transformers(spec: dict) -> dict:
         compile_s=0.0,
         ttft_s=ttft,
         cache_bytes=_hf_cache_bytes(cache),
-        **_hf_sizes(model),
+        **hf_sizes(model),
         load_s=load_seconds,
         tokens_head=sequences[0, :16].tolist(),
         rows_identical=bool(torch.all(sequences == sequences[:1]).item()),
@@ -333,7 +333,7 @@ def _hf_generate(model, ids, cache: str, max_new_tokens: int):
     return out, start, timer.times, end
 
 
-def _hf_sizes(model) -> dict:
+def hf_sizes(model) -> dict:
     """Parameter bytes and K/V bytes per cached token of a transformers model."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

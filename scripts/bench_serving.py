@@ -82,7 +82,7 @@ from pathlib import Path
 import numpy as np
 
 # Sibling scripts: model loading, sizes and report helpers are bench_decode's, the text perplexity's.
-from bench_decode import TINY, _hf_model, _hf_sizes, _jaxkv_model, cpu_cores, environment, peak_rss_mib, print_targets
+from bench_decode import TINY, hf_model, hf_sizes, jaxkv_model, cpu_cores, environment, peak_rss_mib, print_targets
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
@@ -341,7 +341,7 @@ def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
     from jaxkv.serving import Engine  # check_args made sure it imports
 
     compiles = CompileCounter()
-    model = _jaxkv_model(spec)
+    model = jaxkv_model(spec)
     engine = Engine(
         model, kv_memory=f"{spec['kv_memory_mib']}MiB", page_size=spec["page_size"],
         max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
@@ -395,7 +395,7 @@ def worker_static(spec: dict, requests: list[ServingRequest]) -> dict:
     import jax
 
     compiles = CompileCounter()
-    model = _jaxkv_model(spec)
+    model = jaxkv_model(spec)
     batches = [requests[i : i + spec["static_batch"]] for i in range(0, len(requests), spec["static_batch"])]
     steps = StepTimes()
     start = time.perf_counter()
@@ -464,8 +464,8 @@ def worker_hf(spec: dict, requests: list[ServingRequest]) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    model = _hf_model(spec)
-    kv_bytes_per_token = _hf_sizes(model)["kv_bytes_per_token"]
+    model = hf_model(spec)
+    kv_bytes_per_token = hf_sizes(model)["kv_bytes_per_token"]
     num_blocks = spec["kv_memory_mib"] * 2**20 // (spec["page_size"] * kv_bytes_per_token)
     start = time.perf_counter()
     with torch.inference_mode():  # the manager's thread runs in the mode it was started in
@@ -748,9 +748,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--system-prompts", type=int, default=8, help="shared-prefix: distinct system prompts")
     parser.add_argument("--system-prompt-tokens", type=int, default=400, help="shared-prefix: their length")
-    parser.add_argument("--kv-memory-mib", type=int, default=512, help="K/V pool of the engine and transformers")
+    parser.add_argument("--kv-memory-mib", type=int, default=1024, help="K/V pool of the engine and transformers")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step (engine and transformers)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (both too)")
     parser.add_argument("--static-batch", type=int, default=8, help="static batching: requests per batch")
     parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
