@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import sys
 import time
@@ -47,9 +46,7 @@ from flax import nnx
 from pydantic import Field, PositiveInt
 
 from jaxkv.app.config import QuantizationConfig, Strict, load_config
-
-CORPUS = ("gensim", "test/test_data/lee_background.cor")
-
+from jaxkv.app.corpus import corpus_text
 
 class Setting(Strict):
     """One cache: a name and its quantization (None: the model's dtype)."""
@@ -70,16 +67,6 @@ class PerplexityConfig(Strict):
     )  # setting names compared to full precision by greedy generation
     greedy_tokens: PositiveInt = 64
     output: str = "results/perplexity"
-
-
-def corpus_text() -> str:
-    """The Lee corpus from the installed gensim package (found without importing gensim)."""
-    package, relative = CORPUS
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"the text ships in the {package} package: install it (bash scripts/setup.sh test)")
-    path = Path(spec.submodule_search_locations[0]) / relative
-    return path.read_text(encoding="utf-8")
 
 
 @functools.partial(jax.jit, static_argnames="graphdef", donate_argnames="cache")

@@ -1,5 +1,6 @@
-"""scripts/bench_serving.py without a model: the seeded workloads, the metrics, the targets and
-the table; then one smoke run of the static and transformers systems on a tiny random Llama."""
+"""The serving benchmark (``jaxkv bench serving``, ``scripts/bench_serving.py``) without a model:
+the seeded workloads, the metrics, the targets and the table; then smoke runs of every system on
+a tiny random Llama."""
 
 import importlib.util
 import json
@@ -11,21 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import jaxkv.app.bench_serving
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its siblings (bench_decode, perplexity)
-    try:
-        spec = importlib.util.spec_from_file_location("bench_serving", SCRIPTS / "bench_serving.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_serving"] = module  # dataclasses resolve the script's annotations through it
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPTS))
-        sys.modules.pop("bench_serving", None)
+    return jaxkv.app.bench_serving
 
 
 def shape(bench, **changes):
@@ -175,13 +169,15 @@ def test_static_and_transformers_on_a_tiny_llama(tmp_path):
 
 
 def test_engine_systems_on_a_tiny_llama(tmp_path):
-    """Both engine workers on the shared-prefix workload: warmed up, no compile while serving,
-    and only the engine with prefix caching reuses the system prompts' pages."""
+    """Both engine workers on the shared-prefix workload, through ``jaxkv bench serving``: warmed
+    up, no compile while serving, and only the engine with prefix caching reuses the system
+    prompts' pages."""
     out = tmp_path / "serving.json"
     args = ["--model", "tiny-random", "--quick", "--requests", "6", "--workload", "shared-prefix", "--rate", "inf",
             "--systems", "engine", "engine-no-prefix", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_serving.py"), *args], check=False,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    cli = Path(sys.executable).with_name("jaxkv")  # `jaxkv bench serving`, the console script
+    proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     engine, no_prefix = json.loads(out.read_text())["rows"]
     for row in (engine, no_prefix):

@@ -5,6 +5,7 @@
     jaxkv generate --num-beams 4 --num-return-sequences 2 --early-stopping true
     jaxkv generate --full-attention dynamic --quantization --kv-bits 8
     jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
+    jaxkv bench serving --quick        (jaxkv bench decode|serving: the benchmarks, --help lists their options)
 
 The decode benchmark is a script of the source checkout: ``python scripts/bench_decode.py``.
 """
@@ -12,6 +13,7 @@ The decode benchmark is a script of the source checkout: ``python scripts/bench_
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -68,7 +70,9 @@ NO_CACHE_HELP = "convert a GGUF again: neither read nor write its converted weig
 def _generate_parser(sub) -> None:
     parser = sub.add_parser("generate", help="generate text with a model")
     parser.add_argument("--config", type=Path, help="YAML file (configs/*.yaml); flags below override it")
-    parser.add_argument("--model", help="embedded default name (smollm2, gemma3), a checkpoint directory or a .gguf file")
+    parser.add_argument(
+        "--model", help="embedded default name (smollm2, gemma3), a checkpoint directory or a .gguf file"
+    )
     parser.add_argument("--prompt")
     parser.add_argument("--no-chat", dest="chat", action="store_false", default=None, help="no chat template")
     parser.add_argument("--no-cache", dest="weight_cache", action="store_false", help=NO_CACHE_HELP)
@@ -152,7 +156,9 @@ def cache_settings(args, cache: dict) -> dict:
     flags = {key: getattr(args, f"kv_{key}") for _, key, _, _ in QUANT_FLAGS}
     options = {key: value for key, value in flags.items() if value is not None}
     if options and cache["quantization"] is None:
-        raise ValueError("the --kv-* options tune a quantized cache: add --quantization (or a cache.quantization config)")
+        raise ValueError(
+            "the --kv-* options tune a quantized cache: add --quantization (or a cache.quantization config)"
+        )
     if options:
         cache["quantization"] = {**cache["quantization"], **options}
     return cache
@@ -239,8 +245,10 @@ def report_generation(config: GenerateConfig, prompt: list[int], result, load_se
     new = int(result.num_generated[0])
     print(
         f"\n[{config.model}] prompt {len(prompt)} tok, {new} new ({result.finish[0].name.lower()}); "
-        f"prefill {len(prompt) / result.prefill_seconds:.1f} tok/s, decode {max(new - 1, 1) / result.decode_seconds:.1f} tok/s; "
-        f"compile {result.compile_seconds:.1f} s, load {load_seconds:.1f} s; cache {result.cache_bytes / 2**20:.1f} MiB",
+        f"prefill {len(prompt) / result.prefill_seconds:.1f} tok/s, "
+        f"decode {max(new - 1, 1) / result.decode_seconds:.1f} tok/s; "
+        f"compile {result.compile_seconds:.1f} s, load {load_seconds:.1f} s; "
+        f"cache {result.cache_bytes / 2**20:.1f} MiB",
         file=sys.stderr,
     )
     if config.speculative:
@@ -271,8 +279,9 @@ def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> in
             print(f"--- hypothesis {rank} (score {result.scores[0, rank]:.4f})")
         print(tokenizer.decode(result.sequence(0, rank)))
     print(
-        f"\n[{config.model}] prompt {len(prompt)} tok, {config.num_beams} beams; prefill {result.prefill_seconds:.2f} s, "
-        f"search {result.search_seconds:.2f} s, compile {result.compile_seconds:.1f} s; cache {result.cache_bytes / 2**20:.1f} MiB",
+        f"\n[{config.model}] prompt {len(prompt)} tok, {config.num_beams} beams; "
+        f"prefill {result.prefill_seconds:.2f} s, search {result.search_seconds:.2f} s, "
+        f"compile {result.compile_seconds:.1f} s; cache {result.cache_bytes / 2**20:.1f} MiB",
         file=sys.stderr,
     )
     return 0
@@ -354,16 +363,33 @@ def run_chat(args) -> int:
     return 0
 
 
+BENCHMARKS = {"decode": "jaxkv.app.bench_decode", "serving": "jaxkv.app.bench_serving"}
+
+
+def _bench_parser(sub) -> None:
+    parser = sub.add_parser("bench", help="benchmarks against transformers: decode speed, or serving (the engine)")
+    parser.add_argument("benchmark", choices=sorted(BENCHMARKS))
+    parser.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (--help lists them)")
+
+
+def run_bench(args) -> int:
+    """``jaxkv bench NAME OPTIONS``: the benchmark module's own command line."""
+    return importlib.import_module(BENCHMARKS[args.benchmark]).main(args.options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Functional KV caches for JAX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _chat_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args)
     try:
         return run_chat(args) if args.command == "chat" else run_generate(args)
     except (ValueError, FileNotFoundError) as error:

@@ -1,0 +1,795 @@
+#!/usr/bin/env python
+"""Decode benchmark: jaxkv (static and dynamic cache) against transformers (dynamic and static cache).
+
+    jaxkv bench decode                                   # smollm2, batch 1 and 8, 32 + 256 tokens
+    jaxkv bench decode --batch 1 --new-tokens 8 --prompt-tokens 16 --out results/smoke
+    jaxkv bench decode --long                            # + the 4k vs 32k cache capacity experiment
+
+Every configuration (system x cache x batch) runs in a fresh subprocess (this module again,
+``python -m jaxkv.app.bench_decode`` with a hidden ``--worker JSON`` argument), so its peak RSS
+and its compile caches are its own; the worker prints one ``BENCH_RESULT {...}`` line that the parent collects. All
+configurations use the same model file, the same prompt (a fixed English text tokenized by
+the model's tokenizer, cut or repeated to ``--prompt-tokens``, the same for every row) and
+generate exactly ``--new-tokens`` tokens per row, greedily, with no stop token.
+
+Both systems get a warm-up: jaxkv calls ``generate`` twice in its process, the first call
+(cold: it compiles) gives compile s and TTFT, the second the rates; transformers runs a
+2-token ``generate`` first.
+
+What is measured, per configuration:
+
+* prefill tok/s = prompt tokens x batch / prefill seconds. jaxkv: ``Generation.prefill_seconds``
+  (the compiled prefill call). transformers: from the ``generate`` call's start to the first
+  logits-processor call (the prefill forward, input preparation and cache creation included).
+* decode tok/s = batch x (new tokens - 1) / decode seconds: the first token comes from the
+  prefill, the other new - 1 from decode steps. transformers: from the first logits-processor
+  call to the end of ``generate``.
+* compile s: jaxkv ``Generation.compile_seconds`` (prefill and decode); transformers 0
+  (``generate`` compiles nothing on CPU).
+* TTFT s (time to first token, cold): jaxkv compile + prefill of the first call (an
+  over-estimate: it includes the decode loop's compile, which in fact happens after the
+  first token). transformers: the first ``generate`` call in the fresh process (a 2-token
+  warm-up), from its start to its first logits-processor call; the measured run comes
+  after that warm-up.
+* peak RSS MiB: ``ru_maxrss`` of the worker process (model loading included).
+* cache MiB: jaxkv ``Generation.cache_bytes``; transformers the K/V tensors of the returned cache.
+
+Plus a memory-bandwidth bound for batch-1 decode: (parameter bytes + K/V bytes of the live
+context, averaged over the decode) / bandwidth, where the bandwidth is the best of a timed
+numpy copy and a jitted jax sum over a large array, measured in its own worker.
+
+``--long`` (jaxkv only): a prompt of 4096 random token ids, 32 new tokens, static cache with the
+capacity ``generate`` picks by default (bucket(bucket(4096) + 32) = 8192) against 32768; reports
+decode ms/step for each and their ratio (target <= 1.25). ``--long-prompt``/``--long-capacity``
+shrink it for smoke runs.
+
+Outputs: a markdown table and the targets on stdout, ``OUT.json`` and ``OUT.png`` (``--out``).
+Timings are only meaningful on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODULE = "jaxkv.app.bench_decode"  # workers run as `python -m MODULE --worker SPEC`
+
+RESULT_PREFIX = "BENCH_RESULT "
+# name -> (system, cache kind, jaxkv model options); the order is the table's.
+CONFIGS = {
+    "jaxkv-static": ("jaxkv", "static", {}),
+    "jaxkv-out-in": ("jaxkv", "static", {"weight_layout": "out_in"}),  # scanned, weights read in place at batch 1
+    "jaxkv-dynamic": ("jaxkv", "dynamic", {}),
+    "jaxkv-unrolled": ("jaxkv", "static", {"scan_layers": False}),  # one weight buffer per layer, no slice copies
+    "hf-dynamic": ("transformers", "dynamic", None),
+    "hf-static": ("transformers", "static", None),
+}
+JAXKV_LABELS = {"jaxkv-out-in": "jaxkv [out, in] weights", "jaxkv-unrolled": "jaxkv unrolled"}
+BASELINE = "hf-dynamic"
+TARGET_SPEEDUP = {1: 2.5, 8: 2.0}  # batch -> jaxkv decode tok/s / HF dynamic decode tok/s
+TARGET_TTFT_S = 10.0
+TARGET_LONG_RATIO = 1.25
+
+# A random Llama small enough for tests (no download, no tokenizer): --model tiny-random.
+TINY = "tiny-random"
+TINY_CONFIG = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+)  # fmt: skip
+
+PROMPT_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
+    "produce books far faster than any scribe. Within a few decades, printing shops had opened in "
+    "most of the large cities of Europe, and the price of books fell sharply. Scholars could now "
+    "compare identical copies of a text, merchants printed price lists and maps, and pamphlets "
+    "spread news and arguments to readers who had never owned a book before. Historians still "
+    "debate how much the press changed the way people thought, but few doubt that it changed how "
+    "quickly ideas could travel from one town to the next."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers shared by parent and workers
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def peak_rss_mib() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+def bucket(n: int) -> int:
+    from jaxkv.sizing import bucket as jaxkv_bucket
+
+    return jaxkv_bucket(n)
+
+
+def prompt_ids(model: str, num_tokens: int) -> list[int]:
+    """``PROMPT_TEXT`` tokenized by the model's tokenizer, repeated and cut to ``num_tokens``."""
+    if model == TINY:
+        ids = [(7 * i + 3) % TINY_CONFIG["vocab_size"] for i in range(64)]
+    else:
+        from jaxkv.models.defaults import resolve_model
+        from jaxkv.models.tokenizer import Tokenizer
+
+        path = resolve_model(model)
+        if path.suffix == ".gguf":
+            tokenizer = Tokenizer.from_gguf(path)
+        else:
+            config = path / "tokenizer_config.json"
+            tokenizer = Tokenizer.from_file(path / "tokenizer.json", config if config.is_file() else None)
+        ids = tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)
+    return (ids * (num_tokens // len(ids) + 1))[:num_tokens]
+
+
+def random_ids(vocab_size: int, num_tokens: int, seed: int = 0) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, vocab_size, num_tokens).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# workers: each runs in its own process and returns a dict
+
+
+def jaxkv_model(spec):
+    import jax.numpy as jnp
+
+    if spec["model"] == TINY:
+        from jaxkv.models.llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])
+    from jaxkv.models.load import load_pretrained
+
+    return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])[0]  # Llama options
+
+
+def worker_jaxkv(spec: dict) -> dict:
+    """One ``generate`` call; with ``spec['long']`` the prompt is random ids of ``spec['prompt_tokens']``."""
+    import jax
+    import numpy as np
+
+    import jaxkv.decoding.generate  # noqa: F401  imported before the load timer: load_s times the model alone
+
+    start = time.perf_counter()
+    model = jaxkv_model(spec)
+    load_seconds = time.perf_counter() - start
+    new = spec["new_tokens"]
+    prompt = spec.get("prompt") or random_ids(model.config.vocab_size, spec["prompt_tokens"])
+    capacity = spec.get("max_length") or bucket(bucket(len(prompt)) + new)  # what generate picks when None
+    cold = _jaxkv_generate(model, prompt, spec)  # compiles: TTFT and compile time; transformers gets its warm-up too
+    result = _jaxkv_generate(model, prompt, spec)  # the measured run, on the compiled executables
+    _check_jaxkv_runs(cold, result, new)
+    return dict(
+        prefill_s=result.prefill_seconds,
+        decode_s=result.decode_seconds,
+        compile_s=cold.compile_seconds,
+        ttft_s=cold.compile_seconds + cold.prefill_seconds,
+        cache_bytes=int(result.cache_bytes),
+        **_jaxkv_sizes(model, spec["dtype"]),
+        capacity=capacity if spec["cache"] == "static" else None,
+        load_s=load_seconds,
+        tokens_head=result.tokens[0, :16].tolist(),
+        rows_identical=bool(np.all(result.tokens == result.tokens[:1])),
+        backend=jax.default_backend(),
+    )
+
+
+def _jaxkv_generate(model, prompt: list[int], spec: dict):
+    """``spec['batch']`` copies of ``prompt``, exactly ``spec['new_tokens']`` greedy tokens each."""
+    from jaxkv.decoding.generate import generate
+    from jaxkv.decoding.sampling import Sampling
+
+    return generate(
+        model,
+        [prompt] * spec["batch"],
+        max_new_tokens=spec["new_tokens"],
+        stop_tokens=(),
+        sampling=Sampling(),  # greedy
+        full_attention=spec["cache"],
+        max_length=spec.get("max_length"),
+    )
+
+
+def _check_jaxkv_runs(cold, result, new: int) -> None:
+    """Both greedy runs must give the same tokens, and every row exactly ``new`` of them."""
+    import numpy as np
+
+    if not np.array_equal(cold.tokens, result.tokens):
+        raise RuntimeError("jaxkv's two greedy runs of the same prompts gave different tokens")
+    if not np.all(result.num_generated == new):
+        raise RuntimeError(f"jaxkv generated {result.num_generated.tolist()} tokens, expected {new} per row")
+
+
+def _jaxkv_sizes(model, dtype: str) -> dict:
+    """Parameter bytes and K/V bytes per cached token of ``model`` in ``dtype``."""
+    import jax
+    from flax import nnx
+
+    config = model.config
+    itemsize = jax.numpy.dtype(dtype).itemsize
+    return dict(
+        param_bytes=int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+        kv_bytes_per_token=2 * config.num_hidden_layers * config.kv_heads * config.dim_per_head * itemsize,
+    )
+
+
+def hf_model(spec):
+    import torch
+    import transformers
+
+    dtype = getattr(torch, spec["dtype"])
+    if spec["model"] == TINY:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_CONFIG)).to(dtype).eval()
+    from jaxkv.models.defaults import resolve_model
+
+    path = resolve_model(spec["model"])
+    if path.suffix == ".gguf":
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.eval()
+
+
+def _hf_cache_bytes(cache) -> int:
+    if cache is None:
+        return 0
+    tensors = []
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        for layer in cache.layers:
+            tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    else:
+        tensors += list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
+    return int(sum(t.numel() * t.element_size() for t in tensors if t is not None and hasattr(t, "numel")))
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    import transformers  # noqa: F401  imported before the load timer: load_s times the model alone
+
+    torch.set_num_threads(spec["threads"])
+    start = time.perf_counter()
+    model = hf_model(spec)
+    load_seconds = time.perf_counter() - start
+    new = spec["new_tokens"]
+    ids = torch.tensor([spec["prompt"]] * spec["batch"], dtype=torch.long)
+    _, start, times, _ = _hf_generate(model, ids, spec["cache"], min(2, new))  # warm-up, the cold first call
+    ttft = times[0] - start
+    out, start, times, end = _hf_generate(model, ids, spec["cache"], new)
+    generated = out.sequences.shape[1] - ids.shape[1]
+    if generated != new or len(times) != new:
+        raise RuntimeError(f"transformers generated {generated} tokens ({len(times)} steps), expected {new}")
+    cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+    sequences = out.sequences[:, ids.shape[1] :]
+    return dict(
+        prefill_s=times[0] - start,
+        decode_s=end - times[0],
+        compile_s=0.0,
+        ttft_s=ttft,
+        cache_bytes=_hf_cache_bytes(cache),
+        **hf_sizes(model),
+        load_s=load_seconds,
+        tokens_head=sequences[0, :16].tolist(),
+        rows_identical=bool(torch.all(sequences == sequences[:1]).item()),
+        threads=torch.get_num_threads(),
+    )
+
+
+def _hf_step_timer():
+    """A logits processor that records ``time.perf_counter()`` in ``.times`` at each call."""
+    import transformers
+
+    class StepTimes(transformers.LogitsProcessor):
+        """Called once per generated token, right after the forward that produced its logits."""
+
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    return StepTimes()
+
+
+def _hf_generate(model, ids, cache: str, max_new_tokens: int):
+    """Greedy ``generate`` of exactly ``max_new_tokens``: (output, start time, per-step times, end time)."""
+    import torch
+    import transformers
+
+    timer = _hf_step_timer()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=None,
+            pad_token_id=0,
+            cache_implementation="static" if cache == "static" else None,
+            return_dict_in_generate=True,
+            logits_processor=transformers.LogitsProcessorList([timer]),
+        )
+    end = time.perf_counter()
+    return out, start, timer.times, end
+
+
+def hf_sizes(model) -> dict:
+    """Parameter bytes and K/V bytes per cached token of a transformers model."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return dict(
+        param_bytes=int(sum(p.numel() * p.element_size() for p in model.parameters())),
+        kv_bytes_per_token=2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size(),
+    )
+
+
+def worker_membw(spec: dict) -> dict:
+    """Memory bandwidth, GB/s: best of a numpy copy (read + write) and a jitted jax sum (read)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n = spec["mib"] * 2**20 // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    copy_s = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+    x = jnp.ones(n, jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    sum_s = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
+    numpy_copy = 2 * src.nbytes / copy_s / 1e9
+    jax_sum = x.nbytes / sum_s / 1e9
+    return dict(array_mib=spec["mib"], numpy_copy_gbps=numpy_copy, jax_sum_gbps=jax_sum, gbps=max(numpy_copy, jax_sum))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def worker_main(spec: dict) -> int:
+    kind = spec["kind"]
+    if kind == "membw":
+        result = worker_membw(spec)
+    elif spec["system"] == "jaxkv":
+        result = worker_jaxkv(spec)
+    else:
+        result = worker_transformers(spec)
+    result["peak_rss_mib"] = peak_rss_mib()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+
+
+def worker_env() -> dict:
+    """A worker's environment: offline hub, quiet tokenizers and progress bars."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return env
+
+
+def run_worker(spec: dict, *, timeout: float | None, verbose: bool) -> dict:
+    env = worker_env()
+    label = spec.get("label", spec["kind"])
+    print(f"[bench] {label} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", MODULE, "--worker", json.dumps(spec)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=None if verbose else subprocess.PIPE,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        print(f"[bench] {label}: timed out after {timeout} s", file=sys.stderr)
+        return {"error": f"timed out after {timeout} s"}
+    wall = time.perf_counter() - start
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or "")[-3000:] + proc.stdout[-1000:]
+        print(f"[bench] {label}: worker failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
+        return {"error": f"exit {proc.returncode}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"}
+    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
+    result["worker_wall_s"] = wall
+    print(f"[bench] {label}: done in {wall:.1f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def add_rates(row: dict) -> None:
+    if "error" in row:
+        return
+    batch, new = row["batch"], row["new_tokens"]
+    row["prefill_tok_s"] = row["prompt_tokens"] * batch / row["prefill_s"]
+    row["decode_tok_s"] = batch * (new - 1) / row["decode_s"]
+    row["decode_ms_per_step"] = 1000 * row["decode_s"] / (new - 1)
+
+
+def _fmt(value, spec=".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    header = [
+        "system", "cache", "batch", "prefill tok/s", "decode tok/s", "compile s", "TTFT s",
+        "peak RSS MiB", "cache MiB", "speed-up vs HF dynamic",
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
+    for row in rows:
+        system = JAXKV_LABELS.get(row["name"], row["system"])
+        if "error" in row:
+            cells = [system, row["cache"], str(row["batch"]), f"failed: {row['error'][:60]}"] + ["-"] * 6
+        else:
+            speedup = row.get("speedup_vs_hf_dynamic")
+            cells = [
+                system, row["cache"], str(row["batch"]), _fmt(row["prefill_tok_s"]), _fmt(row["decode_tok_s"]),
+                _fmt(row["compile_s"], ".2f"), _fmt(row["ttft_s"], ".2f"), _fmt(row["peak_rss_mib"], ".0f"),
+                _fmt(row["cache_bytes"] / 2**20, ".2f"), "-" if speedup is None else f"{speedup:.2f}x",
+            ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def check_targets(rows: list[dict], long: dict | None) -> list[dict]:
+    """Each target with its value, its display and whether it passed (None: not measured)."""
+    ok = [r for r in rows if "error" not in r]
+    targets = speedup_targets(ok) + ttft_targets(ok)
+    if long is not None:
+        targets.append(long_target(long))
+    return targets
+
+
+def speedup_targets(ok: list[dict]) -> list[dict]:
+    find = lambda name, batch: next((r for r in ok if r["name"] == name and r["batch"] == batch), None)  # noqa: E731
+    targets = []
+    for batch, factor in TARGET_SPEEDUP.items():
+        for name in ("jaxkv-static", "jaxkv-out-in", "jaxkv-dynamic", "jaxkv-unrolled"):
+            row = find(name, batch)
+            value = row.get("speedup_vs_hf_dynamic") if row else None
+            targets.append(
+                dict(
+                    target=f"b{batch} decode {name} >= {factor}x HF dynamic",
+                    value=value,
+                    display="not measured" if value is None else f"{value:.2f}x",
+                    passed=None if value is None else value >= factor,
+                )
+            )
+    return targets
+
+
+def ttft_targets(ok: list[dict]) -> list[dict]:
+    return [
+        dict(
+            target=f"TTFT {row['name']} b{row['batch']} <= {TARGET_TTFT_S:g} s (compile + prefill)",
+            value=row["ttft_s"],
+            display=f"{row['ttft_s']:.2f} s",
+            passed=row["ttft_s"] <= TARGET_TTFT_S,
+        )
+        for row in ok
+        if row["system"] == "jaxkv"
+    ]
+
+
+def long_target(long: dict) -> dict:
+    ratio = long.get("ratio")
+    return dict(
+        target=f"long: decode ms/step at capacity {long['large_capacity']} / at {long['small_capacity']} "
+        f"<= {TARGET_LONG_RATIO}",
+        value=ratio,
+        display="failed" if ratio is None else f"{ratio:.3f}",
+        passed=None if ratio is None else ratio <= TARGET_LONG_RATIO,
+    )
+
+
+def bandwidth_bound(rows: list[dict], membw: dict, prompt_tokens: int, new_tokens: int) -> dict | None:
+    """Batch-1 decode tokens/s if every step only had to read the weights and the live K/V once."""
+    if "error" in membw:
+        return None
+    ok = [r for r in rows if "error" not in r]
+    source = next((r for r in ok if r["system"] == "jaxkv"), None) or next(iter(ok), None)
+    if source is None:
+        return None
+    kv_bytes = source["kv_bytes_per_token"] * (prompt_tokens + new_tokens / 2)  # average live context
+    step_bytes = source["param_bytes"] + kv_bytes
+    bound = dict(
+        bandwidth_gbps=membw["gbps"],
+        numpy_copy_gbps=membw["numpy_copy_gbps"],
+        jax_sum_gbps=membw["jax_sum_gbps"],
+        param_bytes=source["param_bytes"],
+        kv_bytes=kv_bytes,
+        bytes_per_step=step_bytes,
+        tok_s_upper_bound_b1=membw["gbps"] * 1e9 / step_bytes,
+    )
+    static = next((r for r in ok if r["name"] == "jaxkv-static" and r["batch"] == 1), None)
+    if static:  # the static decode reads its whole preallocated buffer
+        allocated = source["param_bytes"] + static["cache_bytes"]
+        bound["tok_s_upper_bound_b1_allocated_cache"] = membw["gbps"] * 1e9 / allocated
+    for row in ok:
+        if row["batch"] == 1:
+            bound[f"fraction_of_bound_{row['name']}"] = row["decode_tok_s"] / bound["tok_s_upper_bound_b1"]
+    return bound
+
+
+def agreement(rows: list[dict]) -> dict:
+    """For each batch: how many leading greedy tokens of row 0 each config shares with jaxkv-static."""
+    result = {}
+    for row in rows:
+        ref = next((r for r in rows if r["name"] == "jaxkv-static" and r["batch"] == row["batch"]), None)
+        if "error" in row or ref is None or "error" in ref or row is ref:
+            continue
+        same = 0
+        for a, b in zip(ref["tokens_head"], row["tokens_head"]):
+            if a != b:
+                break
+            same += 1
+        result[f"{row['name']} b{row['batch']}"] = f"{same}/{min(len(ref['tokens_head']), len(row['tokens_head']))}"
+    return result
+
+
+def plot(rows: list[dict], long: dict | None, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    names = [n for n in CONFIGS if any(r["name"] == n for r in ok)]
+    batches = sorted({r["batch"] for r in ok})
+    panels = 2 if long and long.get("ratio") is not None else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6 + 2 * len(batches) + 4 * (panels - 1), 4.5), squeeze=False)
+    ax = axes[0, 0]
+    width = 0.8 / max(len(names), 1)
+    for i, name in enumerate(names):
+        values = [next((r["decode_tok_s"] for r in ok if r["name"] == name and r["batch"] == b), 0.0) for b in batches]
+        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(batches))]
+        bars = ax.bar(xs, values, width, label=name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(title, fontsize=9)
+    if names:
+        ax.legend(fontsize=8)
+    if panels == 2:
+        ax = axes[0, 1]
+        labels = [f"capacity {long['small_capacity']}", f"capacity {long['large_capacity']}"]
+        bars = ax.bar(labels, [long["small"]["decode_ms_per_step"], long["large"]["decode_ms_per_step"]], color="C0")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        ax.set_ylabel("decode ms/step (jaxkv static, batch 1)")
+        ax.set_title(f"prompt {long['prompt_tokens']} random ids: ratio {long['ratio']:.2f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2", help="default model name, .gguf file or checkpoint directory")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both systems")
+    parser.add_argument("--systems", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--long", action="store_true", help="also run the jaxkv cache-capacity experiment")
+    parser.add_argument("--long-prompt", type=int, default=4096, help="--long prompt length (random ids)")
+    parser.add_argument("--long-new-tokens", type=int, default=32)
+    parser.add_argument("--long-capacity", type=int, default=32768, help="--long large cache capacity")
+    parser.add_argument("--membw-mib", type=int, default=512, help="array size for the bandwidth measurement")
+    parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
+    parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per configuration")
+    parser.add_argument("--out", type=Path, default=Path("results/bench"), help="writes OUT.json and OUT.png")
+    parser.add_argument("--verbose", action="store_true", help="show the workers' stderr")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--"]:  # `jaxkv bench -- --batch 1 8`: the CLI passes the separator through
+        argv = argv[1:]
+    args = parser.parse_args(argv)
+    if args.worker is None:
+        if args.new_tokens < 2 or args.long_new_tokens < 2:
+            parser.error("--new-tokens and --long-new-tokens must be at least 2 (decode rate needs a decode step)")
+        if args.prompt_tokens < 1 or args.long_prompt < 1 or min(args.batch) < 1:
+            parser.error("--prompt-tokens, --long-prompt and --batch must be positive")
+    return args
+
+
+def environment(args) -> dict:
+    import importlib.metadata
+
+    versions = {}
+    for dist in ("jax", "jaxlib", "flax", "torch", "transformers", "numpy"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    cpu = platform.processor()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        pass
+    return dict(
+        cpu=cpu, cores=cpu_cores(), torch_threads=args.threads, platform=platform.platform(),
+        python=platform.python_version(), versions=versions,
+        load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
+    )  # fmt: skip
+
+
+def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
+    """One row per batch x ``--systems`` configuration, each from its own worker, with its speed-up over HF dynamic."""
+    rows = []
+    for batch in args.batch:
+        for name in args.systems:
+            system, cache, model_kwargs = CONFIGS[name]
+            spec = dict(
+                kind="generate", system=system, cache=cache, model_kwargs=model_kwargs, batch=batch, prompt=prompt,
+                new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
+            )  # fmt: skip
+            result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
+            row = dict(name=name, system=system, cache=cache, batch=batch, prompt_tokens=len(prompt),
+                       new_tokens=args.new_tokens, **result)  # fmt: skip
+            add_rates(row)
+            rows.append(row)
+    for row in rows:
+        base = next((r for r in rows if r["name"] == BASELINE and r["batch"] == row["batch"]), None)
+        if "error" not in row and base is not None and "error" not in base:
+            row["speedup_vs_hf_dynamic"] = row["decode_tok_s"] / base["decode_tok_s"]
+    return rows
+
+
+def run_long(args, common: dict) -> dict:
+    """The ``--long`` experiment: jaxkv static decode at the default capacity ("small") and at ``--long-capacity``."""
+    small_capacity = bucket(bucket(args.long_prompt) + args.long_new_tokens)
+    long = dict(prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens,
+                small_capacity=small_capacity, large_capacity=args.long_capacity)  # fmt: skip
+    if args.long_capacity <= small_capacity:
+        print(f"[bench] warning: --long-capacity {args.long_capacity} is not above the default capacity "
+              f"{small_capacity} for a {args.long_prompt}-token prompt", file=sys.stderr)  # fmt: skip
+    for which, capacity in (("small", None), ("large", args.long_capacity)):
+        spec = dict(
+            kind="long", system="jaxkv", cache="static", model_kwargs={}, batch=1, prompt=None,
+            prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens, max_length=capacity,
+            label=f"long jaxkv-static capacity {capacity or small_capacity}", **common,
+        )  # fmt: skip
+        result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
+        result.update(batch=1, prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens)
+        add_rates(result)
+        long[which] = result
+    if "error" not in long["small"] and "error" not in long["large"]:
+        long["ratio"] = long["large"]["decode_ms_per_step"] / long["small"]["decode_ms_per_step"]
+    return long
+
+
+def print_long(long: dict) -> None:
+    print("\n### Cache capacity (jaxkv static, batch 1)\n")
+    print(f"prompt {long['prompt_tokens']} random ids, {long['new_tokens']} new tokens")
+    for which in ("small", "large"):
+        r, cap = long[which], long[f"{which}_capacity"]
+        value = f"failed: {r['error'][:80]}" if "error" in r else f"{r['decode_ms_per_step']:.2f} ms/step"
+        print(f"- capacity {cap}: {value}")
+    if long.get("ratio") is not None:
+        print(f"- ratio {long['large_capacity']}/{long['small_capacity']}: {long['ratio']:.3f}")
+
+
+def print_targets(targets: list[dict]) -> None:
+    print("\n### Targets\n")
+    for t in targets:
+        mark = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
+        print(f"- [{mark}] {t['target']}: {t['display']}")
+
+
+def print_bound(bound: dict | None) -> None:
+    print("\n### Memory-bandwidth bound (batch 1 decode)\n")
+    if bound is None:
+        print("- not available (bandwidth or model measurement failed)")
+        return
+    print(
+        f"- bandwidth {bound['bandwidth_gbps']:.1f} GB/s (numpy copy {bound['numpy_copy_gbps']:.1f}, "
+        f"jax sum {bound['jax_sum_gbps']:.1f})\n"
+        f"- bytes per step: parameters {bound['param_bytes'] / 2**20:.1f} MiB + live K/V "
+        f"{bound['kv_bytes'] / 2**20:.2f} MiB (average context)\n"
+        f"- upper bound {bound['tok_s_upper_bound_b1']:.1f} tok/s"
+        + (
+            f" ({bound['tok_s_upper_bound_b1_allocated_cache']:.1f} tok/s reading the whole static buffer)"
+            if "tok_s_upper_bound_b1_allocated_cache" in bound
+            else ""
+        )
+    )
+    for key, value in bound.items():
+        if key.startswith("fraction_of_bound_"):
+            print(f"- {key.removeprefix('fraction_of_bound_')} b1 reaches {100 * value:.1f}% of the bound")
+
+
+def print_report(title: str, rows: list[dict], long: dict | None, targets: list[dict], bound: dict | None,
+                 agree: dict, table: str) -> None:  # fmt: skip
+    """The markdown report on stdout (a warning on stderr when jaxkv did not run on the CPU)."""
+    backends = sorted({r["backend"] for r in rows if r.get("backend")})
+    if backends and backends != ["cpu"]:
+        print(f"[bench] warning: jaxkv ran on {backends}, transformers on CPU; set JAX_PLATFORMS=cpu to compare like "
+              "with like", file=sys.stderr)  # fmt: skip
+    print(f"## Decode benchmark: {title}\n")
+    print(table)
+    if long is not None:
+        print_long(long)
+    print_targets(targets)
+    print_bound(bound)
+    if agree:
+        print("\nGreedy agreement with jaxkv-static (leading tokens of row 0): "
+              + ", ".join(f"{k} {v}" for k, v in agree.items()))  # fmt: skip
+
+
+def write_outputs(args, report: dict, title: str) -> None:
+    """``OUT.json`` and, when matplotlib is installed, the chart ``OUT.png``."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    json_path.write_text(json.dumps(report, indent=2))
+    try:
+        plot(report["rows"], report["long"], png_path, title)
+    except ImportError:
+        print(f"\nwrote {json_path}; no chart: matplotlib is not installed (pip install matplotlib)")
+    else:
+        print(f"\nwrote {json_path} and {png_path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(json.loads(args.worker))
+
+    start = time.perf_counter()
+    prompt = prompt_ids(args.model, args.prompt_tokens)
+    common = dict(model=args.model, dtype=args.dtype, threads=args.threads)
+    membw_spec = dict(kind="membw", mib=args.membw_mib, label="memory bandwidth")
+    membw = run_worker(membw_spec, timeout=args.worker_timeout, verbose=args.verbose)
+    rows = run_configurations(args, prompt, common)
+    long = run_long(args, common) if args.long else None
+
+    targets = check_targets(rows, long)
+    bound = bandwidth_bound(rows, membw, len(prompt), args.new_tokens)
+    agree = agreement(rows)
+    table = markdown_table(rows)
+    title = f"{args.model} {args.dtype}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; {cpu_cores()} cores"
+    print_report(title, rows, long, targets, bound, agree, table)
+    report = dict(
+        settings=dict(
+            model=args.model, dtype=args.dtype, batch=args.batch, new_tokens=args.new_tokens,
+            prompt_tokens=len(prompt), systems=args.systems, prompt_ids=prompt,
+        ),
+        environment=environment(args), rows=rows, long=long, targets=targets, memory_bandwidth=membw,
+        bandwidth_bound=bound, greedy_agreement=agree, table_markdown=table,
+        total_seconds=time.perf_counter() - start,
+    )  # fmt: skip
+    write_outputs(args, report, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

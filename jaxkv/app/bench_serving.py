@@ -1,0 +1,841 @@
+#!/usr/bin/env python
+"""Serving benchmark: the jaxkv engine (paged K/V, continuous batching, prefix caching) against
+jaxkv's static-batch ``generate`` and transformers' continuous batching, on one seeded workload.
+
+    jaxkv bench serving                                              # smollm2 float32, both workloads
+    jaxkv bench serving --quick --out results/serving-smoke.json
+    jaxkv bench serving --workload random --systems static hf --rate inf
+
+Workloads (seeded by ``--seed``; the same requests for every system):
+
+* ``random``: ``--requests`` prompts of ``--min-prompt``..``--max-prompt`` tokens and outputs of
+  ``--min-output``..``--max-output`` tokens, both log-uniform; prompts are slices at random offsets
+  of a packaged English text (the Lee corpus that ``scripts/perplexity.py`` reads) tokenized by
+  the model's tokenizer (random ids for ``--model tiny-random``);
+* ``shared-prefix``: ``--system-prompts`` system prompts of about ``--system-prompt-tokens``
+  tokens (+-5%); each request is one of them, drawn uniformly, followed by a user part of
+  ``--min-prompt`` up to whatever ``--max-prompt`` leaves.
+
+Arrivals are Poisson at ``--rate`` requests/s (``inf``: all at once), measured from the start
+of the timed run: a system sees a request only once its arrival time has passed. Every
+request is greedy and generates exactly its drawn output length (end-of-sequence ignored).
+
+Systems, each in a fresh worker process (this script with a hidden ``--worker SPEC``, so
+memory, compile caches and thread pools are its own), each warmed up before its timer starts:
+
+* ``engine``: ``jaxkv.serving.Engine`` with ``--kv-memory-mib``, ``--page-size``,
+  ``--max-num-seqs``, ``--max-num-batched-tokens``, prefix caching on; its ``warmup()``
+  compiles every step shape. ``engine-no-prefix``: the same with prefix caching off.
+* ``static``: ``jaxkv.decoding.generate.generate`` on batches of ``--static-batch`` requests
+  in arrival order; a batch starts once its last request has arrived and the previous batch
+  has finished, and runs to its longest request's output length (the other rows' extra
+  tokens are computed and dropped). Each distinct batch shape is run once before the timer
+  (compiles). Token times come from ``generate``'s ``stream`` callback (once per step).
+* ``hf``: transformers' continuous batching on the CPU: the manager behind
+  ``model.generate_batch`` (``init_continuous_batching``, then ``add_request`` as requests
+  arrive), with the same page size, ``max_batch_tokens`` = ``--max-num-batched-tokens``,
+  ``max_requests_per_batch`` = ``--max-num-seqs`` and a K/V pool of ``--kv-memory-mib``;
+  its own prefix sharing stays on (its default). Per-token timestamps are transformers' own
+  (``record_timestamps=True``). One short request runs before the timer.
+
+Metrics, per workload x system, from per-request records (arrival, first token, finish,
+output tokens; seconds since the run start):
+
+* output tok/s and requests/s: totals / makespan (the last finish; the arrivals span is a
+  lower bound of it, reported as ``arrival_span_s``: a system that finishes right after the
+  last arrival was arrival-bound, not saturated);
+* TTFT = first token - arrival; TPOT = (finish - first token) / (output tokens - 1); p50, p99;
+* peak K/V bytes: the engine's ``stats()``; static: the largest batch's cache; transformers:
+  its K/V pool (allocated whole at start);
+* wasted K/V slots: slots allocated but not holding a request's prompt or output tokens, in
+  percent (engine: ``stats()``; static: over all batches, rows x cache capacity);
+* prefix-cache hit rate (engine); compiles: the engine's compiled step shapes (``stats()``),
+  static's distinct ``generate`` shapes (a prefill and a decode loop each); both jaxkv systems
+  also count XLA compilations before the timed run (load and warm-up) and during it (which
+  should be 0).
+
+Targets (one run): engine >= 2x transformers and >= 1.5x static in output tok/s (random), wasted
+K/V < 4% (engine, random), shared-prefix TTFT p50 >= 3x lower with prefix caching than without,
+prefix caching costs < 2% output tok/s on the random workload (about 0% hits).
+
+Outputs: a markdown table and the targets on stdout, ``--out`` (JSON, per-request records
+included) and the same path with ``.png`` (throughput bars and TTFT CDFs). Timings are only
+meaningful on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+# Sibling scripts: model loading, sizes and report helpers are bench_decode's, the text perplexity's.
+from jaxkv.app.bench_decode import (
+    TINY, cpu_cores, environment, hf_model, hf_sizes, jaxkv_model, peak_rss_mib, print_targets, worker_env,
+)  # fmt: skip
+
+MODULE = "jaxkv.app.bench_serving"  # workers run as `python -m MODULE --worker SPEC`
+
+SYSTEMS = {
+    "engine": "jaxkv engine",
+    "engine-no-prefix": "jaxkv engine, no prefix cache",
+    "static": "jaxkv static batches",
+    "hf": "transformers CB (CPU)",
+}
+ENGINE_SYSTEMS = ("engine", "engine-no-prefix")
+WORKLOADS = ("random", "shared-prefix")
+# --quick: a smoke run's defaults (flags given explicitly still win).
+QUICK = dict(
+    requests=8, min_prompt=8, max_prompt=64, min_output=8, max_output=24, system_prompts=2, system_prompt_tokens=32,
+    static_batch=4,
+)  # fmt: skip
+SYSTEM_PROMPT_SPREAD = 0.05  # system prompt lengths: --system-prompt-tokens +- 5%
+TARGET_VS_HF = 2.0
+TARGET_VS_STATIC = 1.5
+TARGET_WASTED = 0.04
+TARGET_PREFIX_TTFT = 3.0
+TARGET_PREFIX_COST = 0.02
+# Statistics every system reports (None where it does not apply or is not measured).
+STAT_KEYS = (
+    "peak_kv_bytes", "wasted_slot_fraction", "prefix_hit_rate", "num_compiled", "xla_compiles_warmup",
+    "xla_compiles_run", "preemptions",
+)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# workload
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingRequest:
+    """One request of a workload: when it arrives (seconds after the run start), its prompt
+    (token ids) and exactly how many tokens it generates."""
+
+    arrival: float
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadShape:
+    """The distributions a workload is drawn from (see the module docstring)."""
+
+    num_requests: int
+    rate: float
+    min_prompt: int
+    max_prompt: int
+    min_output: int
+    max_output: int
+    system_prompts: int
+    system_prompt_tokens: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkloadShape:
+        return cls(
+            args.requests, args.rate, args.min_prompt, args.max_prompt, args.min_output, args.max_output,
+            args.system_prompts, args.system_prompt_tokens,
+        )  # fmt: skip
+
+
+def log_uniform(rng: np.random.Generator, low: int, high: int, size: int) -> np.ndarray:
+    """``[size]`` integers in ``[low, high]`` whose logarithm is uniform."""
+    values = np.exp(rng.uniform(math.log(low), math.log(high + 1), size))
+    return np.clip(np.floor(values), low, high).astype(int)
+
+
+def poisson_arrivals(rng: np.random.Generator, rate: float, size: int) -> np.ndarray:
+    """``[size]`` increasing arrival times (s) of a Poisson process of ``rate`` per second; all 0 at ``inf``."""
+    if math.isinf(rate):
+        return np.zeros(size)
+    return np.cumsum(rng.exponential(1.0 / rate, size))
+
+
+def token_slices(rng: np.random.Generator, source: np.ndarray, lengths: Sequence[int]) -> list[list[int]]:
+    """One slice of ``source`` ``[N]`` per length, each at a random offset."""
+    if max(lengths) > len(source):
+        raise ValueError(f"the token source has {len(source)} tokens, fewer than a {max(lengths)}-token prompt")
+    starts = rng.integers(0, len(source) - np.asarray(lengths) + 1)
+    return [source[start : start + n].tolist() for start, n in zip(starts, lengths)]
+
+
+def random_workload(rng: np.random.Generator, source: np.ndarray, shape: WorkloadShape) -> list[ServingRequest]:
+    """Independent prompts: no two share a prefix, except by chance."""
+    prompt_lengths = log_uniform(rng, shape.min_prompt, shape.max_prompt, shape.num_requests)
+    prompts = token_slices(rng, source, prompt_lengths)
+    return timed_requests(rng, prompts, shape)
+
+
+def shared_prefix_workload(rng: np.random.Generator, source: np.ndarray, shape: WorkloadShape) -> list[ServingRequest]:
+    """Each prompt is one of ``shape.system_prompts`` system prompts followed by its own user part."""
+    spread = round(shape.system_prompt_tokens * SYSTEM_PROMPT_SPREAD)
+    system_lengths = rng.integers(shape.system_prompt_tokens - spread, shape.system_prompt_tokens + spread + 1,
+                                  shape.system_prompts)  # fmt: skip
+    systems = token_slices(rng, source, system_lengths)
+    longest_user = max(shape.min_prompt, shape.max_prompt - int(system_lengths.max()))
+    user_lengths = log_uniform(rng, shape.min_prompt, longest_user, shape.num_requests)
+    users = token_slices(rng, source, user_lengths)
+    choices = rng.integers(0, shape.system_prompts, shape.num_requests)
+    return timed_requests(rng, [systems[c] + user for c, user in zip(choices, users)], shape)
+
+
+def timed_requests(rng: np.random.Generator, prompts: list[list[int]], shape: WorkloadShape) -> list[ServingRequest]:
+    """``prompts`` with drawn output lengths and arrival times, in arrival order."""
+    outputs = log_uniform(rng, shape.min_output, shape.max_output, len(prompts))
+    arrivals = poisson_arrivals(rng, shape.rate, len(prompts))
+    return [ServingRequest(float(t), p, int(n)) for t, p, n in zip(arrivals, prompts, outputs)]
+
+
+WORKLOAD_BUILDERS: dict[str, Callable[..., list[ServingRequest]]] = {
+    "random": random_workload,
+    "shared-prefix": shared_prefix_workload,
+}
+
+
+def make_workload(kind: str, source: np.ndarray, shape: WorkloadShape, seed: int) -> list[ServingRequest]:
+    """The ``kind`` workload for ``seed``: the same requests on every call (each kind its own stream)."""
+    rng = np.random.default_rng([seed, WORKLOADS.index(kind)])
+    return WORKLOAD_BUILDERS[kind](rng, source, shape)
+
+
+def token_source(model: str, vocab_size: int | None = None, seed: int = 0) -> np.ndarray:
+    """``[N]`` token ids prompts are cut from: the packaged corpus tokenized by ``model``'s
+    tokenizer, or (``tiny-random``) random ids below ``vocab_size``."""
+    if model == TINY:
+        return np.random.default_rng(seed).integers(0, vocab_size, 1 << 16)
+    from jaxkv.models.load import Pretrained
+    from jaxkv.app.corpus import corpus_text
+
+    tokenizer = Pretrained(model).tokenizer(required=True)
+    return np.asarray(tokenizer.encode(corpus_text(), add_special_tokens=False))
+
+
+def workload_summary(requests: list[ServingRequest]) -> dict:
+    prompts = [len(r.prompt) for r in requests]
+    outputs = [r.max_tokens for r in requests]
+    return dict(
+        num_requests=len(requests), prompt_tokens=sum(prompts), output_tokens=sum(outputs),
+        prompt_tokens_min_max=[min(prompts), max(prompts)], output_tokens_min_max=[min(outputs), max(outputs)],
+        arrival_span_s=max(r.arrival for r in requests),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# records and metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What one request saw, in seconds since the run start."""
+
+    arrival: float
+    first_token: float
+    finish: float
+    output_tokens: int
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (linear interpolation), None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def summarize(records: Sequence[Record]) -> dict:
+    """Throughput over the makespan (start to last finish) and latency percentiles."""
+    makespan = max(r.finish for r in records)
+    output_tokens = sum(r.output_tokens for r in records)
+    ttft = [r.first_token - r.arrival for r in records]
+    tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) for r in records if r.output_tokens > 1]
+    return dict(
+        makespan_s=makespan, output_tokens=output_tokens, output_tok_s=output_tokens / makespan,
+        requests_s=len(records) / makespan, ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_ms=_ms(percentile(tpot, 50)), tpot_p99_ms=_ms(percentile(tpot, 99)),
+    )  # fmt: skip
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+class Clock:
+    """Seconds since the run started; waits for arrivals."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def since_start(self, perf_counter_time: float) -> float:
+        return perf_counter_time - self.start
+
+    def sleep_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class TokenTally:
+    """A request's first-token and finish times, from outputs seen as they come."""
+
+    def __init__(self, arrival: float):
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.finish: float | None = None
+        self.tokens = 0
+
+    def observe(self, now: float, new_tokens: int, finished: bool) -> None:
+        if new_tokens and self.first_token is None:
+            self.first_token = now
+        self.tokens += new_tokens
+        if finished:
+            self.finish = now
+
+    def record(self) -> Record:
+        if self.first_token is None or self.finish is None:
+            raise RuntimeError(f"a request arriving at {self.arrival:.3f} s never finished ({self.tokens} tokens)")
+        return Record(self.arrival, self.first_token, self.finish, self.tokens)
+
+
+def check_lengths(records: list[Record], requests: list[ServingRequest], system: str) -> None:
+    """Every request generated exactly its drawn number of tokens (end-of-sequence is ignored)."""
+    wrong = [(i, r.output_tokens, q.max_tokens) for i, (r, q) in enumerate(zip(records, requests))
+             if r.output_tokens != q.max_tokens]  # fmt: skip
+    if wrong:
+        raise RuntimeError(f"{system}: requests (index, generated, asked) {wrong[:5]} did not generate as asked")
+
+
+# ----------------------------------------------------------------------------------------------
+# workers: each runs one system on one workload in its own process
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (``jax.monitoring`` events)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        import jax
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.EVENT:
+            self.count += 1
+
+
+def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
+    """The jaxkv engine: warm-up, then requests added as they arrive and one ``step()`` at a time."""
+    import jax
+
+    from jaxkv.serving import Engine  # check_args made sure it imports
+
+    compiles = CompileCounter()
+    model = jaxkv_model(spec)
+    engine = Engine(
+        model, kv_memory=f"{spec['kv_memory_mib']}MiB", page_size=spec["page_size"],
+        max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+        prefix_caching=spec["prefix_caching"],
+    )  # fmt: skip
+    start = time.perf_counter()
+    engine.warmup()
+    warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
+    records = drive_engine(engine, requests)
+    stats = dict.fromkeys(STAT_KEYS) | engine.stats()
+    stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
+    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend())
+
+
+def drive_engine(engine, requests: list[ServingRequest]) -> list[Record]:
+    """Add each request once its arrival time has passed; step while any is unfinished."""
+    clock = Clock()
+    pending = collections.deque(range(len(requests)))
+    tallies = [TokenTally(r.arrival) for r in requests]
+    index_of = {}
+    while pending or engine.has_unfinished():
+        while pending and requests[pending[0]].arrival <= clock.now():
+            i = pending.popleft()
+            index_of[engine.add_request(requests[i].prompt, max_tokens=requests[i].max_tokens, ignore_eos=True)] = i
+        if not engine.has_unfinished():
+            clock.sleep_until(requests[pending[0]].arrival)
+            continue
+        outputs = engine.step()
+        now = clock.now()
+        for out in outputs:
+            tallies[index_of[out.request_id]].observe(now, len(out.new_token_ids), out.finished)
+    records = [t.record() for t in tallies]
+    check_lengths(records, requests, "engine")
+    return records
+
+
+class StepTimes:
+    """``generate``'s ``stream``: the ``time.perf_counter()`` of each step's tokens. One object
+    serves every batch: the compiled loop takes it as a static argument, so a new one would
+    compile the loop again."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, tokens: np.ndarray) -> None:
+        self.times.append(time.perf_counter())
+
+
+def worker_static(spec: dict, requests: list[ServingRequest]) -> dict:
+    """jaxkv ``generate`` on batches of ``spec['static_batch']`` in arrival order."""
+    import jax
+
+    compiles = CompileCounter()
+    model = jaxkv_model(spec)
+    batches = [requests[i : i + spec["static_batch"]] for i in range(0, len(requests), spec["static_batch"])]
+    steps = StepTimes()
+    start = time.perf_counter()
+    for batch in distinct_shapes(batches):
+        generate_static(model, batch, steps)
+    warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
+    records, generations = drive_static(model, batches, steps)
+    check_lengths(records, requests, "static")
+    stats = static_stats(batches, generations)
+    stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
+    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend())
+
+
+def batch_shape(batch: list[ServingRequest]) -> tuple[int, int, int]:
+    """What ``generate`` compiles for: rows, padded prompt width, new tokens."""
+    from jaxkv.sizing import bucket
+
+    return len(batch), bucket(max(len(r.prompt) for r in batch)), max(r.max_tokens for r in batch)
+
+
+def distinct_shapes(batches: list[list[ServingRequest]]) -> list[list[ServingRequest]]:
+    """The first batch of each shape: running those compiles everything the timed run needs."""
+    first: dict[tuple[int, int, int], list[ServingRequest]] = {}
+    for batch in batches:
+        first.setdefault(batch_shape(batch), batch)
+    return list(first.values())
+
+
+def generate_static(model, batch: list[ServingRequest], steps: StepTimes):
+    """One greedy ``generate`` call to the batch's longest output, no stop token; ``steps`` restarts."""
+    from jaxkv.decoding.generate import generate
+
+    steps.times.clear()
+    return generate(
+        model, [r.prompt for r in batch], max_new_tokens=max(r.max_tokens for r in batch), stop_tokens=(),
+        stream=steps,
+    )  # fmt: skip
+
+
+def drive_static(model, batches: list[list[ServingRequest]], steps: StepTimes) -> tuple[list[Record], list]:
+    """Each batch once its last request has arrived (and the previous batch is done); a row's
+    first token and finish are the times of its first and its last wanted step."""
+    clock = Clock()
+    records, generations = [], []
+    for batch in batches:
+        clock.sleep_until(max(r.arrival for r in batch))
+        generations.append(generate_static(model, batch, steps))
+        times = [clock.since_start(t) for t in steps.times]
+        records += [Record(r.arrival, times[0], times[r.max_tokens - 1], r.max_tokens) for r in batch]
+    return records, generations
+
+
+def static_stats(batches: list[list[ServingRequest]], generations: list) -> dict:
+    """Peak K/V bytes (the largest batch's cache) and the share of allocated slots (rows x
+    capacity) not holding a request's own prompt and output tokens."""
+    used = sum(len(r.prompt) + r.max_tokens for batch in batches for r in batch)
+    allocated = sum(g.tokens.shape[0] * g.cache.max_length for g in generations)
+    return dict.fromkeys(STAT_KEYS) | dict(
+        peak_kv_bytes=max(g.cache_bytes for g in generations), wasted_slot_fraction=1 - used / allocated,
+        num_compiled=len(distinct_shapes(batches)),
+    )  # fmt: skip
+
+
+def worker_hf(spec: dict, requests: list[ServingRequest]) -> dict:
+    """transformers' continuous batching: requests added as they arrive, tokens timed by transformers."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    model = hf_model(spec)
+    kv_bytes_per_token = hf_sizes(model)["kv_bytes_per_token"]
+    num_blocks = spec["kv_memory_mib"] * 2**20 // (spec["page_size"] * kv_bytes_per_token)
+    start = time.perf_counter()
+    with torch.inference_mode():  # the manager's thread runs in the mode it was started in
+        manager = start_hf_manager(model, spec, num_blocks)
+        try:
+            warm_up_hf(manager, requests[0].prompt[: spec["page_size"] - 1])  # less than a page: nothing to share
+            warmup_seconds = time.perf_counter() - start
+            records = drive_hf(manager, requests)
+        finally:
+            manager.stop(block=True)
+    check_lengths(records, requests, "hf")
+    stats = dict.fromkeys(STAT_KEYS) | dict(peak_kv_bytes=num_blocks * spec["page_size"] * kv_bytes_per_token)
+    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend="cpu", num_blocks=num_blocks,
+                attn_implementation=model.config._attn_implementation, threads=torch.get_num_threads())  # fmt: skip
+
+
+def start_hf_manager(model, spec: dict, num_blocks: int):
+    """A started continuous-batching manager: greedy, the engine's page size and batch limits,
+    ``num_blocks`` pages of K/V (on the CPU it would otherwise size its pool from 60% of RAM)."""
+    import transformers
+
+    generation = transformers.GenerationConfig(do_sample=False, max_new_tokens=spec["max_output"])
+    batching = transformers.ContinuousBatchingConfig(
+        page_size=spec["page_size"], num_blocks=num_blocks, max_batch_tokens=spec["max_num_batched_tokens"],
+        max_requests_per_batch=spec["max_num_seqs"],
+    )  # fmt: skip
+    manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=batching)
+    manager.warmup()
+    manager.start()
+    return manager
+
+
+def warm_up_hf(manager, prompt: list[int]) -> None:
+    """One 2-token request through the manager: first-call allocations happen before the timer."""
+    request_id = manager.add_request(prompt, request_id="warm-up", max_new_tokens=2, eos_token_id=-1)
+    if request_id is None:
+        raise RuntimeError("transformers' continuous batching manager refused the warm-up request")
+    collect_hf(manager, 1)
+
+
+def drive_hf(manager, requests: list[ServingRequest]) -> list[Record]:
+    """Each request added at its arrival time (the manager's thread generates meanwhile);
+    eos_token_id=-1 turns end-of-sequence off."""
+    clock = Clock()
+    for i, request in enumerate(requests):
+        clock.sleep_until(request.arrival)
+        manager.add_request(request.prompt, request_id=str(i), max_new_tokens=request.max_tokens,
+                            record_timestamps=True, eos_token_id=-1)  # fmt: skip
+    results = collect_hf(manager, len(requests))
+    return [hf_record(results[str(i)], request, clock) for i, request in enumerate(requests)]
+
+
+def collect_hf(manager, count: int) -> dict:
+    """The next ``count`` finished results by request id; raises if one failed or the manager died."""
+    results = {}
+    while len(results) < count:
+        result = manager.get_result(timeout=1)
+        if result is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching thread stopped before every request finished")
+        if result is not None and result.error is not None:
+            raise RuntimeError(f"transformers request {result.request_id} failed: {result.error}")
+        if result is not None and result.is_finished():
+            results[result.request_id] = result
+    return results
+
+
+def hf_record(result, request: ServingRequest, clock: Clock) -> Record:
+    times = result.timestamps
+    return Record(request.arrival, clock.since_start(times[0]), clock.since_start(times[-1]),
+                  len(result.generated_tokens))  # fmt: skip
+
+
+WORKERS = {"engine": worker_engine, "engine-no-prefix": worker_engine, "static": worker_static, "hf": worker_hf}
+
+
+def worker_main(spec_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
+    requests = [ServingRequest(**r) for r in spec["requests"]]
+    start = time.perf_counter()
+    result = WORKERS[spec["system"]](spec, requests)
+    result["worker_s"] = time.perf_counter() - start
+    result["records"] = [dataclasses.asdict(r) for r in result["records"]]
+    result["peak_rss_mib"] = peak_rss_mib()
+    Path(spec["result_path"]).write_text(json.dumps(result))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# parent
+
+
+def run_worker(spec: dict, *, timeout: float | None, verbose: bool) -> dict:
+    """``spec`` run by a fresh worker; its result, or ``{"error": ...}``."""
+    print(f"[bench] {spec['label']} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec | {"result_path": str(result_path)}))
+        command = [sys.executable, "-m", MODULE, "--worker", str(spec_path)]
+        output = None if verbose else subprocess.PIPE
+        try:
+            proc = subprocess.run(
+                command, check=False, env=worker_env(), stdout=output, stderr=output, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            print(f"[bench] {spec['label']}: timed out after {timeout} s", file=sys.stderr)
+            return {"error": f"timed out after {timeout} s"}
+        if proc.returncode != 0 or not result_path.is_file():
+            tail = ((proc.stderr or "") + (proc.stdout or ""))[-3000:].strip()
+            print(f"[bench] {spec['label']}: worker failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
+            return {"error": f"exit {proc.returncode}: {tail.splitlines()[-1] if tail else 'see --verbose'}"}
+        result = json.loads(result_path.read_text())
+    print(f"[bench] {spec['label']}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list[ServingRequest]) -> dict:
+    return dict(
+        system=system, workload=kind, label=f"{kind} / {system}", model=args.model, dtype=args.dtype,
+        model_kwargs={}, threads=args.threads, kv_memory_mib=args.kv_memory_mib, page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=system == "engine", static_batch=args.static_batch, max_output=args.max_output,
+        requests=[dataclasses.asdict(r) for r in requests],
+    )  # fmt: skip
+
+
+def run_system(args: argparse.Namespace, system: str, kind: str, requests: list[ServingRequest]) -> dict:
+    """One row: the worker's result with its metrics (``summarize``) merged in."""
+    result = run_worker(system_spec(args, system, kind, requests), timeout=args.worker_timeout, verbose=args.verbose)
+    row = dict(workload=kind, system=system, **result)
+    if "error" not in row:
+        row.update(summarize([Record(**r) for r in row["records"]]))
+    return row
+
+
+def find_row(rows: list[dict], kind: str, system: str) -> dict | None:
+    return next((r for r in rows if r["workload"] == kind and r["system"] == system and "error" not in r), None)
+
+
+def ratio_target(name: str, numerator: float | None, denominator: float | None, threshold: float) -> dict:
+    """``numerator / denominator >= threshold`` (not measured when either is missing)."""
+    value = None if numerator is None or denominator is None else numerator / denominator
+    return dict(target=name, value=value, display="not measured" if value is None else f"{value:.2f}x",
+                passed=None if value is None else value >= threshold)  # fmt: skip
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, each with its value, display and verdict (None: not measured)."""
+
+    def metric(kind: str, system: str, key: str) -> float | None:
+        row = find_row(rows, kind, system)
+        return None if row is None else row[key]
+
+    def stat(kind: str, system: str, key: str) -> float | None:
+        row = find_row(rows, kind, system)
+        return None if row is None else row["stats"][key]
+
+    def tok_s(kind: str, system: str) -> float | None:
+        return metric(kind, system, "output_tok_s")
+
+    wasted = stat("random", "engine", "wasted_slot_fraction")
+    hits = stat("random", "engine", "prefix_hit_rate")
+    cost = ratio_target(
+        f"random: prefix caching costs < {TARGET_PREFIX_COST:.0%} output tok/s (engine / no-prefix)",
+        tok_s("random", "engine"),
+        tok_s("random", "engine-no-prefix"),
+        1 - TARGET_PREFIX_COST,
+    )
+    if hits is not None and cost["value"] is not None:
+        cost["display"] += f" at {hits:.1%} prefix hits"
+    return [
+        ratio_target(f"random: engine >= {TARGET_VS_HF:g}x transformers CB output tok/s",
+                     tok_s("random", "engine"), tok_s("random", "hf"), TARGET_VS_HF),
+        ratio_target(f"random: engine >= {TARGET_VS_STATIC:g}x static batching output tok/s",
+                     tok_s("random", "engine"), tok_s("random", "static"), TARGET_VS_STATIC),
+        dict(target=f"random: engine wasted K/V slots < {TARGET_WASTED:.0%}", value=wasted,
+             display="not measured" if wasted is None else f"{wasted:.2%}",
+             passed=None if wasted is None else wasted < TARGET_WASTED),
+        ratio_target(f"shared-prefix: TTFT p50 >= {TARGET_PREFIX_TTFT:g}x lower with prefix caching (no-prefix / "
+                     "engine)", metric("shared-prefix", "engine-no-prefix", "ttft_p50_s"),
+                     metric("shared-prefix", "engine", "ttft_p50_s"), TARGET_PREFIX_TTFT),
+        cost,
+    ]  # fmt: skip
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+TABLE_HEADER = (
+    "workload", "system", "output tok/s", "req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
+    "peak K/V MiB", "wasted K/V %", "prefix hits %", "compiles",
+)  # fmt: skip
+
+
+def table_cells(row: dict) -> list[str]:
+    if "error" in row:
+        return [row["workload"], SYSTEMS[row["system"]], f"failed: {row['error'][:60]}"] + ["-"] * 9
+    stats = row["stats"]
+    return [
+        row["workload"], SYSTEMS[row["system"]], _fmt(row["output_tok_s"], ".1f"), _fmt(row["requests_s"], ".2f"),
+        _fmt(row["ttft_p50_s"], ".2f"), _fmt(row["ttft_p99_s"], ".2f"), _fmt(row["tpot_p50_ms"], ".1f"),
+        _fmt(row["tpot_p99_ms"], ".1f"), _fmt(stats["peak_kv_bytes"], ".1f", 2**-20),
+        _fmt(stats["wasted_slot_fraction"], ".1f", 100), _fmt(stats["prefix_hit_rate"], ".1f", 100),
+        _fmt(stats["num_compiled"], ".0f"),
+    ]  # fmt: skip
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 10) + "|"]
+    lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], kinds: list[str], path: Path, title: str) -> None:
+    """Per workload: output tok/s per system (bars) and each system's TTFT CDF."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(kinds), 2, figsize=(12, 4 * len(kinds)), squeeze=False)
+    for (bars_ax, cdf_ax), kind in zip(axes, kinds):
+        ok = [r for r in rows if r["workload"] == kind and "error" not in r]
+        bars = bars_ax.bar([SYSTEMS[r["system"]] for r in ok], [r["output_tok_s"] for r in ok],
+                           color=[f"C{list(SYSTEMS).index(r['system'])}" for r in ok])  # fmt: skip
+        bars_ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        bars_ax.set_ylabel("output tokens/s")
+        bars_ax.set_title(f"{kind}: {title}", fontsize=9)
+        bars_ax.tick_params(axis="x", labelsize=8)
+        for row in ok:
+            ttft = np.sort([r["first_token"] - r["arrival"] for r in row["records"]])
+            cdf_ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=SYSTEMS[row["system"]],
+                        color=f"C{list(SYSTEMS).index(row['system'])}")  # fmt: skip
+        cdf_ax.set_xscale("log")
+        cdf_ax.set_xlabel("time to first token (s)")
+        cdf_ax.set_ylabel("fraction of requests")
+        cdf_ax.set_title(f"{kind}: TTFT CDF", fontsize=9)
+        if ok:
+            cdf_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(args: argparse.Namespace, report: dict, kinds: list[str], title: str) -> None:
+    """``--out`` (JSON) and, when matplotlib is installed, the chart next to it (``.png``)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    png_path = args.out.with_suffix(".png")
+    args.out.write_text(json.dumps(report, indent=2))
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"\nwrote {args.out}; no chart: matplotlib is not installed (pip install matplotlib)")
+        return
+    plot(report["rows"], kinds, png_path, title)
+    print(f"\nwrote {args.out} and {png_path}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", default="smollm2", help=f"default model name, .gguf, checkpoint or {TINY}")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every system")
+    parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
+    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at once)")
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--system-prompts", type=int, default=8, help="shared-prefix: distinct system prompts")
+    parser.add_argument("--system-prompt-tokens", type=int, default=400, help="shared-prefix: their length")
+    parser.add_argument("--kv-memory-mib", type=int, default=1024, help="K/V pool of the engine and transformers")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (both too)")
+    parser.add_argument("--static-batch", type=int, default=8, help="static batching: requests per batch")
+    parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
+    parser.add_argument("--quick", action="store_true", help=f"smoke-run defaults: {QUICK}")
+    parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per system and workload")
+    parser.add_argument("--out", type=Path, default=Path("results/serving.json"), help="JSON; the PNG goes next to it")
+    parser.add_argument("--verbose", action="store_true", help="show the workers' output")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
+    if args.worker is None:
+        check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.requests, args.min_prompt, args.min_output, args.system_prompts, args.static_batch) < 1:
+        parser.error("--requests, --min-prompt, --min-output, --system-prompts and --static-batch must be positive")
+    if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
+        parser.error("--min-prompt/--min-output must not exceed --max-prompt/--max-output")
+    if not args.rate > 0:
+        parser.error("--rate must be positive (inf: every request arrives at the start)")
+    if args.out.suffix != ".json":
+        parser.error(f"--out names the JSON file (the chart takes its name with .png), got {args.out}")
+    engines = [s for s in args.systems if s in ENGINE_SYSTEMS]
+    problem = engines and engine_import_error()
+    if problem:
+        parser.error(f"{', '.join(engines)} need jaxkv.serving.Engine (issue 13), which does not import here "
+                     f"({problem}); run --systems static hf meanwhile")  # fmt: skip
+
+
+def engine_import_error() -> str | None:
+    """Why ``from jaxkv.serving import Engine`` fails, or None when it works."""
+    try:
+        from jaxkv.serving import Engine  # noqa: F401
+    except ImportError as error:
+        return str(error)
+    return None
+
+
+def selected_workloads(args: argparse.Namespace) -> list[str]:
+    return list(WORKLOADS) if args.workload == "both" else [args.workload]
+
+
+def build_workloads(args: argparse.Namespace) -> dict[str, list[ServingRequest]]:
+    from jaxkv.app.bench_decode import TINY_CONFIG
+
+    source = token_source(args.model, TINY_CONFIG["vocab_size"], args.seed)
+    shape = WorkloadShape.from_args(args)
+    return {kind: make_workload(kind, source, shape, args.seed) for kind in selected_workloads(args)}
+
+
+def print_report(title: str, table: str, targets: list[dict], workloads: dict, rows: list[dict]) -> None:
+    print(f"## Serving benchmark: {title}\n")
+    for kind, requests in workloads.items():
+        summary = workload_summary(requests)
+        print(f"- {kind}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt and "
+              f"{summary['output_tokens']} output tokens, arrivals over {summary['arrival_span_s']:.1f} s")  # fmt: skip
+    print()
+    print(table)
+    print_targets(targets)
+    backends = sorted({r["backend"] for r in rows if "error" not in r and r["system"] != "hf"})
+    if backends and backends != ["cpu"]:
+        print(f"\njaxkv ran on {backends}, transformers on the CPU (JAX_PLATFORMS=cpu compares like with like)")
+
+
+def json_settings(args: argparse.Namespace) -> dict:
+    """The arguments as strict JSON: paths as strings, an infinite rate as null."""
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"}
+    return settings | {"rate": None if math.isinf(args.rate) else args.rate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args.worker)
+    start = time.perf_counter()
+    workloads = build_workloads(args)
+    rows = [run_system(args, system, kind, requests) for kind, requests in workloads.items() for system in args.systems]
+    targets = check_targets(rows)
+    table = markdown_table(rows)
+    rate = "all at once" if math.isinf(args.rate) else f"{args.rate:g} req/s"
+    title = f"{args.model} {args.dtype}, {args.requests} requests, Poisson {rate}, seed {args.seed}"
+    print_report(title, table, targets, workloads, rows)
+    report = dict(
+        settings=json_settings(args),
+        environment=environment(args), workloads={k: workload_summary(v) for k, v in workloads.items()},
+        rows=rows, targets=targets, table_markdown=table, total_seconds=time.perf_counter() - start,
+    )  # fmt: skip
+    write_outputs(args, report, list(workloads), title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
