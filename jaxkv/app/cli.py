@@ -377,12 +377,52 @@ def run_bench(args) -> int:
     return importlib.import_module(BENCHMARKS[args.benchmark]).main(args.options)
 
 
+def _serve_parser(sub) -> None:
+    parser = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the serving engine")
+    parser.add_argument("--model", default="smollm2", help="embedded default name, a checkpoint directory or a .gguf")
+    parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--kv-memory", default="1GiB", help="bytes for the K/V page pools, e.g. 512MiB")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests decoding at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="prefill tokens per step")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
+    parser.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 503")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+
+
+def run_serve(args) -> int:
+    """Load, build the engine, compile every step shape, then serve until SIGINT/SIGTERM."""
+    from jaxkv.app.server import Server, serve
+    from jaxkv.models.load import load_pretrained
+    from jaxkv.serving import Engine
+    from jaxkv.serving.runner import EngineRunner
+
+    model, tokenizer = load_pretrained(args.model)
+    if tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer: the server needs one for text prompts and outputs")
+    engine = Engine(
+        model, tokenizer=tokenizer, kv_memory=args.kv_memory, page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, prefix_caching=args.prefix_caching,
+    )  # fmt: skip
+    start = time.perf_counter()
+    engine.warmup()
+    name = args.served_model_name or args.model
+    print(f"jaxkv serve: {name} ready at http://{args.host}:{args.port}/v1 (compiled in "
+          f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
+    serve(Server(EngineRunner(engine).start(), tokenizer, name, args.max_waiting), args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Functional KV caches for JAX models")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _chat_parser(sub)
     _bench_parser(sub)
+    _serve_parser(sub)
     return parser
 
 
@@ -390,6 +430,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "serve":
+        return run_serve(args)
     try:
         return run_chat(args) if args.command == "chat" else run_generate(args)
     except (ValueError, FileNotFoundError) as error:

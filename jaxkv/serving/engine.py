@@ -215,6 +215,15 @@ class Engine:
                 self.scheduler.finish(sample)
                 self.aborted.append(sample)
 
+    def request_finished(self, request_id: int) -> bool:
+        """Have all of a request's samples finished (its later samples exist once the first has
+        computed its prompt; an abort before that ends the request)?"""
+        samples = self.samples.get(request_id, [])
+        if not samples:
+            return True
+        complete = len(samples) == samples[0].options.n or samples[0].finish_reason == "abort"
+        return complete and all(sample.finished for sample in samples)
+
     def pop(self, request_id: int) -> list[SampleState]:
         """Forget a request (a long-lived server calls this once it has reported a finished one);
         returns its samples. An unfinished request is aborted first."""
