@@ -2,9 +2,11 @@
 (``--full-attention``, ``--quantization``, ``--kv-*``), the old ``--cache`` spelling still accepted
 with a deprecation warning, and contradictions refused with a message naming the flag."""
 
+from pathlib import Path
+
 import pytest
 
-from jaxkv.app.cli import build_parser, resolve_config
+from jaxkv.app.cli import build_parser, main, resolve_config, resolve_serve_config
 from jaxkv.app.config import QuantizationConfig
 
 
@@ -46,3 +48,22 @@ def test_config_file_quantization_can_be_turned_off_by_the_old_flag(tmp_path):
     config.write_text("cache:\n  quantization:\n    nbits: 4\n")
     assert resolved("--config", str(config)).cache.quantization is not None
     assert resolved("--config", str(config), "--cache", "static").cache.quantization is None
+
+
+def test_serve_config_file_and_flags():
+    """``jaxkv serve --config``: the YAML validated, flags on top; a typo names the key and the file."""
+    parse = build_parser().parse_args
+    path = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
+    config = resolve_serve_config(parse(["serve", "--config", str(path), "--port", "9001"]))
+    assert (config.model, config.kv_memory, config.port, config.prefix_caching) == ("smollm2", "512MiB", 9001, True)
+    off = resolve_serve_config(parse(["serve", "--no-prefix-caching"]))
+    assert off.prefix_caching is False and off.host == "127.0.0.1"
+
+
+def test_serve_config_typo_is_named(tmp_path, capsys):
+    bad = tmp_path / "serve.yaml"
+    bad.write_text("model: smollm2\nmax_num_seq: 8\n")
+    with pytest.raises(ValueError, match="max_num_seq"):
+        resolve_serve_config(build_parser().parse_args(["serve", "--config", str(bad)]))
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert "max_num_seq" in capsys.readouterr().err

@@ -202,6 +202,20 @@ def test_backpressure_answers_503_with_retry_after(server):
     assert busy and all(r.headers.get("retry-after") and r.json()["error"]["type"] for r in busy)
 
 
+def test_logprobs_and_top_logprobs(client):
+    """Completions ``logprobs=2`` and chat ``logprobs`` with ``top_logprobs=2``: one entry per
+    generated token; greedy tokens are their own top alternative."""
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2).choices[0]
+    assert len(done.logprobs.tokens) == len(done.logprobs.token_logprobs) == 4
+    for token, logprob, top in zip(done.logprobs.tokens, done.logprobs.token_logprobs, done.logprobs.top_logprobs):
+        assert logprob <= 0 and len(top) == 2 and max(top.values()) == pytest.approx(logprob) and token in top
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0]  # fmt: skip
+    assert len(chat.logprobs.content) == 3
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in chat.logprobs.content)
+
+
 def test_sigterm_drains_requests_in_flight(server):
     """Last in this file: SIGTERM mid-stream lets the stream finish, refuses new connections,
     then the server exits with status 0."""

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
-from jaxkv.app.config import CacheConfig, Strict, load_config
+from jaxkv.app.config import CacheConfig, QuantizationConfig, Strict, load_config
 
 
 class GenerateConfig(Strict):
@@ -377,19 +377,47 @@ def run_bench(args) -> int:
     return importlib.import_module(BENCHMARKS[args.benchmark]).main(args.options)
 
 
+class ServeConfig(Strict):
+    """What ``jaxkv serve`` runs; ``--config FILE`` (YAML, e.g. configs/serve.yaml) sets any of these."""
+
+    model: str = "smollm2"
+    served_model_name: str | None = None  # the name clients pass as `model` (default: model)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_memory: str = "1GiB"
+    page_size: PositiveInt = 16
+    max_num_seqs: PositiveInt = 16
+    max_num_batched_tokens: PositiveInt = 256
+    max_model_len: PositiveInt | None = None
+    max_waiting: PositiveInt = 64
+    prefix_caching: bool = True
+    quantization: QuantizationConfig | None = None  # quantized pages (per token, residual_length 0)
+
+
+SERVE_FLAGS = tuple(name for name in ServeConfig.model_fields if name != "quantization")
+
+
 def _serve_parser(sub) -> None:
     parser = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the serving engine")
-    parser.add_argument("--model", default="smollm2", help="embedded default name, a checkpoint directory or a .gguf")
+    parser.add_argument("--config", type=Path, help="YAML file (configs/serve.yaml); flags below override it")
+    parser.add_argument("--model", help="embedded default name, a checkpoint directory or a .gguf (default smollm2)")
     parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--kv-memory", default="1GiB", help="bytes for the K/V page pools, e.g. 512MiB")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="requests decoding at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="prefill tokens per step")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="default 8000")
+    parser.add_argument("--kv-memory", help="bytes for the K/V page pools, e.g. 512MiB (default 1GiB)")
+    parser.add_argument("--page-size", type=int, help="tokens per page (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 16)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="prefill tokens per step (default 256)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
-    parser.add_argument("--max-waiting", type=int, default=64, help="queued requests before answering 503")
-    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    parser.add_argument("--max-waiting", type=int, help="queued requests before answering 503 (default 64)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None)
+
+
+def resolve_serve_config(args) -> ServeConfig:
+    """The YAML config (if any) with the command-line flags on top, validated as a whole."""
+    merged = (load_config(args.config, ServeConfig) if args.config else ServeConfig()).model_dump()
+    merged |= {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key) is not None}
+    return ServeConfig.model_validate(merged)
 
 
 def run_serve(args) -> int:
@@ -399,20 +427,22 @@ def run_serve(args) -> int:
     from jaxkv.serving import Engine
     from jaxkv.serving.runner import EngineRunner
 
-    model, tokenizer = load_pretrained(args.model)
+    config = resolve_serve_config(args)
+    model, tokenizer = load_pretrained(config.model)
     if tokenizer is None:
-        raise ValueError(f"{args.model} has no tokenizer: the server needs one for text prompts and outputs")
+        raise ValueError(f"{config.model} has no tokenizer: the server needs one for text prompts and outputs")
     engine = Engine(
-        model, tokenizer=tokenizer, kv_memory=args.kv_memory, page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, prefix_caching=args.prefix_caching,
+        model, tokenizer=tokenizer, kv_memory=config.kv_memory, page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
+        quantization=None if config.quantization is None else config.quantization.spec(),
     )  # fmt: skip
     start = time.perf_counter()
     engine.warmup()
-    name = args.served_model_name or args.model
-    print(f"jaxkv serve: {name} ready at http://{args.host}:{args.port}/v1 (compiled in "
+    name = config.served_model_name or config.model
+    print(f"jaxkv serve: {name} ready at http://{config.host}:{config.port}/v1 (compiled in "
           f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
-    serve(Server(EngineRunner(engine).start(), tokenizer, name, args.max_waiting), args.host, args.port)
+    serve(Server(EngineRunner(engine).start(), tokenizer, name, config.max_waiting), config.host, config.port)
     return 0
 
 
@@ -426,14 +456,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return run_bench(args)
-    if args.command == "serve":
-        return run_serve(args)
     try:
-        return run_chat(args) if args.command == "chat" else run_generate(args)
+        return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2

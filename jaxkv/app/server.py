@@ -314,7 +314,8 @@ def create_app(server: Server) -> FastAPI:
 
 async def respond(server: Server, body: CompletionRequest | ChatRequest, request: Request, chat: bool):
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    request_id, prompt_tokens = server.submit(body, queue, loop)
+    # Off the event loop: tokenizing and queueing may wait for the engine's current step.
+    request_id, prompt_tokens = await asyncio.to_thread(server.submit, body, queue, loop)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     samples = [Sample(body.stops()) for _ in range(body.n)]
     started = time.perf_counter()

@@ -6,9 +6,10 @@ requests, abort them and receive their outputs.
     runner.abort(request_id)
     runner.stop()                                                 # finishes what is in flight, then returns
 
-One lock guards the engine: ``submit`` and ``abort`` wait at most one step. Outputs go to each
-request's sink outside the lock; a request is forgotten (``Engine.pop``) once all its samples
-have finished.
+One lock guards the engine: ``submit`` waits at most one step (call it off an event loop);
+``abort`` and ``stats`` never wait (an abort is applied before the next step, stats are the
+last step's). Outputs go to each request's sink outside the lock; a request is forgotten
+(``Engine.pop``) once all its samples have finished.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ Sink = Callable[[RequestOutput], None]
 class EngineRunner:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._condition = threading.Condition()
+        self._engine_lock = threading.Lock()  # held for a step, or to add a request
+        self._wakeup = threading.Event()  # set when there may be work
         self._sinks: dict[int, Sink] = {}
+        self._aborts: list[int] = []  # appended by any thread, applied by the engine thread
+        self._stats = engine.stats()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="jaxkv-engine", daemon=True)
 
@@ -41,44 +45,54 @@ class EngineRunner:
     def submit(self, prompt_ids: Sequence[int], sink: Sink, **options) -> int:
         """Queue a request (``Engine.add_request``'s keywords; its errors are raised here);
         ``sink`` receives each of its outputs."""
-        with self._condition:
+        with self._engine_lock:
             if self._closing:
                 raise RuntimeError("the engine is shutting down and takes no new requests")
             request_id = self.engine.add_request(prompt_ids, **options)
             self._sinks[request_id] = sink
-            self._condition.notify()
+            self._stats = self.engine.stats()
+        self._wakeup.set()
         return request_id
 
     def abort(self, request_id: int) -> None:
         """Stop a request; its pages are free before the next step, its sink gets 'abort' outputs."""
-        with self._condition:
-            if request_id in self._sinks:
-                self.engine.abort(request_id)
-                self._condition.notify()
+        self._aborts.append(request_id)  # list.append is atomic: no lock, no wait for a step
+        self._wakeup.set()
 
     def stats(self) -> dict:
-        with self._condition:
-            return self.engine.stats()
+        """``Engine.stats`` as of the last step (or the last submission)."""
+        return self._stats
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuse new requests, let the ones in flight finish, then end the thread."""
-        with self._condition:
-            self._closing = True
-            self._condition.notify()
+        self._closing = True
+        self._wakeup.set()
         self._thread.join(timeout)
 
     def _loop(self) -> None:
         while True:
-            with self._condition:
-                while not (self.engine.has_unfinished() or self.engine.aborted or self._closing):
-                    self._condition.wait()
-                if self._closing and not (self.engine.has_unfinished() or self.engine.aborted):
+            with self._engine_lock:
+                self._apply_aborts()
+                busy = self.engine.has_unfinished() or bool(self.engine.aborted)
+                if busy:
+                    outputs = self.engine.step()
+                    deliveries = [(self._sinks[output.request_id], output) for output in outputs]
+                    self._forget_finished(outputs)
+                    self._stats = self.engine.stats()
+                elif self._closing:
                     return
-                outputs = self.engine.step()
-                deliveries = [(self._sinks[output.request_id], output) for output in outputs]
-                self._forget_finished(outputs)
-            for sink, output in deliveries:
-                sink(output)
+            if busy:
+                for sink, output in deliveries:
+                    sink(output)
+                continue
+            self._wakeup.wait()  # state is read again under the lock: a wakeup between the two is not lost
+            self._wakeup.clear()
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            request_id = self._aborts.pop()
+            if request_id in self._sinks:
+                self.engine.abort(request_id)
 
     def _forget_finished(self, outputs: list[RequestOutput]) -> None:
         for request_id in {output.request_id for output in outputs if output.finished}:
