@@ -216,6 +216,20 @@ def test_logprobs_and_top_logprobs(client):
     assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in chat.logprobs.content)
 
 
+def test_cache_salt_keeps_tenants_apart(client):
+    """A repeated long prompt is served from the prefix cache (``usage.prompt_tokens_details``)
+    only for requests with the same ``cache_salt``."""
+    prompt = "Tenant data: " + "alpha beta gamma delta " * 20
+
+    def cached(salt):
+        done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                         extra_body={"cache_salt": salt})  # fmt: skip
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    first_a, first_b, again_a = cached("tenant-1"), cached("tenant-2"), cached("tenant-1")
+    assert first_a == 0 and first_b == 0 and again_a > 0
+
+
 def test_sigterm_drains_requests_in_flight(server):
     """Last in this file: SIGTERM mid-stream lets the stream finish, refuses new connections,
     then the server exits with status 0."""

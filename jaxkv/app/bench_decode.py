@@ -432,8 +432,9 @@ def add_rates(row: dict) -> None:
     row["decode_ms_per_step"] = 1000 * row["decode_s"] / (new - 1)
 
 
-def _fmt(value, spec=".1f") -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
+    """A table cell: ``value * scale`` in ``spec``, or '-' when there is none."""
+    return "-" if value is None else format(value * scale, spec)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -449,9 +450,9 @@ def markdown_table(rows: list[dict]) -> str:
         else:
             speedup = row.get("speedup_vs_hf_dynamic")
             cells = [
-                system, row["cache"], str(row["batch"]), _fmt(row["prefill_tok_s"]), _fmt(row["decode_tok_s"]),
-                _fmt(row["compile_s"], ".2f"), _fmt(row["ttft_s"], ".2f"), _fmt(row["peak_rss_mib"], ".0f"),
-                _fmt(row["cache_bytes"] / 2**20, ".2f"), "-" if speedup is None else f"{speedup:.2f}x",
+                system, row["cache"], str(row["batch"]), fmt(row["prefill_tok_s"]), fmt(row["decode_tok_s"]),
+                fmt(row["compile_s"], ".2f"), fmt(row["ttft_s"], ".2f"), fmt(row["peak_rss_mib"], ".0f"),
+                fmt(row["cache_bytes"] / 2**20, ".2f"), "-" if speedup is None else f"{speedup:.2f}x",
             ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -82,7 +82,7 @@ import numpy as np
 
 # Sibling scripts: model loading, sizes and report helpers are bench_decode's, the text perplexity's.
 from jaxkv.app.bench_decode import (
-    TINY, cpu_cores, environment, hf_model, hf_sizes, jaxkv_model, peak_rss_mib, print_targets, worker_env,
+    TINY, cpu_cores, environment, fmt, hf_model, hf_sizes, jaxkv_model, peak_rss_mib, print_targets, worker_env,
 )  # fmt: skip
 
 MODULE = "jaxkv.app.bench_serving"  # workers run as `python -m MODULE --worker SPEC`
@@ -651,10 +651,6 @@ def check_targets(rows: list[dict]) -> list[dict]:
     ]  # fmt: skip
 
 
-def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value * scale, spec)
-
-
 TABLE_HEADER = (
     "workload", "system", "output tok/s", "req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
     "peak K/V MiB", "wasted K/V %", "prefix hits %", "compiles",
@@ -666,11 +662,11 @@ def table_cells(row: dict) -> list[str]:
         return [row["workload"], SYSTEMS[row["system"]], f"failed: {row['error'][:60]}"] + ["-"] * 9
     stats = row["stats"]
     return [
-        row["workload"], SYSTEMS[row["system"]], _fmt(row["output_tok_s"], ".1f"), _fmt(row["requests_s"], ".2f"),
-        _fmt(row["ttft_p50_s"], ".2f"), _fmt(row["ttft_p99_s"], ".2f"), _fmt(row["tpot_p50_ms"], ".1f"),
-        _fmt(row["tpot_p99_ms"], ".1f"), _fmt(stats["peak_kv_bytes"], ".1f", 2**-20),
-        _fmt(stats["wasted_slot_fraction"], ".1f", 100), _fmt(stats["prefix_hit_rate"], ".1f", 100),
-        _fmt(stats["num_compiled"], ".0f"),
+        row["workload"], SYSTEMS[row["system"]], fmt(row["output_tok_s"], ".1f"), fmt(row["requests_s"], ".2f"),
+        fmt(row["ttft_p50_s"], ".2f"), fmt(row["ttft_p99_s"], ".2f"), fmt(row["tpot_p50_ms"], ".1f"),
+        fmt(row["tpot_p99_ms"], ".1f"), fmt(stats["peak_kv_bytes"], ".1f", 2**-20),
+        fmt(stats["wasted_slot_fraction"], ".1f", 100), fmt(stats["prefix_hit_rate"], ".1f", 100),
+        fmt(stats["num_compiled"], ".0f"),
     ]  # fmt: skip
 
 

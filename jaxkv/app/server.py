@@ -133,12 +133,14 @@ class Sample:
     def __init__(self, stops: Sequence[str]):
         self.stops, self.sent_text, self.tokens, self.logprobs = stops, "", [], []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # prompt tokens the prefix cache served
 
     def delta(self, output: RequestOutput) -> str:
         """New text that is safe to send: never a tail that could still become a stop string,
         nor a half-decoded character."""
         self.tokens += output.new_token_ids
         self.logprobs += list(output.logprobs)
+        self.cached_tokens = output.num_cached_tokens
         text = output.text
         if not output.finished:
             hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
@@ -240,8 +242,15 @@ def field_of(message: str) -> str | None:
 
 
 def usage(prompt_tokens: int, samples: Sequence[Sample]) -> dict:
+    """OpenAI's usage counts; ``prompt_tokens_details.cached_tokens``: the first sample's prompt
+    tokens served from the prefix cache."""
     completion = sum(len(s.tokens) for s in samples)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": samples[0].cached_tokens},
+    }
 
 
 def completion_logprobs(tokenizer, entries: Sequence[dict]) -> dict | None:
