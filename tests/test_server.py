@@ -178,6 +178,15 @@ def test_bad_requests_get_an_openai_error(server, body, status, param):
     assert httpx.get(f"{url}/health").status_code == 200
 
 
+def test_bad_requests_do_not_disturb_a_stream_in_flight(server, client, reference):
+    tokenizer, greedy = reference
+    url = server[1]
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    for body in ({"model": MODEL, "prompt": "x", "max_tokens": -1}, {"model": MODEL, "prompt": [10**9]}, {"model": 1}):
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 400
+    assert "".join(c.choices[0].text for c in stream if c.choices) == greedy(tokenizer.encode(PROMPT))
+
+
 def test_the_official_client_raises_on_bad_requests(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x")

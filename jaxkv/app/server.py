@@ -293,6 +293,12 @@ def create_app(server: Server) -> FastAPI:
             400, f"{'.'.join(location) or 'body'}: {message}", ".".join(location) or None, "invalid_request_error"
         )
 
+    @app.exception_handler(Exception)
+    async def internal(_, error: Exception):
+        """A bug still answers in OpenAI's shape, without a traceback (uvicorn logs it)."""
+        server.metrics.requests.labels("error_500").inc()
+        return error_response(500, f"internal error: {type(error).__name__}", None, "server_error")
+
     @app.get("/health")
     async def health():
         if not server.runner.accepting:
