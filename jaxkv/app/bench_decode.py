@@ -437,9 +437,16 @@ def fmt(value: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
+def decode_cell(row: dict) -> str:
+    """Decode tok/s; over several runs the median, then (min-max)."""
+    runs = row.get("decode_tok_s_runs", [])
+    spread = f" ({runs[0]:.1f}-{runs[-1]:.1f})" if len(runs) > 1 else ""
+    return fmt(row["decode_tok_s"]) + spread
+
+
 def markdown_table(rows: list[dict]) -> str:
     header = [
-        "system", "cache", "batch", "prefill tok/s", "decode tok/s", "compile s", "TTFT s",
+        "system", "cache", "batch", "prefill tok/s", "decode tok/s (min-max)", "compile s", "TTFT s",
         "peak RSS MiB", "cache MiB", "speed-up vs HF dynamic",
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
@@ -450,7 +457,7 @@ def markdown_table(rows: list[dict]) -> str:
         else:
             speedup = row.get("speedup_vs_hf_dynamic")
             cells = [
-                system, row["cache"], str(row["batch"]), fmt(row["prefill_tok_s"]), fmt(row["decode_tok_s"]),
+                system, row["cache"], str(row["batch"]), fmt(row["prefill_tok_s"]), decode_cell(row),
                 fmt(row["compile_s"], ".2f"), fmt(row["ttft_s"], ".2f"), fmt(row["peak_rss_mib"], ".0f"),
                 fmt(row["cache_bytes"] / 2**20, ".2f"), "-" if speedup is None else f"{speedup:.2f}x",
             ]  # fmt: skip
@@ -607,6 +614,9 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
     parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="writes OUT.json and OUT.png")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="fresh worker runs per configuration; rows show the median, min-max"
+    )
     parser.add_argument("--verbose", action="store_true", help="show the workers' stderr")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -644,8 +654,18 @@ def environment(args) -> dict:
     )  # fmt: skip
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median decode speed among ``runs`` of one configuration (fresh processes), with
+    every successful run's decode tok/s in ``decode_tok_s_runs`` (sorted); the first failure if none ran."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["decode_tok_s"])
+    if not ok:
+        return runs[0]
+    return ok[(len(ok) - 1) // 2] | {"decode_tok_s_runs": [r["decode_tok_s"] for r in ok]}
+
+
 def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
-    """One row per batch x ``--systems`` configuration, each from its own worker, with its speed-up over HF dynamic."""
+    """One row per batch x ``--systems`` configuration, the median of ``--repeat`` workers (fresh
+    processes: a bimodal path shows as min/max), with its speed-up over HF dynamic."""
     rows = []
     for batch in args.batch:
         for name in args.systems:
@@ -654,11 +674,14 @@ def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
                 kind="generate", system=system, cache=cache, model_kwargs=model_kwargs, batch=batch, prompt=prompt,
                 new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
             )  # fmt: skip
-            result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
-            row = dict(name=name, system=system, cache=cache, batch=batch, prompt_tokens=len(prompt),
-                       new_tokens=args.new_tokens, **result)  # fmt: skip
-            add_rates(row)
-            rows.append(row)
+            runs = []
+            for _ in range(args.repeat):
+                result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
+                row = dict(name=name, system=system, cache=cache, batch=batch, prompt_tokens=len(prompt),
+                           new_tokens=args.new_tokens, **result)  # fmt: skip
+                add_rates(row)
+                runs.append(row)
+            rows.append(median_run(runs))
     for row in rows:
         base = next((r for r in rows if r["name"] == BASELINE and r["batch"] == row["batch"]), None)
         if "error" not in row and base is not None and "error" not in base:
