@@ -1,8 +1,21 @@
-"""What the layer tests share: small layers of each kind, and random feed / rollback plans."""
+"""What the tests share: small layers of each kind, random feed / rollback plans, tiny model
+configs, and the serving engine's arrival driver with its ``generate`` reference."""
 
 from hypothesis import strategies as st
 
 from jaxkv import ChunkedLayer, DynamicLayer, SlidingWindowLayer, StaticLayer
+from jaxkv.decoding.generate import generate
+
+VOCAB = 61
+TINY_LLAMA = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512,
+)  # fmt: skip
+TINY_GEMMA = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8, max_position_embeddings=512,
+    layer_types=("sliding_attention", "full_attention"),  # Gemma 3's mix, in a pattern short enough to compile fast
+)  # fmt: skip
 
 
 def make_layer(kind, *, batch=1, heads=1, head_dim=1, span=4, max_length=24, rollback_slots=0):
@@ -36,3 +49,22 @@ def feed_rollback_plans(draw, batch: int, budget: int, max_len: int, max_steps: 
         longest = [max(n, top) for n, top in zip(lengths, longest)]
         steps.append(("feed", width, counts))
     return steps
+
+
+def greedy_reference(model, prompts, max_tokens: int) -> list[list[int]]:
+    """``generate``'s greedy tokens for each prompt (rows are independent), no stop token."""
+    result = generate(model, prompts, max_new_tokens=max_tokens, stop_tokens=())
+    return [result.row(i) for i in range(len(prompts))]
+
+
+def run_arrivals(engine, prompts, arrival_steps, max_tokens: int, **options) -> list[list[int]]:
+    """Add prompt i to ``engine`` at step ``arrival_steps[i]`` (eos ignored), run to the end;
+    each prompt's output tokens, in prompt order."""
+    ids, step = {}, 0
+    while len(ids) < len(prompts) or engine.has_unfinished():
+        for i, arrival in enumerate(arrival_steps):
+            if arrival == step:
+                ids[i] = engine.add_request(prompts[i], max_tokens=max_tokens, ignore_eos=True, **options)
+        engine.step()
+        step += 1
+    return [engine.samples[ids[i]][0].output for i in range(len(prompts))]

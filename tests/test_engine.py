@@ -17,17 +17,10 @@ from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.pages import NULL_PAGE
+from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference, run_arrivals
 
-VOCAB = 61
-LLAMA = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256,
-)  # fmt: skip
-GEMMA = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, sliding_window=8, query_pre_attn_scalar=8, max_position_embeddings=256,
-    layer_types=("sliding_attention", "full_attention"),
-)  # fmt: skip
+LLAMA = TINY_LLAMA | {"max_position_embeddings": 256}
+GEMMA = TINY_GEMMA | {"sliding_window": 8, "max_position_embeddings": 256}
 # Small pages, rows and budget: prompts span many pages and chunks, and rows fill up.
 SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
 NEW_TOKENS = 12
@@ -49,21 +42,7 @@ def prompts_of(seed: int, count: int, longest: int = 40) -> list[list[int]]:
 
 
 def reference(model, prompts, new_tokens=NEW_TOKENS) -> list[list[int]]:
-    """``generate``'s greedy tokens for each prompt (rows are independent)."""
-    result = generate(model, prompts, max_new_tokens=new_tokens, stop_tokens=())
-    return [result.row(i) for i in range(len(prompts))]
-
-
-def run_arrivals(engine: Engine, prompts, arrival_steps, **options) -> dict[int, list[int]]:
-    """Add prompt i at step ``arrival_steps[i]``; run to the end; tokens by prompt index."""
-    ids, step = {}, 0
-    while len(ids) < len(prompts) or engine.has_unfinished():
-        for i, arrival in enumerate(arrival_steps):
-            if arrival == step:
-                ids[i] = engine.add_request(prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True, **options)
-        engine.step()
-        step += 1
-    return {i: engine.samples[request_id][0].output for i, request_id in ids.items()}
+    return greedy_reference(model, prompts, new_tokens)
 
 
 def test_staggered_arrivals_equal_generate(model):
@@ -72,8 +51,8 @@ def test_staggered_arrivals_equal_generate(model):
     past its window of 8)."""
     prompts = prompts_of(0, 16)
     engine = Engine(model, kv_memory=64 * 1024, **SMALL)
-    got = run_arrivals(engine, prompts, [3 * (i // 2) for i in range(len(prompts))])
-    assert [got[i] for i in range(len(prompts))] == reference(model, prompts)
+    got = run_arrivals(engine, prompts, [3 * (i // 2) for i in range(len(prompts))], NEW_TOKENS)
+    assert got == reference(model, prompts)
     assert engine.stats()["pages"]["full"]["used"] == 0
 
 
@@ -272,9 +251,9 @@ def test_hybrid_recurrent_states_live_in_row_slots():
     with pytest.warns(UserWarning, match="without prefix caching"):
         Engine(model, kv_memory=64 * 1024, **SMALL)
     engine = Engine(model, kv_memory=64 * 1024, prefix_caching=False, **SMALL)
-    got = run_arrivals(engine, prompts, [2 * i for i in range(len(prompts))])
+    got = run_arrivals(engine, prompts, [2 * i for i in range(len(prompts))], NEW_TOKENS)
     expected = reference(model, prompts)
-    assert [got[i] for i in range(len(prompts))] == expected
+    assert got == expected
     tight = Engine(model, kv_memory=12 * 1024, prefix_caching=False, **SMALL)
     done = tight.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert tight.stats()["preemptions"] > 0 and [c.token_ids for c in done] == expected

@@ -4,30 +4,13 @@ window, with a prefix-cache hit that resumes prefill mid-prompt)."""
 
 import numpy as np
 
-from jaxkv.decoding.generate import generate
 from jaxkv.models.load import load_pretrained
 from jaxkv.serving import Engine
+from tests.cases import greedy_reference, run_arrivals
 from tests.test_gemma3 import PARAGRAPH
 
 NEW_TOKENS = 16
 TOPICS = ["rivers", "bread", "volcanoes", "chess", "bees", "glass", "trains", "comets"]
-
-
-def run_arrivals(engine: Engine, prompts, arrival_steps) -> list[list[int]]:
-    """Add prompt i at step ``arrival_steps[i]``, run to the end; each prompt's tokens."""
-    ids, step = {}, 0
-    while len(ids) < len(prompts) or engine.has_unfinished():
-        for i, arrival in enumerate(arrival_steps):
-            if arrival == step:
-                ids[i] = engine.add_request(prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True)
-        engine.step()
-        step += 1
-    return [engine.samples[ids[i]][0].output for i in range(len(prompts))]
-
-
-def reference(model, prompts) -> list[list[int]]:
-    result = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=())
-    return [result.row(i) for i in range(len(prompts))]
 
 
 def test_smollm2_32_requests_arriving_over_time_equal_generate():
@@ -41,8 +24,8 @@ def test_smollm2_32_requests_arriving_over_time_equal_generate():
         prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}])))
     assert min(map(len, prompts)) < 60 < 150 < max(map(len, prompts))
     engine = Engine(model, kv_memory="96MiB", max_num_seqs=8, max_num_batched_tokens=64)
-    got = run_arrivals(engine, prompts, sorted(rng.integers(0, 60, len(prompts)).tolist()))
-    expected = reference(model, prompts)
+    got = run_arrivals(engine, prompts, sorted(rng.integers(0, 60, len(prompts)).tolist()), NEW_TOKENS)
+    expected = greedy_reference(model, prompts, NEW_TOKENS)
     assert [row for row in range(32) if got[row] != expected[row]] == []
     stats = engine.stats()
     assert stats["num_compiled"] <= len(engine.config.prefill_buckets()) and stats["pages"]["full"]["used"] == 0
@@ -54,11 +37,11 @@ def test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate():
     assert len(long) > 600  # past the 512-token sliding window
     prompts = [long, long[:560] + tokenizer.encode(" To conclude, books"), tokenizer.encode("The capital of France is")]
     engine = Engine(model, kv_memory="128MiB", max_num_seqs=4, max_num_batched_tokens=64)
-    first = run_arrivals(engine, prompts[:1], [0])
-    rest = run_arrivals(engine, prompts[1:], [0, 2])
+    first = run_arrivals(engine, prompts[:1], [0], NEW_TOKENS)
+    rest = run_arrivals(engine, prompts[1:], [0, 2], NEW_TOKENS)
     hit = engine.samples[1][0]
     assert hit.num_cached_tokens == 560 // 16 * 16  # resumed mid-prompt, window pages still cached
-    assert first + rest == reference(model, prompts)
+    assert first + rest == greedy_reference(model, prompts, NEW_TOKENS)
     assert engine.stats()["pages"]["sliding"]["usable"] < engine.stats()["pages"]["full"]["usable"]
 
 

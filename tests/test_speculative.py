@@ -35,17 +35,9 @@ from jaxkv.decoding.speculative import (
 )
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
+from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB
 
-VOCAB = 61
-LLAMA = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512,
-)  # fmt: skip
-GEMMA = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8, max_position_embeddings=512,
-    layer_types=("sliding_attention", "full_attention"),  # Gemma 3's mix, in a pattern short enough to compile fast
-)  # fmt: skip
+LLAMA, GEMMA = TINY_LLAMA, TINY_GEMMA
 
 # name -> (target, cache settings for generate)
 SETUPS = {
