@@ -28,6 +28,7 @@ from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback
+from jaxkv.sharding import Layout, constrain, device_bytes, with_layers
 from jaxkv.sizing import bucket, human_bytes
 
 
@@ -295,6 +296,9 @@ class Cache:
     groups: tuple  # group g: a layer whose every leaf has a leading axis over its layers
     layer_types: tuple[str, ...] = struct.field(pytree_node=False)
     period: int = struct.field(pytree_node=False)
+    # The mesh and rules the cache is sharded by (None: one device). Every update and edit
+    # constrains its result to them, so compiled loops keep each leaf where it was allocated.
+    layout: Layout | None = struct.field(pytree_node=False, default=None)
 
     # --- construction -------------------------------------------------------------
     @classmethod
@@ -317,6 +321,8 @@ class Cache:
         state_shapes: tuple[tuple[int, ...], ...] = (),
         quantization: QuantSpec | None = None,
         paging: Paging | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        rules: Mapping[str, str | None] | None = None,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
@@ -336,6 +342,9 @@ class Cache:
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a
         copy; a stacked layer's K/V slice is copied when a dot reads it on CPU.
+        ``mesh``, ``rules``: allocate the cache sharded over ``mesh`` (``jaxkv.sharding``: each
+        leaf's logical axes mapped by ``DEFAULT_RULES`` updated with ``rules``), by a jitted
+        zeros whose ``out_shardings`` put each device's share there directly.
         """
         spec = LayerSpec(
             batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
@@ -345,7 +354,14 @@ class Cache:
         )  # fmt: skip
         check_layer_types(layer_types)
         period = pattern_period(layer_types) if stacked else len(layer_types)
-        return cls(build_groups(layer_types, spec, period), tuple(layer_types), period)
+        layout = None if mesh is None else Layout.create(mesh, rules)
+
+        def build() -> Cache:
+            return cls(build_groups(layer_types, spec, period), tuple(layer_types), period, layout)
+
+        if layout is None:
+            return build()
+        return jax.jit(build, out_shardings=jax.eval_shape(build).shardings())()
 
     @classmethod
     def from_config(cls, config, batch_size: int, **kwargs) -> Cache:
@@ -434,7 +450,7 @@ class Cache:
             start = entry(stack.lengths, index)
             positions = start[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
         stack, view = stack.update_entry(index, keys, values, positions)
-        return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :]), view
+        return self.with_group(group, stack), view
 
     def update_state(self, layer_idx, conv_inputs, positions, conv_fn, step_fn) -> tuple[Cache, Any]:
         """Feed a linear-attention (or hybrid) layer's conv inputs ``[B, T, C]`` at
@@ -442,7 +458,13 @@ class Cache:
         see ``locate``; ``conv_fn``/``step_fn``: see ``jaxkv.layers.linear``."""
         group, index = self.locate(layer_idx)
         stack, outputs = self.groups[group].update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
-        return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :]), outputs
+        return self.with_group(group, stack), outputs
+
+    def with_group(self, group: int, stack: CacheLayer) -> Cache:
+        """This cache with group ``group`` replaced by ``stack`` (constrained to the layout)."""
+        if self.layout is not None:
+            stack = constrain(stack, self.group_shardings(stack))
+        return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :])
 
     # --- per-layer views ----------------------------------------------------------
     def layer(self, layer_idx: int) -> CacheLayer:
@@ -457,7 +479,31 @@ class Cache:
 
     def _map_layers(self, fn) -> Cache:
         """Apply a per-layer pure function to every layer of every group."""
-        return self.replace(groups=tuple(jax.vmap(fn)(group) for group in self.groups))
+        return self.replace(groups=tuple(jax.vmap(fn)(group) for group in self.groups)).constrained()
+
+    # --- sharding -------------------------------------------------------------------
+    def logical_axes(self) -> Cache:
+        """This cache with every array leaf replaced by the ``Axes`` naming its dimensions
+        (``layers`` first, then the layer's own; see ``CacheLayer.logical_axes``)."""
+        return self.replace(groups=tuple(with_layers(first_entry_shapes(g).logical_axes()) for g in self.groups))
+
+    def group_shardings(self, stack: CacheLayer):
+        """``NamedSharding`` per leaf of a group ``stack`` under this cache's layout."""
+        return self.layout.shardings(with_layers(first_entry_shapes(stack).logical_axes()), stack)
+
+    def shardings(self) -> Cache:
+        """``NamedSharding`` per leaf under the layout (requires one: see ``from_layer_types``'s ``mesh``)."""
+        if self.layout is None:
+            raise ValueError("this cache has no mesh: build it with Cache.from_config(..., mesh=...)")
+        return self.layout.shardings(self.logical_axes(), self)
+
+    def constrained(self) -> Cache:
+        """Every leaf constrained to the layout's sharding (unchanged without a layout)."""
+        return self if self.layout is None else constrain(self, self.shardings())
+
+    def device_bytes(self) -> dict:
+        """Bytes each addressable device holds of this cache (read from ``addressable_shards``)."""
+        return device_bytes(self)
 
     # --- lengths, capacity, footprint --------------------------------------------
     @property
@@ -519,7 +565,7 @@ class Cache:
 
     def grow(self, capacity: int) -> Cache:
         """Growing layers with room for ``capacity`` tokens (never shrinks; others unchanged)."""
-        return self.replace(groups=tuple(g.grow(capacity) for g in self.groups))
+        return self.replace(groups=tuple(g.grow(capacity) for g in self.groups)).constrained()
 
     # --- batch and time edits -----------------------------------------------------
     def reorder(self, beam_indices) -> Cache:

@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
+
 
 class MaskInfo(struct.PyTreeNode):
     """What attention needs to build its mask for the returned K/V.
@@ -169,6 +171,13 @@ class CacheLayer(abc.ABC):
     def gather_rows(self, indices: jax.Array) -> Self:
         """Rows ``indices`` ``[B']``: beam reorder, select and repeat."""
 
+    # --- sharding ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def logical_axes(self) -> Self:
+        """This (single, unstacked) layer with every array leaf replaced by the ``Axes`` naming its
+        dimensions (``jaxkv.sharding``'s logical names), e.g. ``Axes("batch", "kv_heads",
+        "kv_slots", "head_dim")`` for ``[B, H_kv, S, D]`` K/V; a mesh's rules map them to devices."""
+
     # --- capacity and footprint -------------------------------------------------------------
     @property
     @abc.abstractmethod
@@ -229,12 +238,18 @@ class BatchMajorLayer(CacheLayer):
         return self.lengths.shape[0]
 
 
+KV_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS, HEAD_DIM)  # [B, H_kv, S, D]
+
+
 class PositionalLayer(BatchMajorLayer):
     """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention)."""
 
     @property
     def capacity(self) -> int:
         return self.keys.shape[-2]
+
+    def logical_axes(self):
+        return self.replace(keys=KV_AXES, values=KV_AXES, lengths=Axes(BATCH))
 
     def write(self, index, keys, values, positions):
         """Write tokens at slot = position in entry ``index``; return its whole buffer.

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.sharding import HEAD_DIM, Axes
+
 PER_TOKEN, PER_CHANNEL = 0, -1
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 FORMATS = ("int", *FP8_DTYPES)
@@ -98,6 +100,12 @@ class QuantizedTensor(struct.PyTreeNode):
     codes: jax.Array
     scales: jax.Array
     zeros: jax.Array | None
+
+    def logical_axes(self, *lead: str) -> QuantizedTensor:
+        """The tensor's ``Axes``: ``lead`` names the dimensions before the last (``[..., S]``), whose
+        last is the head dim (packed codes, or scale groups)."""
+        axes = Axes(*lead, HEAD_DIM)
+        return QuantizedTensor(axes, axes, None if self.zeros is None else axes)
 
 
 def _groups(x: jax.Array, group: int, axis: int) -> tuple[jax.Array, int]:

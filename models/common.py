@@ -16,6 +16,7 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from jaxkv.cache import Cache
+from jaxkv.sharding import EMBED, KV_HEADS, LAYERS, Q_HEADS, VOCAB, Axes, Layout
 
 Norm = Callable[[jax.Array, jax.Array, float], jax.Array]
 
@@ -96,6 +97,21 @@ def decoder_param_shapes(
     return shapes
 
 
+def decoder_param_axes(config: DecoderConfig, per_layer: dict[str, Axes]) -> dict[str, Axes]:
+    """The logical axes (``jaxkv.sharding``) of every parameter ``decoder_param_shapes`` names:
+    ``per_layer`` ones after a leading ``layers`` axis."""
+    axes = {"embed": Axes(VOCAB, EMBED), "norm": Axes(EMBED)}
+    axes |= {name: Axes(LAYERS, *layer_axes) for name, layer_axes in per_layer.items()}
+    if not config.tie_word_embeddings:
+        axes["lm_head"] = Axes(EMBED, VOCAB)
+    return axes
+
+
+def head_units(config: DecoderConfig) -> dict[str, int]:
+    """Heads per flattened ``heads x head_dim`` weight dimension: a mesh axis shards whole heads."""
+    return {Q_HEADS: config.num_attention_heads, KV_HEADS: config.kv_heads}
+
+
 def checked_params(owner: str, shapes: dict, params: dict | None, *, dtype, seed: int, norm_value: float) -> dict:
     """``params`` checked against ``shapes`` (names and shapes), or random ones if None.
 
@@ -148,22 +164,45 @@ def output_logits(x: jax.Array, embed: jax.Array, lm_head: jax.Array | None = No
 # --- the decoder around its layers ------------------------------------------------------
 class Decoder(nnx.Module):
     """What Llama, Gemma3 and Qwen3_5 hold outside their layers: ``embed`` ``[V, D]``, the
-    final ``norm`` ``[D]`` and ``lm_head`` ``[D, V]`` (None when tied to ``embed``); and the
-    cache they read and write (``init_cache``)."""
+    final ``norm`` ``[D]`` and ``lm_head`` ``[D, V]`` (None when tied to ``embed``); the mesh
+    their weights are sharded over (``layout``, None on one device); and the cache they read
+    and write (``init_cache``)."""
 
-    def __init__(self, config: DecoderConfig, params: dict):
-        """``params``: checked by the model (``checked_params``); its layer weights are the model's."""
+    def __init__(self, config: DecoderConfig, params: dict, axes: dict[str, Axes], mesh=None, rules=None):
+        """``params``: checked by the model (``checked_params``); its layer weights are the model's.
+        ``axes``: every parameter's logical axes. ``mesh``, ``rules``: shard the parameters (and
+        the caches ``init_cache`` builds) over ``mesh`` by those axes (``jaxkv.sharding``)."""
         self.config = config
-        self.embed = nnx.Param(jnp.asarray(params["embed"]))
-        self.norm = nnx.Param(jnp.asarray(params["norm"]))
-        self.lm_head = None if config.tie_word_embeddings else nnx.Param(jnp.asarray(params["lm_head"]))
+        self.layout = None if mesh is None else Layout.create(mesh, rules)
+        self.embed = self.param(params["embed"], axes["embed"])
+        self.norm = self.param(params["norm"], axes["norm"])
+        self.lm_head = None if config.tie_word_embeddings else self.param(params["lm_head"], axes["lm_head"])
+
+    def param(self, array, axes: Axes) -> nnx.Param:
+        """``array`` as a parameter, sharded by its logical ``axes`` when the model has a layout."""
+        if self.layout is None:
+            return nnx.Param(jnp.asarray(array))
+        return nnx.Param(self.layout.place(array, axes, head_units(self.config)))
+
+    def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
+        """Activations ``x`` sharded by their logical ``axes`` (unchanged on one device): the
+        batch rows of a data-parallel run stay on their devices from the embedding on. What does
+        not divide is replicated (the serving engine packs its tokens into one row)."""
+        if self.layout is None:
+            return x
+        sharding = self.layout.sharding(axes, x.shape, head_units(self.config), quiet=True)
+        return jax.lax.with_sharding_constraint(x, sharding)
 
     def init_cache(self, batch_size: int, max_length: int | None = None, **cache_kwargs) -> Cache:
         """A cache for this model, one layer per ``layer_types`` entry of the config (or its
         inferred types), stacked over the repeats of its layer pattern, as the model's scan
         reads it; in the weights' dtype unless ``dtype`` is given. ``cache_kwargs`` go to
-        ``Cache.from_config`` (``full_attention``, ``rollback_slots``, ``quantization``...)."""
+        ``Cache.from_config`` (``full_attention``, ``rollback_slots``, ``quantization``...); a
+        sharded model's cache is sharded over the same mesh and rules."""
         cache_kwargs.setdefault("dtype", self.embed[...].dtype)
+        if self.layout is not None:
+            cache_kwargs.setdefault("mesh", self.layout.mesh)
+            cache_kwargs.setdefault("rules", dict(self.layout.rules))
         return Cache.from_config(self.config, batch_size, max_length=max_length, stacked=True, **cache_kwargs)
 
     def head(self, x: jax.Array, logits_index: jax.Array | None, norm: Norm) -> jax.Array:

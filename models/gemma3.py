@@ -33,9 +33,10 @@ from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 from jaxkv.attention import attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
-    Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_shapes, inverse_frequencies,
-    offset_rms_norm,
+    Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_axes, decoder_param_shapes,
+    inverse_frequencies, offset_rms_norm,
 )  # fmt: skip
+from jaxkv.sharding import BATCH, EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, Axes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -139,15 +140,34 @@ def param_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
     return decoder_param_shapes(config, layer_shapes(config))
 
 
+# The logical axes (jaxkv.sharding) of layer_shapes' weights: tensor parallelism splits heads and the MLP.
+LAYER_AXES = {
+    "attn_norm": Axes(EMBED), "wq": Axes(EMBED, Q_HEADS), "wk": Axes(EMBED, KV_HEADS), "wv": Axes(EMBED, KV_HEADS),
+    "q_norm": Axes(HEAD_DIM), "k_norm": Axes(HEAD_DIM), "wo": Axes(Q_HEADS, EMBED), "post_attn_norm": Axes(EMBED),
+    "mlp_norm": Axes(EMBED), "w_gate": Axes(EMBED, MLP), "w_up": Axes(EMBED, MLP), "w_down": Axes(MLP, EMBED),
+    "post_mlp_norm": Axes(EMBED),
+}  # fmt: skip
+
+
+def param_axes(config: Gemma3Config) -> dict[str, Axes]:
+    """Every parameter's logical axes, as ``param_shapes`` names them."""
+    return decoder_param_axes(config, LAYER_AXES)
+
+
 class Gemma3(Decoder):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
-    def __init__(self, config: Gemma3Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
+    def __init__(
+        self, config: Gemma3Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0, mesh=None,
+        rules=None,
+    ):  # fmt: skip
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
-        leading layer axis, ``x @ w`` layout, norms as ``w`` of ``1 + w``); random if None."""
+        leading layer axis, ``x @ w`` layout, norms as ``w`` of ``1 + w``); random if None.
+        ``mesh``, ``rules``: shard the weights (and the caches of ``init_cache``) over ``mesh``."""
         params = checked_params("Gemma3", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=0.0)
-        super().__init__(config, params)
-        self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
+        axes = param_axes(config)
+        super().__init__(config, params, axes, mesh, rules)
+        self.layers = nnx.Dict({name: self.param(params[name], axes[name]) for name in layer_shapes(config)})
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
@@ -184,6 +204,7 @@ class Gemma3(Decoder):
         # Embeddings are scaled by sqrt(hidden) rounded to the weights' dtype, as transformers does.
         embed = self.embed[...]
         x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), embed.dtype)
+        x = self.constrain(x, Axes(BATCH, None, EMBED))
 
         period = cache.period
         repeats, remainder = divmod(depth, period)

@@ -27,9 +27,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, mo
 from jaxkv.attention import attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
-    Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_shapes, inverse_frequencies,
-    rms_norm,
+    Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_axes, decoder_param_shapes,
+    inverse_frequencies, rms_norm,
 )  # fmt: skip
+from jaxkv.sharding import BATCH, EMBED, KV_HEADS, MLP, Q_HEADS, Axes
 
 
 class RopeScaling(BaseModel):
@@ -112,6 +113,19 @@ def layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def layer_axes(config: LlamaConfig) -> dict[str, Axes]:
+    """The logical axes (``jaxkv.sharding``) of ``layer_shapes``' weights: heads and the MLP
+    hidden dimension are what tensor parallelism splits."""
+    axes = {
+        "attn_norm": Axes(EMBED), "wq": Axes(EMBED, Q_HEADS), "wk": Axes(EMBED, KV_HEADS),
+        "wv": Axes(EMBED, KV_HEADS), "wo": Axes(Q_HEADS, EMBED), "mlp_norm": Axes(EMBED),
+        "w_gate": Axes(EMBED, MLP), "w_up": Axes(EMBED, MLP), "w_down": Axes(MLP, EMBED),
+    }  # fmt: skip
+    if config.attention_bias:
+        axes |= {"bq": Axes(Q_HEADS), "bk": Axes(KV_HEADS), "bv": Axes(KV_HEADS)}
+    return axes
+
+
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -120,12 +134,17 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return decoder_param_shapes(config, layer_shapes(config))
 
 
+def param_axes(config: LlamaConfig) -> dict[str, Axes]:
+    """Every parameter's logical axes (``x @ w`` layout), as ``param_shapes`` names them."""
+    return decoder_param_axes(config, layer_axes(config))
+
+
 class Llama(Decoder):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
     def __init__(
         self, config: LlamaConfig, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0, scan_layers=True,
-        weight_layout: str = "in_out",
+        weight_layout: str = "in_out", mesh=None, rules=None,
     ):  # fmt: skip
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
         leading layer axis, ``x @ w`` layout), e.g. from ``jaxkv.models.weights``; random if None.
@@ -142,22 +161,27 @@ class Llama(Decoder):
         the scanned layer's slice into a matrix-vector loop when one token of one row is
         decoded: no weight copy, the fastest batch-1 decode (about 1.3x "in_out" on
         SmolLM2). Batched and multi-token steps then copy and transpose each slice, so
-        use "in_out" for batch > 1, beams and speculative decoding."""
+        use "in_out" for batch > 1, beams and speculative decoding.
+
+        ``mesh``, ``rules``: shard the weights over ``mesh`` by their logical axes
+        (``param_axes``; ``jaxkv.sharding``), and the caches ``init_cache`` builds with them."""
         if weight_layout not in ("in_out", "out_in"):
             raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
         params = checked_params("Llama", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=1.0)
-        super().__init__(config, params)
+        axes = param_axes(config)
+        super().__init__(config, params, axes, mesh, rules)
         self.weight_layout = weight_layout
 
-        def stored(name, array):
-            matrix = weight_layout == "out_in" and name in LAYER_MATRICES
-            return nnx.Param(jnp.swapaxes(jnp.asarray(array), -1, -2) if matrix else jnp.asarray(array))
+        def stored(name, array, axes):
+            if weight_layout == "out_in" and name in LAYER_MATRICES:
+                array, axes = jnp.swapaxes(jnp.asarray(array), -1, -2), Axes(*axes[:-2], axes[-1], axes[-2])
+            return self.param(array, axes)
 
         if scan_layers:
-            self.layers = nnx.Dict({name: stored(name, params[name]) for name in layer_shapes(config)})
+            self.layers = nnx.Dict({name: stored(name, params[name], axes[name]) for name in layer_shapes(config)})
         else:
             self.layers = nnx.List(
-                nnx.Dict({name: stored(name, params[name][i]) for name in layer_shapes(config)})
+                nnx.Dict({name: stored(name, params[name][i], axes[name][1:]) for name in layer_shapes(config)})
                 for i in range(config.num_hidden_layers)
             )
 
@@ -193,7 +217,7 @@ class Llama(Decoder):
             x = x + matmul(jax.nn.silu(matmul(h, w["w_gate"])) * matmul(h, w["w_up"]), w["w_down"])
             return (x, cache, i + 1), None
 
-        x = self.embed[...][tokens]
+        x = self.constrain(self.embed[...][tokens], Axes(BATCH, None, EMBED))
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers[:depth]):
                 (x, cache, _), _ = decoder_layer((x, cache, i), {name: param[...] for name, param in layer.items()})

@@ -25,14 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 from pydantic import ValidationError
 
+from jaxkv.models import gemma3, llama, qwen3_5
 from jaxkv.models.bart import Bart, BartConfig
+from jaxkv.models.common import head_units
 from jaxkv.models.defaults import resolve_model
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.models.tokenizer import Tokenizer
 from jaxkv.models.weight_cache import cache_dir, discard, file_sha256, read_checked, write_checked
-from jaxkv.models.weights import ModelConfig, load_gguf, load_safetensors_checkpoint, open_gguf
+from jaxkv.models.weights import ModelConfig, Placement, load_gguf, load_safetensors_checkpoint, open_gguf
+from jaxkv.models.weights import read_hf_config
+from jaxkv.sharding import Layout
 
 # Bump whenever load_gguf or Tokenizer.from_gguf would give another result for the same file,
 # or a config class reads its fields differently: older conversions are then not read.
@@ -43,6 +47,8 @@ MODEL_CLASSES: dict[type[ModelConfig], type[Model]] = {
     LlamaConfig: Llama, Gemma3Config: Gemma3, Qwen3_5Config: Qwen3_5, BartConfig: Bart,
 }  # fmt: skip
 CONFIG_CLASSES = {config_class.__name__: config_class for config_class in MODEL_CLASSES}
+# The parameters' logical axes (jaxkv.sharding) of the models that shard over a mesh.
+PARAM_AXES = {LlamaConfig: llama.param_axes, Gemma3Config: gemma3.param_axes, Qwen3_5Config: qwen3_5.param_axes}
 
 
 class Pretrained:
@@ -86,35 +92,61 @@ class Pretrained:
             write_checked(cache_file, {}, tokenizer.state())
         return tokenizer
 
-    def model(self, dtype=jnp.float32, *, single_row_decode: bool = False, **model_kwargs) -> Model:
+    def model(
+        self, dtype=jnp.float32, *, single_row_decode: bool = False, mesh=None, rules=None, **model_kwargs
+    ) -> Model:
         """The model ``MODEL_CLASSES`` gives for the config, its weights cast to ``dtype``.
 
         ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``).
         ``single_row_decode``: the model will decode one row one token at a time (no batch,
         beams or speculative rounds); a ``Llama`` then stores its matrices in the layout that
-        step reads fastest (``weight_layout="out_in"``)."""
-        config, params = self._gguf_weights(dtype) if self.is_gguf else load_safetensors_checkpoint(self.path, dtype)
+        step reads fastest (``weight_layout="out_in"``).
+        ``mesh``, ``rules``: shard the weights over ``mesh`` (``jaxkv.sharding``), each placed
+        on its devices as it is read, never gathered on one device first."""
+        if self.is_gguf:
+            config, host_params = self._gguf_float32()
+            place = self._placement(config, dtype, mesh, rules)
+            params = {name: place(name, array) for name, array in host_params.items()}
+        else:
+            config = read_hf_config(self.path)
+            config, params = load_safetensors_checkpoint(self.path, dtype, self._placement(config, dtype, mesh, rules))
         model_class = MODEL_CLASSES[type(config)]
         if single_row_decode and model_class is Llama:
             model_kwargs.setdefault("weight_layout", "out_in")
+        if mesh is not None:
+            model_kwargs |= {"mesh": mesh, "rules": rules}
         return model_class(config, params, **model_kwargs)
 
-    def _gguf_weights(self, dtype) -> tuple[ModelConfig, dict[str, jax.Array]]:
-        """The GGUF's config and float32 weights, cached or converted (and cached), cast to ``dtype``."""
+    @staticmethod
+    def _placement(config: ModelConfig, dtype, mesh, rules) -> Placement:
+        """Where each parameter of ``config``'s model goes as it is read: the default device, in
+        ``dtype`` (a float32 array of the weight cache's memory map stays a view of it where JAX
+        can alias it: CPU, aligned), or its shards over ``mesh``."""
+        if mesh is None:
+            return lambda name, array: jnp.asarray(array, dtype)
+        if type(config) not in PARAM_AXES:
+            raise ValueError(f"{type(config).__name__} models do not shard over a mesh yet; load them without mesh=")
+        layout, axes, units = Layout.create(mesh, rules), PARAM_AXES[type(config)](config), head_units(config)
+
+        def place(name: str, array) -> jax.Array:
+            return layout.place(np.asarray(array).astype(jnp.dtype(dtype), copy=False), axes[name], units)
+
+        return place
+
+    def _gguf_float32(self) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+        """The GGUF's config and float32 host weights: the cached conversion, or converted now (and cached).
+
+        Cache entries are replaced by rename, never rewritten in place, so the memory-mapped
+        pages stay valid while another process rebuilds one."""
         cache_file = self._cache_file("weights")
         cached = _read_weights(cache_file) if cache_file else None
         if cached is None:
-            cached = load_gguf(self.path, jnp.float32, self._reader, progress=True)
+            cached = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=lambda name, array: array)
             if cache_file:
                 config, params = cached
                 metadata = {"config_class": type(config).__name__, "config": config.model_dump_json()}
-                tensors = {name: np.asarray(array) for name, array in params.items()}
-                write_checked(cache_file, tensors, metadata | {"source": str(self.path)})
-        config, params = cached
-        # float32 arrays stay views of the cache file's memory map where JAX can alias them (CPU,
-        # aligned): no copy, and the pages are shared. Entries are replaced by rename, never
-        # rewritten in place, so those pages stay valid while another process rebuilds one.
-        return config, {name: jnp.asarray(array, dtype) for name, array in params.items()}
+                write_checked(cache_file, params, metadata | {"source": str(self.path)})
+        return cached
 
 
 def _read_weights(cache_file: Path) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:

@@ -40,9 +40,10 @@ from pydantic import PositiveInt, model_validator
 from jaxkv.attention import attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
-    Decoder, DecoderConfig, apply_rope, checked_params, decoder_param_shapes, inverse_frequencies, offset_rms_norm,
-    rms_norm,
+    Decoder, DecoderConfig, apply_rope, checked_params, decoder_param_axes, decoder_param_shapes, inverse_frequencies,
+    offset_rms_norm, rms_norm,
 )  # fmt: skip
+from jaxkv.sharding import BATCH, EMBED, HEAD_DIM, KV_HEADS, LINEAR_PROJ, MLP, Q_HEADS, STATE, Axes
 
 LINEAR, FULL = "linear_attention", "full_attention"
 Layer = tuple[int, int | jax.Array]  # (group, index): layer index * period + group of the cache
@@ -132,6 +133,24 @@ def param_layers(config: Qwen3_5Config, name: str) -> list[int]:
     return [i for i, t in enumerate(config.layer_types) if t == kind]
 
 
+# The logical axes (jaxkv.sharding) of layer_shapes' weights. Tensor parallelism splits the
+# attention heads and the MLP; the gated-DeltaNet projections are named ``linear_proj`` (replicated
+# by the default rules: their conv mixes q, k and v channels across heads).
+LAYER_AXES = {
+    "attn_norm": Axes(EMBED), "mlp_norm": Axes(EMBED), "w_gate": Axes(EMBED, MLP), "w_up": Axes(EMBED, MLP),
+    "w_down": Axes(MLP, EMBED), "wq": Axes(EMBED, Q_HEADS), "wk": Axes(EMBED, KV_HEADS),
+    "wv": Axes(EMBED, KV_HEADS), "wo": Axes(Q_HEADS, EMBED), "q_norm": Axes(HEAD_DIM), "k_norm": Axes(HEAD_DIM),
+    "in_qkv": Axes(EMBED, LINEAR_PROJ), "in_z": Axes(EMBED, LINEAR_PROJ), "in_b": Axes(EMBED, LINEAR_PROJ),
+    "in_a": Axes(EMBED, LINEAR_PROJ), "conv": Axes(LINEAR_PROJ, None, STATE), "dt_bias": Axes(LINEAR_PROJ),
+    "A_log": Axes(LINEAR_PROJ), "gated_norm": Axes(HEAD_DIM), "out": Axes(LINEAR_PROJ, EMBED),
+}  # fmt: skip
+
+
+def param_axes(config: Qwen3_5Config) -> dict[str, Axes]:
+    """Every parameter's logical axes, as ``param_shapes`` names them."""
+    return decoder_param_axes(config, LAYER_AXES)
+
+
 def param_shapes(config: Qwen3_5Config) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and shape; per-layer ones carry a leading axis over ``param_layers``."""
     per_layer = layer_shapes(config)
@@ -172,16 +191,20 @@ def partial_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, rotary
 class Qwen3_5(Decoder):
     """``logits, cache = model(tokens [B, T], positions [B, T], cache)``; positions < 0 are padding."""
 
-    def __init__(self, config: Qwen3_5Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0):
+    def __init__(
+        self, config: Qwen3_5Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0, mesh=None,
+        rules=None,
+    ):  # fmt: skip
         """``params``: arrays named as ``param_shapes`` gives (``x @ w`` layout, ``1 + w``
         norms except the gated norm, which multiplies by w), e.g. from ``jaxkv.models.weights``;
-        random if None."""
+        random if None. ``mesh``, ``rules``: shard the weights (and the caches of ``init_cache``)."""
         random = params is None
         params = checked_params("Qwen3_5", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=0.0)
         if random:  # the gated norm multiplies by w, not 1 + w: start it at 1
             params["gated_norm"] = jnp.ones_like(params["gated_norm"])
-        super().__init__(config, params)
-        self.layers = nnx.Dict({name: nnx.Param(jnp.asarray(params[name])) for name in layer_shapes(config)})
+        axes = param_axes(config)
+        super().__init__(config, params, axes, mesh, rules)
+        self.layers = nnx.Dict({name: self.param(params[name], axes[name]) for name in layer_shapes(config)})
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the cache.
@@ -204,7 +227,7 @@ class Qwen3_5(Decoder):
                 x, cache = layer(x, cache, group, r)
             return (x, cache, r + 1), None
 
-        x = self.embed[...][tokens]
+        x = self.constrain(self.embed[...][tokens], Axes(BATCH, None, EMBED))
         (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), length=repeats)
         for group in range(remainder):  # layers after the last full repeat
             x, cache = layer(x, cache, group, repeats)

@@ -109,6 +109,10 @@ QWEN3_5_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+# Where a parameter goes as it is read: (our name, host array) -> a device array.
+Placement = Callable[[str, np.ndarray], jax.Array]
+
+
 class _TensorSource(Protocol):
     """Named tensors in torch layout; ``shape`` must not read the data."""
 
@@ -149,9 +153,11 @@ def _assemble(
     ignored: Callable[[str], bool] = lambda name: False,
     fixups: Mapping[str, Callable[[np.ndarray | jax.Array], np.ndarray | jax.Array]] | None = None,
     progress: str | None = None,
+    place: Placement | None = None,
 ) -> dict[str, jax.Array]:
     """Check every tensor's presence and shape first (cheap, and a clear error beats a
-    half-loaded model), then read, fix up, transpose, stack and cast; with ``progress``, a
+    half-loaded model), then read, fix up, transpose, stack and cast on the host, and hand
+    each parameter to ``place`` (default: onto the default device); with ``progress``, a
     progress bar so described counts the tensors read on stderr."""
     plan = _plan(config, names)
     available = source.names()
@@ -170,6 +176,7 @@ def _assemble(
 
     fixups = fixups or {}
     per_layer = _model_module(config).layer_shapes(config)
+    place = place or (lambda param, array: jnp.asarray(array))
     params = {}
     with tqdm(total=len(wanted), desc=progress, unit="tensor", file=sys.stderr, disable=progress is None) as bar:
         for param, sources in plan.items():
@@ -178,10 +185,10 @@ def _assemble(
                 array = source.read(name)
                 if param in fixups:
                     array = fixups[param](array)
-                array = jnp.asarray(array, dtype)
+                array = np.asarray(array).astype(jnp.dtype(dtype))
                 arrays.append(array.T if param in _TRANSPOSED else array)
                 bar.update()
-            params[param] = jnp.stack(arrays) if param in per_layer else arrays[0]
+            params[param] = place(param, np.stack(arrays) if param in per_layer else arrays[0])
     return params
 
 
@@ -278,13 +285,15 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
 
 
 def load_safetensors_checkpoint(
-    directory: str | Path, dtype: Any = jnp.float32
+    directory: str | Path, dtype: Any = jnp.float32, place: Placement | None = None
 ) -> tuple[ModelConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a transformers checkpoint directory (``HF_MODEL_TYPES``: Llama,
     Mistral, Qwen2, Gemma 3 text, Qwen3.5 text, BART).
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
     (``jaxkv.models.llama``, ``gemma3``, ``qwen3_5`` or ``bart``), cast to ``dtype``.
+    ``place(name, host_array)``: where each decoder parameter goes as it is read (sharded over
+    a mesh: ``Pretrained.model``); BART's are read whole.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -304,7 +313,7 @@ def load_safetensors_checkpoint(
 
     with contextlib.ExitStack() as stack:
         source = _SafetensorsSource(files, stack)
-        params = _assemble(config, source, names, dtype, what=str(directory), ignored=ignored)
+        params = _assemble(config, source, names, dtype, what=str(directory), ignored=ignored, place=place)
     return config, params
 
 
@@ -468,7 +477,7 @@ GGUF_LOADERS: dict[str, tuple[Callable, Mapping[str, str], Callable]] = {
 
 
 def load_gguf(
-    path: str | Path, dtype: Any = jnp.float32, reader=None, *, progress: bool = False
+    path: str | Path, dtype: Any = jnp.float32, reader=None, *, progress: bool = False, place: Placement | None = None
 ) -> tuple[DecoderOnlyConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
 
@@ -476,7 +485,7 @@ def load_gguf(
     (``jaxkv.models.llama`` for "llama" files, ``jaxkv.models.gemma3`` for "gemma3"). ``reader``: the
     file's ``open_gguf`` reader if the caller has one (parsing a large vocabulary's
     metadata takes seconds; the tokenizer reads the same file). ``progress``: show a
-    progress bar on stderr (dequantizing takes seconds).
+    progress bar on stderr (dequantizing takes seconds). ``place``: see ``load_safetensors_checkpoint``.
     """
     path = Path(path)
     reader = reader or open_gguf(path)
@@ -489,4 +498,6 @@ def load_gguf(
     source = _GGUFSource(reader)
     config = make_config(reader, {name: source.shape(name) for name in source.names()})
     what, description = str(path), f"converting {path.name}" if progress else None
-    return config, _assemble(config, source, names, dtype, what=what, fixups=fixups(config), progress=description)
+    return config, _assemble(
+        config, source, names, dtype, what=what, fixups=fixups(config), progress=description, place=place
+    )

@@ -4,6 +4,10 @@ import jax
 import pytest
 from hypothesis import settings
 
+# Eight host devices, as the sharding tests' meshes (1x8, 2x4, 4x2, 8x1) need; everything else runs
+# on the first as before. Set before any test touches a backend.
+jax.config.update("jax_num_cpu_devices", 8)
+
 # CI replays the same examples every run; locally hypothesis explores.
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=12, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=12)

@@ -30,6 +30,7 @@ LEVELS = {
     "jaxkv.sizing": 0,
     "jaxkv.protocol": 0,
     "jaxkv.quantization": 0,
+    "jaxkv.sharding": 0,
     "jaxkv.layers": 1,
     "jaxkv.cache": 2,
     "jaxkv.attention": 3,

@@ -35,6 +35,7 @@ from flax import nnx, struct
 from jaxkv.decoding.driver import Batch, Loop, Prefilled, Request, Strategy, drive
 from jaxkv.decoding.model import DecoderModel
 from jaxkv.decoding.sampling import GREEDY
+from jaxkv.sharding import to_host
 
 # transformers' "impossible" score: a candidate that must not be chosen gets this added.
 NEG = -1.0e9
@@ -238,7 +239,7 @@ class BeamSearch(Strategy):
         return Loop(search, static, (run.state, run.cache, run.logits, request.stop_array))
 
     def result(self, carry: BeamCarry, run: Prefilled) -> BeamGeneration:
-        beams = jax.device_get(carry.beams)
+        beams = jax.tree.map(to_host, carry.beams)
         keep = slice(0, self.settings.num_return_sequences)
         lengths = beams.finished_lengths[:, keep]
         generated = np.arange(self.request.max_new_tokens)[None, None, :] < lengths[:, :, None]

@@ -23,6 +23,7 @@ from flax import nnx, struct
 from jaxkv.decoding.driver import Loop, Prefilled, Request, Strategy, drive, emit, prefill_batch, prepare_batch
 from jaxkv.decoding.model import DecoderModel
 from jaxkv.decoding.sampling import sample
+from jaxkv.sharding import to_host
 
 
 class Finish(enum.IntEnum):
@@ -124,8 +125,8 @@ class PlainDecoding(Strategy):
         return Loop(decode, static, (run.state, run.cache, run.logits, request.key, request.stop_array))
 
     def result(self, carry: DecodeCarry, run: Prefilled) -> Generation:
-        tokens = np.asarray(carry.tokens)
-        finish = [Finish(int(r)) for r in np.asarray(carry.finish)]
+        tokens = to_host(carry.tokens)
+        finish = [Finish(int(r)) for r in to_host(carry.finish)]
         num_generated = np.sum(tokens >= 0, axis=1).astype(np.int32)
         timings = run.timings
         return Generation(

@@ -60,6 +60,7 @@ from jaxkv.decoding.driver import Batch, CacheSource, Loop, Prefilled, Request, 
 from jaxkv.decoding.generate import Finish, Generation, Limits
 from jaxkv.decoding.model import DecoderModel, EarlyExitModel, EncoderDecoderModel, check_model
 from jaxkv.decoding.sampling import Sampling, sample, sampling_logits
+from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
 
@@ -540,15 +541,15 @@ class SpeculativeDecoding(Strategy):
         return Loop(speculative_decode, static, args)
 
     def result(self, carry: SpeculativeCarry, run: Prefilled) -> SpeculativeGeneration:
-        history, counts = np.asarray(carry.history), np.asarray(carry.num_generated)
+        history, counts = to_host(carry.history), to_host(carry.num_generated)
         generated = np.full((len(counts), self.request.max_new_tokens), -1, np.int32)
         for row, (begin, n) in enumerate(zip(run.prompt_lengths, counts)):
             generated[row, :n] = history[row, begin : begin + n]
         timings = run.timings
         return SpeculativeGeneration(
-            generated, counts, [Finish(int(r)) for r in np.asarray(carry.finish)], timings.prefill_seconds,
+            generated, counts, [Finish(int(r)) for r in to_host(carry.finish)], timings.prefill_seconds,
             timings.loop_seconds, timings.compile_seconds, carry.cache.nbytes, carry.cache,
-            target_steps=np.asarray(carry.target_steps), accepted=np.asarray(carry.accepted),
+            target_steps=to_host(carry.target_steps), accepted=to_host(carry.accepted),
             num_draft_tokens=self.num_draft,
         )  # fmt: skip
 

@@ -51,6 +51,7 @@ from flax import struct
 
 from jaxkv.protocol import BatchMajorLayer, CacheLayer, check_array, check_positions, describe_extent, entry
 from jaxkv.protocol import lengths_after, limit_rollback
+from jaxkv.sharding import BATCH, STATE, TOKENS, Axes
 
 
 def check_state_inputs(layer, index, conv_inputs: jax.Array, positions) -> jax.Array:
@@ -179,6 +180,16 @@ class LinearAttentionLayer(BatchMajorLayer):
     def describe(self) -> str:
         return describe_extent(self.rollback_slots)
 
+    def logical_axes(self):
+        """Rows on ``batch``; conv channels, state slots and recurrent state dimensions are ``state``
+        (replicated by default: a gated-DeltaNet state is small, and its heads are not the K/V heads)."""
+        return self.replace(
+            conv_inputs=Axes(BATCH, STATE, STATE),
+            states=tuple(Axes(BATCH, *(STATE,) * (state.ndim - 1)) for state in self.states),
+            lengths=Axes(BATCH),
+            high_water=Axes(BATCH),
+        )
+
     def rollback_hint(self, num_tokens: int) -> str:
         """How to build a cache that can undo ``num_tokens`` (for the rollback error)."""
         return (
@@ -306,6 +317,9 @@ class HybridLayer(BatchMajorLayer):
     def reset(self):
         return self.replace(linear=self.linear.reset(), attention=self.attention.reset())
 
+    def logical_axes(self):
+        return self.replace(linear=self.linear.logical_axes(), attention=self.attention.logical_axes())
+
 
 @struct.dataclass
 class PackedStateLayer(CacheLayer):
@@ -397,3 +411,6 @@ class PackedStateLayer(CacheLayer):
 
     def gather_rows(self, indices: jax.Array) -> PackedStateLayer:
         return self.replace(slots=self.slots.gather_rows(indices))
+
+    def logical_axes(self) -> PackedStateLayer:
+        return self.replace(slots=self.slots.logical_axes(), token_rows=Axes(TOKENS))

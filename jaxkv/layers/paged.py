@@ -31,6 +31,7 @@ from flax import struct
 
 from jaxkv.protocol import CacheLayer, check_array, entry, limit_rollback
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, TABLE, TOKENS, Axes
 
 NULL_PAGE = 0
 # Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
@@ -233,6 +234,22 @@ class PagedLayer(CacheLayer):
     def describe(self) -> str:
         quantized = f" {self.quantization.format}{self.quantization.bits}" if self.quantization else ""
         return f"page={self.page_size}" + (f" window={self.window}" if self.window else "") + quantized
+
+    def logical_axes(self) -> PagedLayer:
+        """Pages on ``pages`` (data parallel: each device keeps a share of the pool), K/V heads on
+        ``kv_heads``; block-table rows and lengths on ``batch``."""
+        lead = (PAGES, PAGE_SLOTS, KV_HEADS)
+
+        def pool_axes(pool: Pool):
+            return pool.logical_axes(*lead) if isinstance(pool, QuantizedTensor) else Axes(*lead, HEAD_DIM)
+
+        return self.replace(
+            key_pages=pool_axes(self.key_pages),
+            value_pages=pool_axes(self.value_pages),
+            block_table=Axes(BATCH, TABLE),
+            token_rows=Axes(TOKENS),
+            lengths=Axes(BATCH),
+        )
 
     def with_step(
         self, block_table: jax.Array, token_rows: jax.Array, lengths: jax.Array, single_tokens: int | None = None

@@ -51,6 +51,8 @@ from jaxkv.quantization import (
 )  # fmt: skip
 from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_capacity, check_update_inputs, describe_extent
 from jaxkv.protocol import entry, lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
+from jaxkv.protocol import KV_AXES
+from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 def dequantize_slots(q: QuantizedTensor, slots: jax.Array, spec: QuantSpec, axis: int, dtype) -> jax.Array:
     """Slots ``slots`` ``[B, K]`` of a batch-major ``q`` (codes ``[B, H, N, ·]``) dequantized:
@@ -321,6 +323,17 @@ class QuantizedLayer(BatchMajorLayer):
 
     def describe(self) -> str:
         return describe_extent(self.rollback_slots, window=self.window)
+
+    def logical_axes(self):
+        lead = (BATCH, KV_HEADS, KV_SLOTS)
+        return self.replace(
+            quantized_keys=self.quantized_keys.logical_axes(*lead),
+            quantized_values=self.quantized_values.logical_axes(*lead),
+            residual_keys=KV_AXES,
+            residual_values=KV_AXES,
+            slot_positions=None if self.slot_positions is None else Axes(BATCH, KV_SLOTS),
+            lengths=Axes(BATCH),
+        )
 
     # --- update ------------------------------------------------------------------------
     def update_entry(self, index, keys, values, positions):

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_update_inputs, describe_extent, entry
-from jaxkv.protocol import lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
+from jaxkv.protocol import KV_AXES, lengths_after, limit_rollback, ring_rollback_budget, visible_positions
+from jaxkv.protocol import write_slots
+from jaxkv.sharding import BATCH, KV_SLOTS, Axes
 
 
 @struct.dataclass
@@ -76,6 +78,11 @@ class RingBufferLayer(BatchMajorLayer):
 
     def describe(self) -> str:
         return describe_extent(self.rollback_slots, **{self.SPAN_NAME: self.span})
+
+    def logical_axes(self):
+        return self.replace(
+            keys=KV_AXES, values=KV_AXES, slot_positions=Axes(BATCH, KV_SLOTS), lengths=Axes(BATCH)
+        )
 
     def mask_info(self, kv_positions: jax.Array) -> MaskInfo:
         return MaskInfo(kv_positions, **{self.SPAN_NAME: self.span})
