@@ -582,11 +582,23 @@ class Cache:
 
     select = reorder
 
+    def reorder_in_groups(self, indices) -> Cache:
+        """Beams reordered within their prompt: rows come in groups of ``K`` (``indices`` ``[G, K]``),
+        and row ``g * K + k`` of the result is row ``g * K + indices[g, k]``. The same as ``reorder``
+        of the flattened row numbers, but no row leaves its group, so a batch sharded over ``data``
+        by whole groups reorders on each device without moving K/V between them."""
+        indices = jnp.asarray(indices, jnp.int32)
+        if indices.ndim != 2 or indices.shape[0] * indices.shape[1] != self.batch_size:
+            raise ValueError(
+                f"reorder_in_groups takes [G, K] indices with G * K = {self.batch_size} rows, got {indices.shape}"
+            )
+        return self._map_layers(lambda layer: layer.gather_rows_in_groups(indices))
+
     def repeat(self, num_repeats: int) -> Cache:
         """Each row ``num_repeats`` times in a row (one prefilled prompt -> N beams/samples)."""
         if num_repeats <= 0:
             raise ValueError(f"num_repeats must be positive, got {num_repeats}")
-        return self.reorder(jnp.repeat(jnp.arange(self.batch_size), num_repeats))
+        return self._map_layers(lambda layer: layer.repeat_rows(num_repeats))
 
     def rollback(self, num_tokens) -> Cache:
         """Forget the last ``num_tokens`` (int or ``[B]``) of each row in every layer.

@@ -171,6 +171,16 @@ class CacheLayer(abc.ABC):
     def gather_rows(self, indices: jax.Array) -> Self:
         """Rows ``indices`` ``[B']``: beam reorder, select and repeat."""
 
+    def repeat_rows(self, num_repeats: int) -> Self:
+        """Each row ``num_repeats`` times in a row (one prefilled prompt -> N beams or samples)."""
+        return self.gather_rows(jnp.repeat(jnp.arange(self.lengths.shape[-1], dtype=jnp.int32), num_repeats))
+
+    def gather_rows_in_groups(self, indices: jax.Array) -> Self:
+        """Rows gathered within groups of ``K`` consecutive rows (the beams of one prompt):
+        row ``g * K + k`` of the result is row ``g * K + indices[g, k]`` (``indices`` ``[G, K]``)."""
+        groups, size = indices.shape
+        return self.gather_rows((indices + size * jnp.arange(groups, dtype=jnp.int32)[:, None]).reshape(-1))
+
     # --- sharding ---------------------------------------------------------------------------
     @abc.abstractmethod
     def logical_axes(self) -> Self:
@@ -232,6 +242,27 @@ class BatchMajorLayer(CacheLayer):
         """Rows ``indices`` ``[B']`` of every leaf: beam reorder, select and repeat."""
         indices = jnp.asarray(indices, jnp.int32)
         return jax.tree.map(lambda leaf: jnp.take(leaf, indices, axis=0), self)
+
+    def repeat_rows(self, num_repeats: int) -> Self:
+        """``CacheLayer.repeat_rows`` as a broadcast: rows sharded over a mesh are repeated where they are."""
+
+        def repeat(leaf: jax.Array) -> jax.Array:
+            repeated = jnp.broadcast_to(leaf[:, None], (leaf.shape[0], num_repeats, *leaf.shape[1:]))
+            return repeated.reshape(leaf.shape[0] * num_repeats, *leaf.shape[1:])
+
+        return jax.tree.map(repeat, self)
+
+    def gather_rows_in_groups(self, indices: jax.Array) -> Self:
+        """``CacheLayer.gather_rows_in_groups`` as a gather along each leaf's ``[G, K]`` row axes: rows
+        sharded over a mesh by whole groups stay on their devices (no rows cross between them)."""
+        groups, size = indices.shape
+
+        def take(leaf: jax.Array) -> jax.Array:
+            grouped = leaf.reshape(groups, size, *leaf.shape[1:])
+            index = indices.reshape(groups, size, *(1,) * (leaf.ndim - 1))
+            return jnp.take_along_axis(grouped, index, axis=1).reshape(leaf.shape)
+
+        return jax.tree.map(take, self)
 
     @property
     def batch_size(self) -> int:

@@ -157,7 +157,7 @@ class Layout:
                 continue
             if logical in MUST_DIVIDE:
                 raise ValueError(f"{message}: make it a multiple of {self.mesh.shape[axis]}, or shrink the axis")
-            warnings.warn(f"{message}: it is replicated on every {axis!r} device", stacklevel=3)
+            warn_once(f"{message}: it is replicated on every {axis!r} device")
             spec.append(None)
         return PartitionSpec(*spec)
 
@@ -184,6 +184,17 @@ class Layout:
             return jax.device_put(array, sharding)  # a global array already: at most a reshard
         host = np.asarray(array)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A ``UserWarning`` the first time ``message`` comes up in this process (a cache constrains
+    itself at every update, so the same replication would otherwise be reported per layer)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def with_layers(axes_tree):

@@ -183,11 +183,10 @@ def search(graphdef, state, cache, first_logits, stop_tokens, *, settings: BeamS
     beams = initial_state(batch, num_beams, max_new_tokens)
     logits = jnp.broadcast_to(first_logits[:, None], (batch, num_beams, first_logits.shape[-1]))
     carry = BeamCarry(select(beams, logits, stop_tokens, settings, num_stop), cache.repeat(num_beams))
-    row_offsets = jnp.arange(batch, dtype=jnp.int32)[:, None] * num_beams
 
     def step(carry: BeamCarry) -> BeamCarry:
         beams = carry.beams
-        cache = carry.cache.reorder((beams.parents + row_offsets).reshape(-1))
+        cache = carry.cache.reorder_in_groups(beams.parents)  # a prompt's beams stay on its devices
         newest = beams.running_tokens[:, :, beams.step - 1].reshape(-1, 1)
         logits, cache = model(newest, cache.lengths[:, None], cache)
         logits = logits[:, -1].reshape(batch, num_beams, -1)
