@@ -28,7 +28,7 @@ from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback
-from jaxkv.sharding import Layout, constrain, device_bytes, with_layers
+from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
 
 
@@ -560,7 +560,7 @@ class Cache:
         """Grow growing layers (outside jit) so each row can take ``num_new_tokens`` more."""
         if is_traced(self.lengths):
             raise RuntimeError("Cache.reserve reads the row lengths and must run outside jit")
-        needed = int(np.max(np.asarray(self.lengths), initial=0)) + int(num_new_tokens)
+        needed = int(np.max(to_host(self.lengths), initial=0)) + int(num_new_tokens)
         return self.grow(bucket(needed))
 
     def grow(self, capacity: int) -> Cache:
@@ -618,7 +618,7 @@ class Cache:
 
     # --- display ------------------------------------------------------------------
     def __repr__(self) -> str:
-        lengths = "traced" if is_traced(self.lengths) else np.asarray(self.lengths).tolist()
+        lengths = "traced" if is_traced(self.lengths) else to_host(self.lengths).tolist()
         rows = [
             f"Cache(batch={self.batch_size}, layers={len(self.layer_types)}, lengths={lengths}, "
             f"{human_bytes(self.nbytes)})"
@@ -633,4 +633,3 @@ class Cache:
                 f"{str(list(leaf.shape)):<18} {str(leaf.dtype):<9} {human_bytes(per_layer):>10}"
             )
         return "\n".join(rows)
-

@@ -149,9 +149,7 @@ class Layout:
                 used.add(axis)
                 spec.append(axis)
                 continue
-            message = (
-                f"{logical} ({count}) is not divisible by mesh axis {axis!r} of size {self.mesh.shape[axis]}"
-            )
+            message = f"{logical} ({count}) is not divisible by mesh axis {axis!r} of size {self.mesh.shape[axis]}"
             if quiet:
                 spec.append(None)
                 continue

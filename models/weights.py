@@ -82,11 +82,15 @@ GGUF_LLAMA_NAMES = _GGUF_DECODER | {f"b{x}": f"blk.{{i}}.attn_{x}.bias" for x in
 
 # Gemma 3 (Gemma3ForCausalLM; "gemma3" GGUF): q/k norms and norms around attention and MLP.
 # transformers' norms hold w, llama.cpp's 1 + w.
-GEMMA3_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
-    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
+GEMMA3_HF_NAMES = (
+    _HF_DECODER
+    | _HF_QK_NORMS
+    | {
+        "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+        "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+    }
+)
 GGUF_GEMMA3_NAMES = _GGUF_DECODER | {
     "q_norm": "blk.{i}.attn_q_norm.weight",
     "k_norm": "blk.{i}.attn_k_norm.weight",
@@ -275,9 +279,7 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
     model_type = raw.get("model_type")
     if model_type not in HF_MODEL_TYPES:
-        raise ValueError(
-            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}"
-        )
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
     if model_type == "qwen2":
         # Qwen2's q/k/v projections always have a bias, but its config.json does not say so.
         raw.setdefault("attention_bias", True)

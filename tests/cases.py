@@ -1,6 +1,8 @@
 """What the tests share: small layers of each kind, random feed / rollback plans, tiny model
 configs, and the serving engine's arrival driver with its ``generate`` reference."""
 
+import re
+
 from hypothesis import strategies as st
 
 from jaxkv import ChunkedLayer, DynamicLayer, SlidingWindowLayer, StaticLayer
@@ -68,3 +70,24 @@ def run_arrivals(engine, prompts, arrival_steps, max_tokens: int, **options) -> 
         engine.step()
         step += 1
     return [engine.samples[ids[i]][0].output for i in range(len(prompts))]
+
+
+# Collectives in a compiled module's text, and the shapes they return (each element of a tuple result).
+COLLECTIVE = re.compile(r"= (.*?) (?:all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)(?:-start)?\(")
+SHAPE = re.compile(r"\w+\[([\d,]*)\]")
+
+
+def collective_shapes(text: str) -> list[tuple[int, ...]]:
+    """Result shapes of every collective of a compiled module's text (each element of a tuple result)."""
+    return [
+        tuple(int(d) for d in dims.split(",") if d)
+        for result in COLLECTIVE.findall(text)
+        for dims in SHAPE.findall(result)
+    ]
+
+
+def stack_shapes(shape: tuple[int, ...], sharding) -> set[tuple[int, ...]]:
+    """A stacked cache leaf's global and per-device shapes (``sharding``), whole and as one layer:
+    what a collective that moves the leaf would return."""
+    shapes = {tuple(shape), sharding.shard_shape(tuple(shape))}
+    return shapes | {s[1:] for s in shapes}

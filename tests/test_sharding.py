@@ -6,7 +6,6 @@ The tiny configs have 8 (Llama) and 4 (Gemma 3) K/V heads so that the ``model`` 
 the real models' 3 and 1 K/V heads take the replicated path (a warning) and shard over ``data``.
 """
 
-import re
 import warnings
 
 import jax
@@ -25,6 +24,7 @@ from jaxkv.models.load import load_pretrained
 from jaxkv.quantization import QuantSpec
 from jaxkv import sharding
 from jaxkv.sharding import Layout, make_mesh, parse_mesh
+from tests.cases import collective_shapes, stack_shapes
 
 VOCAB = 64  # divisible by every model axis: the embedding and head shard too
 MESHES = [{"data": 1, "model": 8}, {"data": 2, "model": 4}, {"data": 4, "model": 2}, {"data": 8, "model": 1}]
@@ -42,7 +42,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [1, 2, 3], [40, 41, 42, 43, 44], [
 INT8 = QuantSpec(nbits=8, q_group_size=8, residual_length=4)
 CACHES = {"static": {}, "quantized": {"quantization": INT8}}
 MODELS = {"llama": (Llama, LLAMA), "gemma3": (Gemma3, GEMMA)}
-COLLECTIVES = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? (all-gather|all-to-all|collective-permute|reduce-scatter)\(")
 
 
 def assert_sharded_as(tree, shardings) -> None:
@@ -155,22 +154,13 @@ def test_reorder_and_rollback_keep_the_sharding():
     np.testing.assert_array_equal(np.asarray(cache.rollback(2).lengths), np.full(8, 3))
 
 
-def collective_shapes(executable) -> list[tuple[str, tuple[int, ...]]]:
-    """``(op, result shape)`` of every all-gather, all-to-all, collective-permute and reduce-scatter."""
-    return [
-        (op, tuple(int(d) for d in dims.split(",") if d))
-        for _, dims, op in COLLECTIVES.findall(executable.as_text())
-    ]
-
-
 def cache_leaf_shapes(cache: Cache) -> set[tuple[int, ...]]:
     """Global and per-device shapes of every leaf of ``cache`` and of its repeat to two beams per
     row (beam search repeats its prompts' cache), as whole stacks and single layers."""
     shapes = set()
     for variant in (cache, jax.eval_shape(lambda c: c.repeat(2), cache)):
-        for leaf, layout in zip(jax.tree.leaves(variant), jax.tree.leaves(cache.shardings())):
-            for shape in (leaf.shape, layout.shard_shape(leaf.shape)):
-                shapes |= {shape, shape[1:]}
+        for leaf, leaf_sharding in zip(jax.tree.leaves(variant), jax.tree.leaves(cache.shardings())):
+            shapes |= stack_shapes(leaf.shape, leaf_sharding)
     return {shape for shape in shapes if np.prod(shape) > 64}  # small bookkeeping (lengths) may move
 
 
@@ -193,7 +183,8 @@ STRATEGIES = {  # name: (run, whether its loop takes the prefilled cache donated
     "generate": (lambda model: generate(model, PROMPTS, max_new_tokens=5), True),
     "beam_search": (lambda model: beam_search(model, PROMPTS[:4], num_beams=2, max_new_tokens=5), False),
     "prompt_lookup": (
-        lambda model: generate_speculative(model, PROMPTS, drafter=PromptLookup(), max_new_tokens=5), True
+        lambda model: generate_speculative(model, PROMPTS, drafter=PromptLookup(), max_new_tokens=5),
+        True,
     ),
     "self_speculation": (
         lambda model: generate_speculative(model, PROMPTS, drafter=SelfSpeculation(exit_layer=1), max_new_tokens=5),
@@ -213,7 +204,7 @@ def test_compiled_loops_never_move_a_cache_leaf(name, compiled_runs):
     strategy(model)
     assert len(compiled_runs) >= 2
     for executable, leaf_shapes in compiled_runs:
-        moved = [(op, shape) for op, shape in collective_shapes(executable) if shape in leaf_shapes]
+        moved = [shape for shape in collective_shapes(executable.as_text()) if shape in leaf_shapes]
         assert not moved, f"cache leaves moved by collectives: {moved}"
     aliased = [executable.memory_analysis().alias_size_in_bytes for executable, _ in compiled_runs]
     assert aliased[0] > 0 and (aliased[-1] > 0) == donates

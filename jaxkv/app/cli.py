@@ -4,6 +4,8 @@
     jaxkv generate --config configs/smollm2.yaml --stream
     jaxkv generate --num-beams 4 --num-return-sequences 2 --early-stopping true
     jaxkv generate --full-attention dynamic --quantization --kv-bits 8
+    jaxkv generate --mesh data=2,model=4 --prompt "One" --prompt "Two"   (sharded over 8 devices)
+    jaxkv launch --num-processes 2 --devices-per-process 4 -- generate --mesh data=2,model=4 ...
     jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
     jaxkv bench serving --quick        (jaxkv bench decode|serving: the benchmarks, --help lists their options)
 
@@ -13,22 +15,29 @@ The decode benchmark is a script of the source checkout: ``python scripts/bench_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
-from jaxkv.app.config import CacheConfig, QuantizationConfig, Strict, load_config
+from jaxkv.app import launch
+from jaxkv.app.config import CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
+from jaxkv.app.launch import Distributed
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 class GenerateConfig(Strict):
     """What ``jaxkv generate`` runs; a YAML file under configs/ sets any of these."""
 
     model: str = "smollm2"
-    prompt: str = "What is a KV cache, in two sentences?"
+    prompt: str | Annotated[list[str], Field(min_length=1)] = "What is a KV cache, in two sentences?"  # list: a batch
     chat: bool = True
     max_new_tokens: PositiveInt = 64
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -46,6 +55,11 @@ class GenerateConfig(Strict):
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: PositiveInt = 1
+    mesh: MeshConfig | None = None  # shard the model and the cache over the devices (one prompt per data row)
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     @model_validator(mode="after")
     def beams_are_deterministic(self):
@@ -73,7 +87,9 @@ def _generate_parser(sub) -> None:
     parser.add_argument(
         "--model", help="embedded default name (smollm2, gemma3), a checkpoint directory or a .gguf file"
     )
-    parser.add_argument("--prompt")
+    parser.add_argument(
+        "--prompt", action="append", help="the prompt; give it again for more prompts, decoded as one batch"
+    )
     parser.add_argument("--no-chat", dest="chat", action="store_false", default=None, help="no chat template")
     parser.add_argument("--no-cache", dest="weight_cache", action="store_false", help=NO_CACHE_HELP)
     parser.add_argument(
@@ -107,6 +123,14 @@ def _generate_parser(sub) -> None:
     spec.add_argument("--num-draft-tokens", type=int, help="drafts verified per target pass (default 4)")
     spec.add_argument("--draft-model", help="--speculative draft: a smaller model with the same vocabulary")
     spec.add_argument("--exit-layer", type=int, help="--speculative self: the first N layers draft")
+    parser.add_argument("--mesh", help=MESH_HELP + "; the number of prompts must be a multiple of data")
+    launch.add_distributed_flags(parser)
+
+
+MESH_HELP = (
+    "shard over a device mesh, e.g. data=2,model=4 (batch rows over data; heads, MLP and vocabulary over model); "
+    "the sizes multiply to the device count"
+)
 
 
 # Flag, QuantizationConfig field, type, help.
@@ -133,7 +157,12 @@ def resolve_config(args) -> GenerateConfig:
     if args.early_stopping is not None:
         merged["early_stopping"] = {"true": True, "false": False}.get(args.early_stopping, args.early_stopping)
     merged["cache"] = cache_settings(args, merged["cache"])
-    return GenerateConfig.model_validate(merged)
+    return GenerateConfig.model_validate(merged | mesh_setting(args))
+
+
+def mesh_setting(args) -> dict:
+    """``{"mesh": ...}`` from ``--mesh`` (it replaces the config's), or nothing."""
+    return {} if args.mesh is None else {"mesh": MeshConfig.parse(args.mesh).model_dump()}
 
 
 def cache_settings(args, cache: dict) -> dict:
@@ -165,19 +194,27 @@ def cache_settings(args, cache: dict) -> dict:
 
 
 def run_generate(args) -> int:
+    """Generate for each prompt; with ``--coordinator`` ... as one process of a group, which
+    joins it before JAX touches a device, and prints only if it is process 0."""
     from jaxkv.decoding.generate import generate
     from jaxkv.decoding.sampling import Sampling
 
     config = resolve_config(args)
-    model, tokenizer, prompt, load_seconds = load_for_generate(config, args.weight_cache)
+    distributed = Distributed.from_args(args)
+    check_run(config, distributed, stream=args.stream)
+    if distributed is not None:
+        distributed.initialize()
+    mesh = None if config.mesh is None else config.mesh.build()
+    model, tokenizer, prompts, load_seconds = load_for_generate(config, args.weight_cache, mesh)
+    printing = distributed is None or distributed.process_id == 0
     if config.num_beams > 1:
-        return run_beams(config, model, tokenizer, prompt)
+        return run_beams(config, model, tokenizer, prompts, printing)
     decoder = generate
     if config.speculative is not None:
-        decoder = speculative_decoder(config, use_weight_cache=args.weight_cache)
+        decoder = speculative_decoder(config, use_weight_cache=args.weight_cache, mesh=mesh)
     result = decoder(
         model,
-        [prompt],
+        prompts,
         max_new_tokens=config.max_new_tokens,
         stop_tokens=tokenizer.eos_token_ids,
         sampling=Sampling(config.temperature, config.top_k, config.top_p, config.min_p),
@@ -185,13 +222,55 @@ def run_generate(args) -> int:
         stream=token_printer(tokenizer) if args.stream else None,
         **cache_options(config),
     )
-    print("" if args.stream else tokenizer.decode(result.row(0)))
-    report_generation(config, prompt, result, load_seconds)
+    if not printing:
+        return 0
+    if args.stream:
+        print()  # ends the streamed text
+    else:
+        for row in range(len(prompts)):
+            print_text(tokenizer, result.row(row), heading(row, len(prompts)))
+    report_generation(config, prompts, result, load_seconds)
     return 0
 
 
-def load_for_generate(config: GenerateConfig, use_weight_cache: bool):
-    """The model, its tokenizer, the prompt's token ids and the seconds loading took.
+def check_run(config: GenerateConfig, distributed: Distributed | None, *, stream: bool) -> None:
+    """Refuse what a run cannot do, before anything loads: a group of processes without one mesh
+    over them, a batch the mesh's data axis cannot split, or streaming more than one prompt's
+    text (or from more than one process)."""
+    if distributed is not None and config.mesh is None:
+        raise ValueError(
+            "a multi-process run shards one model over every process's devices: give --mesh (e.g. data=2,model=4 "
+            "for 8 devices in all)"
+        )
+    if config.mesh is not None and len(config.prompts) % config.mesh.data:
+        raise ValueError(
+            f"mesh axis data of size {config.mesh.data} splits the batch rows, one per prompt, but there are "
+            f"{len(config.prompts)}: give a multiple of {config.mesh.data} prompts, or shrink the data axis"
+        )
+    if stream and len(config.prompts) > 1:
+        raise ValueError("--stream prints one prompt's text as it grows: give one --prompt, or drop --stream")
+    if stream and distributed is not None and distributed.num_processes > 1:
+        raise ValueError(
+            "--stream prints from inside every process's decode loop: drop it for a multi-process run "
+            "(process 0 prints the text at the end)"
+        )
+
+
+def heading(row: int, num_rows: int, hypothesis: str | None = None) -> str | None:
+    """The line above one text: which prompt (when there are several) and which hypothesis."""
+    parts = ([f"prompt {row}"] if num_rows > 1 else []) + ([hypothesis] if hypothesis else [])
+    return f"--- {', '.join(parts)}" if parts else None
+
+
+def print_text(tokenizer, tokens: list[int], title: str | None) -> None:
+    if title is not None:
+        print(title)
+    print(tokenizer.decode(tokens))
+
+
+def load_for_generate(config: GenerateConfig, use_weight_cache: bool, mesh: Mesh | None = None):
+    """The model (sharded over ``mesh`` if given), its tokenizer, each prompt's token ids and
+    the seconds loading took.
 
     The tokenizer loads first: whether the prompt takes the chat template is settled (and
     said) before the slow weight load."""
@@ -205,10 +284,11 @@ def load_for_generate(config: GenerateConfig, use_weight_cache: bool):
     chat = config.chat and tokenizer.chat_template is not None
     if config.chat and not chat:
         print(f"jaxkv: {config.model} has no chat template: the prompt is plain text (--no-chat)", file=sys.stderr)
-    single_row = config.num_beams == 1 and config.speculative is None  # one prompt, one token per step
-    model = source.model(jnp.dtype(config.dtype), single_row_decode=single_row)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": config.prompt}]) if chat else config.prompt
-    return model, tokenizer, tokenizer.encode(text), time.perf_counter() - start
+    # One prompt, one token per step.
+    single_row = len(config.prompts) == 1 and config.num_beams == 1 and config.speculative is None
+    model = source.model(jnp.dtype(config.dtype), single_row_decode=single_row, mesh=mesh)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in config.prompts]
+    return model, tokenizer, [tokenizer.encode(text) for text in texts], time.perf_counter() - start
 
 
 def cache_options(config: GenerateConfig) -> dict:
@@ -240,13 +320,15 @@ def token_printer(tokenizer):
     return stream
 
 
-def report_generation(config: GenerateConfig, prompt: list[int], result, load_seconds: float) -> None:
-    """Counts, finish reason, rates, compile and load time and cache size, on stderr."""
-    new = int(result.num_generated[0])
+def report_generation(config: GenerateConfig, prompts: list[list[int]], result, load_seconds: float) -> None:
+    """Counts, finish reasons, rates, compile and load time and cache size, on stderr."""
+    fed, new = sum(map(len, prompts)), int(result.num_generated.sum())
+    rows = f"{len(prompts)} prompts, " if len(prompts) > 1 else ""
+    finish = ", ".join(reason.name.lower() for reason in result.finish)
     print(
-        f"\n[{config.model}] prompt {len(prompt)} tok, {new} new ({result.finish[0].name.lower()}); "
-        f"prefill {len(prompt) / result.prefill_seconds:.1f} tok/s, "
-        f"decode {max(new - 1, 1) / result.decode_seconds:.1f} tok/s; "
+        f"\n[{config.model}] {rows}prompt {fed} tok, {new} new ({finish}); "
+        f"prefill {fed / result.prefill_seconds:.1f} tok/s, "
+        f"decode {max(new - len(prompts), 1) / result.decode_seconds:.1f} tok/s; "
         f"compile {result.compile_seconds:.1f} s, load {load_seconds:.1f} s; "
         f"cache {result.cache_bytes / 2**20:.1f} MiB",
         file=sys.stderr,
@@ -259,13 +341,13 @@ def report_generation(config: GenerateConfig, prompt: list[int], result, load_se
         )
 
 
-def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> int:
+def run_beams(config: GenerateConfig, model, tokenizer, prompts: list[list[int]], printing: bool) -> int:
     """Beam search for ``jaxkv generate --num-beams N``: each returned hypothesis and its score."""
     from jaxkv.decoding.beam import beam_search
 
     result = beam_search(
         model,
-        [prompt],
+        prompts,
         max_new_tokens=config.max_new_tokens,
         num_beams=config.num_beams,
         length_penalty=config.length_penalty,
@@ -274,12 +356,15 @@ def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> in
         stop_tokens=tokenizer.eos_token_ids,
         **cache_options(config),
     )
-    for rank in range(config.num_return_sequences):
-        if config.num_return_sequences > 1:
-            print(f"--- hypothesis {rank} (score {result.scores[0, rank]:.4f})")
-        print(tokenizer.decode(result.sequence(0, rank)))
+    if not printing:
+        return 0
+    several = config.num_return_sequences > 1
+    for row in range(len(prompts)):
+        for rank in range(config.num_return_sequences):
+            hypothesis = f"hypothesis {rank} (score {result.scores[row, rank]:.4f})" if several else None
+            print_text(tokenizer, result.sequence(row, rank), heading(row, len(prompts), hypothesis))
     print(
-        f"\n[{config.model}] prompt {len(prompt)} tok, {config.num_beams} beams; "
+        f"\n[{config.model}] prompt {sum(map(len, prompts))} tok, {config.num_beams} beams; "
         f"prefill {result.prefill_seconds:.2f} s, search {result.search_seconds:.2f} s, "
         f"compile {result.compile_seconds:.1f} s; cache {result.cache_bytes / 2**20:.1f} MiB",
         file=sys.stderr,
@@ -287,8 +372,9 @@ def run_beams(config: GenerateConfig, model, tokenizer, prompt: list[int]) -> in
     return 0
 
 
-def speculative_decoder(config: GenerateConfig, *, use_weight_cache: bool):
-    """``generate_speculative`` with the configured drafter, called like ``generate``."""
+def speculative_decoder(config: GenerateConfig, *, use_weight_cache: bool, mesh: Mesh | None = None):
+    """``generate_speculative`` with the configured drafter (a draft model on ``mesh`` too),
+    called like ``generate``."""
     import functools
 
     import jax.numpy as jnp
@@ -302,7 +388,7 @@ def speculative_decoder(config: GenerateConfig, *, use_weight_cache: bool):
         drafter = SelfSpeculation(config.exit_layer)
     else:
         draft = Pretrained(config.draft_model, use_weight_cache=use_weight_cache)
-        drafter = DraftModel(draft.model(jnp.dtype(config.dtype)))
+        drafter = DraftModel(draft.model(jnp.dtype(config.dtype), mesh=mesh))
     return functools.partial(generate_speculative, drafter=drafter, num_draft_tokens=config.num_draft_tokens)
 
 
@@ -392,9 +478,10 @@ class ServeConfig(Strict):
     max_waiting: PositiveInt = 64
     prefix_caching: bool = True
     quantization: QuantizationConfig | None = None  # quantized pages (per token, residual_length 0)
+    mesh: MeshConfig | None = None  # shard the model and the page pools over the devices (this process's)
 
 
-SERVE_FLAGS = tuple(name for name in ServeConfig.model_fields if name != "quantization")
+SERVE_FLAGS = tuple(name for name in ServeConfig.model_fields if name not in ("quantization", "mesh"))
 
 
 def _serve_parser(sub) -> None:
@@ -411,13 +498,14 @@ def _serve_parser(sub) -> None:
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     parser.add_argument("--max-waiting", type=int, help="queued requests before answering 503 (default 64)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None)
+    parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
 
 
 def resolve_serve_config(args) -> ServeConfig:
     """The YAML config (if any) with the command-line flags on top, validated as a whole."""
     merged = (load_config(args.config, ServeConfig) if args.config else ServeConfig()).model_dump()
     merged |= {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key) is not None}
-    return ServeConfig.model_validate(merged)
+    return ServeConfig.model_validate(merged | mesh_setting(args))
 
 
 def run_serve(args) -> int:
@@ -428,7 +516,8 @@ def run_serve(args) -> int:
     from jaxkv.serving.runner import EngineRunner
 
     config = resolve_serve_config(args)
-    model, tokenizer = load_pretrained(config.model)
+    mesh = None if config.mesh is None else config.mesh.build()
+    model, tokenizer = load_pretrained(config.model, mesh=mesh)  # the engine shards its pools like the model
     if tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer: the server needs one for text prompts and outputs")
     engine = Engine(
@@ -453,19 +542,36 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_parser(sub)
     _bench_parser(sub)
     _serve_parser(sub)
+    launch.add_parser(sub)
     return parser
 
 
-COMMANDS = {"generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench}
+COMMANDS = {
+    "generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench, "launch": launch.run_launch,
+}  # fmt: skip
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        with one_line_warnings():
+            return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError) as error:
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Warnings as ``jaxkv: warning: ...`` lines, without the file, line and source of the code
+    that raised them (a mesh axis that cannot split the K/V heads: what to do is in the text)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"jaxkv: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 if __name__ == "__main__":

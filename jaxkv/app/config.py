@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 import yaml
+from jax.sharding import Mesh
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
 from jaxkv.quantization import QuantSpec
+from jaxkv.sharding import DATA, MODEL, make_mesh, parse_mesh
 
 
 class Strict(BaseModel):
@@ -51,6 +53,30 @@ class CacheConfig(Strict):
         return None if self.quantization is None else self.quantization.spec()
 
 
+class MeshConfig(Strict):
+    """A device mesh (``jaxkv.sharding.make_mesh``): data parallel over ``data`` (batch rows),
+    tensor parallel over ``model`` (heads, MLP, vocabulary). The sizes multiply to the device
+    count: every process's devices under ``jax.distributed``."""
+
+    data: PositiveInt = 1
+    model: PositiveInt = 1
+
+    @classmethod
+    def parse(cls, text: str) -> MeshConfig:
+        """``--mesh data=2,model=4``; an unknown axis or a bad size is a one-line error."""
+        try:
+            return cls.model_validate(parse_mesh(text))
+        except ValidationError as error:
+            raise ValueError(f"--mesh {text}: {describe(error)} (the axes are data and model)") from error
+
+    def shape(self) -> dict[str, int]:
+        return {DATA: self.data, MODEL: self.model}
+
+    def build(self) -> Mesh:
+        """The ``jax.sharding.Mesh`` (after ``jax.distributed`` is initialized, if it is used)."""
+        return make_mesh(self.shape())
+
+
 Schema = TypeVar("Schema", bound=BaseModel)
 
 
@@ -70,7 +96,9 @@ def load_config(path: str | Path, schema: type[Schema]) -> Schema:
     try:
         return schema.model_validate(data or {})
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '<top level>'}: {e['msg']}" for e in error.errors()
-        )
-        raise ConfigError(f"{path}: {problems}") from error
+        raise ConfigError(f"{path}: {describe(error)}") from error
+
+
+def describe(error: ValidationError) -> str:
+    """Each problem of ``error`` on one line: ``key.path: message; ...``."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<top level>'}: {e['msg']}" for e in error.errors())

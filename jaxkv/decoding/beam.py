@@ -223,7 +223,7 @@ class BeamSearch(Strategy):
     def check(self, batch: Batch) -> None:
         """A cache too small to hold ``max_new_tokens`` more per beam would cut a beam short silently."""
         capacity, written = batch.cache.max_length, self.request.max_new_tokens - 1
-        longest = int(np.max(np.asarray(batch.cache.lengths) + batch.prompt_lengths))
+        longest = int(np.max(to_host(batch.cache.lengths) + batch.prompt_lengths))
         if capacity is not None and longest + written > capacity:
             raise ValueError(
                 f"beam search writes up to {longest + written} tokens per row but the cache holds {capacity}; "

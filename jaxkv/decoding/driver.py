@@ -39,6 +39,7 @@ from jax.experimental import io_callback
 
 from jaxkv.decoding.model import DecoderModel, EncoderDecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
+from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
 # Executables by function and argument shapes, least recently used first. Bounded: a
@@ -259,7 +260,7 @@ def starting_cache(model, request: Request, num_rows: int, width: int, encoder) 
         raise ValueError(
             f"the cache has {cache.batch_size} rows for {num_rows} prompts; pass one row or one per prompt"
         )
-    return cache, cache.max_length, np.asarray(cache.lengths)
+    return cache, cache.max_length, to_host(cache.lengths)
 
 
 def check_fits(model: DecoderModel, needed: int, capacity: int | None) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 
 from jaxkv.decoding.driver import CacheSource, full_attention_keyword
 from jaxkv.decoding.generate import Generation, generate
 from jaxkv.decoding.model import DecoderModel, check_model
+from jaxkv.sharding import to_host
 
 
 def shared_prefix_length(cached: Sequence[int], conversation: Sequence[int]) -> int:
@@ -54,7 +54,7 @@ class Session:
         elif cache.batch_size != 1 or int(cache.lengths[0]) != len(tokens):
             raise ValueError(
                 f"a resumed session needs a one-row cache holding exactly `tokens`; got {cache.batch_size} rows "
-                f"holding {np.asarray(cache.lengths).tolist()} tokens for {len(tokens)} tokens"
+                f"holding {to_host(cache.lengths).tolist()} tokens for {len(tokens)} tokens"
             )
         self.model, self.cache, self.tokens = model, cache, list(tokens)
         self.fed_tokens = 0  # tokens the last turn prefilled (the rest came from the cache)

@@ -8,6 +8,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.protocol import PositionalLayer, check_update_inputs, is_traced
+from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
 
@@ -59,7 +60,7 @@ class DynamicLayer(PositionalLayer):
                 "DynamicLayer.reserve reads the row lengths and must run outside jit; "
                 "call it on the cache before the jitted step"
             )
-        needed = int(np.max(np.asarray(self.lengths), initial=0)) + int(num_new_tokens)
+        needed = int(np.max(to_host(self.lengths), initial=0)) + int(num_new_tokens)
         return self if needed <= self.capacity else self.grow(bucket(needed))
 
     def update_entry(self, index, keys, values, positions):

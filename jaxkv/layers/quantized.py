@@ -54,6 +54,7 @@ from jaxkv.protocol import entry, lengths_after, limit_rollback, ring_rollback_b
 from jaxkv.protocol import KV_AXES
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
+
 def dequantize_slots(q: QuantizedTensor, slots: jax.Array, spec: QuantSpec, axis: int, dtype) -> jax.Array:
     """Slots ``slots`` ``[B, K]`` of a batch-major ``q`` (codes ``[B, H, N, ·]``) dequantized:
     ``[B, H, K, D]``. Indices are clipped into the buffer (callers mask what they do not own)."""

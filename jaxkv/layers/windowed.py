@@ -80,9 +80,7 @@ class RingBufferLayer(BatchMajorLayer):
         return describe_extent(self.rollback_slots, **{self.SPAN_NAME: self.span})
 
     def logical_axes(self):
-        return self.replace(
-            keys=KV_AXES, values=KV_AXES, slot_positions=Axes(BATCH, KV_SLOTS), lengths=Axes(BATCH)
-        )
+        return self.replace(keys=KV_AXES, values=KV_AXES, slot_positions=Axes(BATCH, KV_SLOTS), lengths=Axes(BATCH))
 
     def mask_info(self, kv_positions: jax.Array) -> MaskInfo:
         return MaskInfo(kv_positions, **{self.SPAN_NAME: self.span})

@@ -39,8 +39,11 @@ MAX_COPIES = 8  # page copies (forks) per pool per step; more forks wait a step
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``);
-    ``max_num_seqs``: rows decoding at once (each step has a decode slot per row);
+    """Engine sizes. ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``), over
+    all devices for a model sharded over a mesh: each device holds its share (the pages split
+    over ``data``, the K/V heads over ``model``, by the model's rules);
+    ``max_num_seqs``: rows decoding at once (each step has a decode slot per row; under a mesh a
+    multiple of the ``data`` axis, which splits the block-table rows);
     ``max_num_batched_tokens``: prefill-chunk tokens per step besides the decodes (a multiple
     of ``QUERY_BLOCK``; also the largest prefill bucket); ``max_model_len``:
     the longest prompt plus output (default: the model's ``max_position_embeddings``);

@@ -1,4 +1,9 @@
-"""How many pages each pool gets from a byte budget (``kv_memory="1GiB"``)."""
+"""How many pages each pool gets from a byte budget (``kv_memory="1GiB"``).
+
+Under a mesh the budget is the pools' total over all devices: the pages are split over the
+mesh axis ``pages`` maps to (``data`` by default), so each pool's page count is a multiple of
+that axis's size, and each device holds its share of the pages (of the K/V heads too, over
+``model``)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import jax
 from jaxkv.cache import layer_types_of
 from jaxkv.layers.linear import PackedStateLayer
 from jaxkv.layers.paged import Paging
+from jaxkv.sharding import PAGES, Layout
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
@@ -36,6 +42,7 @@ class PoolSizes:
     window: int | None
     page_size: int
     state_bytes: int = 0  # recurrent-state slots (one per row), outside the pools
+    page_shards: int = 1  # devices a pool's pages are split over (each pool's page count is a multiple)
 
     @property
     def max_concurrent_tokens(self) -> int:
@@ -44,17 +51,36 @@ class PoolSizes:
         return (self.full_pages - 1) * self.page_size if self.full_pages else 0
 
 
-def page_bytes_of(model, config) -> tuple[dict[str, int], int | None, int]:
-    """Bytes of one page of each pool ('full', 'sliding') over all its layers, the sliding
-    window, and the bytes of the recurrent-state slots (one per row); read from the shapes of
-    the model's paged cache (nothing allocated)."""
+@dataclasses.dataclass(frozen=True)
+class PageBytes:
+    """What ``page_bytes_of`` reads from the model's paged cache: the bytes of one page of each
+    pool ('full', 'sliding') over all its layers, the sliding window, the bytes of the
+    recurrent-state slots (one per row), and the devices a pool's pages are split over."""
+
+    pools: dict[str, int]
+    window: int | None
+    state_bytes: int
+    page_shards: int
+
+
+def page_shards_of(layout: Layout | None) -> int:
+    """Devices the ``pages`` logical axis is split over under ``layout`` (1: unsharded)."""
+    axis = None if layout is None else layout.mesh_axis(PAGES)
+    return 1 if axis is None else layout.mesh.shape[axis]
+
+
+def page_bytes_of(model, config) -> PageBytes:
+    """``PageBytes`` read from the shapes of the model's paged cache (nothing allocated). The
+    probe's pools hold a page count every mesh axis divides (one page per device, at least 2);
+    its block table has ``max_num_seqs`` rows, which must divide the mesh axis ``batch`` maps to
+    (the cache's layout raises an error that names the axis and both sizes)."""
     layer_types = layer_types_of(model.config)
     unsupported = sorted(set(layer_types) - set(PAGED_LAYER_TYPES))
     if unsupported:
         raise ValueError(
             f"the serving engine serves {', '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
-    paging = Paging(config.page_size, 2, config.page_size)
+    paging = Paging(config.page_size, max(2, jax.device_count()), config.page_size)
     probe = jax.eval_shape(
         lambda: model.init_cache(config.max_num_seqs, paging=paging, quantization=config.quantization)
     )
@@ -67,26 +93,32 @@ def page_bytes_of(model, config) -> tuple[dict[str, int], int | None, int]:
         window = group.window or window
         for leaf in jax.tree.leaves((group.key_pages, group.value_pages)):  # values, or codes and scales
             sizes[pool] += leaf.size // leaf.shape[1] * leaf.dtype.itemsize  # one page over the stack
-    return sizes, window, state_bytes
+    return PageBytes(sizes, window, state_bytes, page_shards_of(probe.layout))
 
 
 def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
     """Split ``config.kv_memory`` between the pools: the sliding pool gets what its rows can
-    read at once (window plus a step's chunk, per row), the full pool the rest."""
-    page_bytes, window, state_bytes = page_bytes_of(model, config)
-    budget = parse_bytes(config.kv_memory) - state_bytes
+    read at once (window plus a step's chunk, per row), the full pool the rest. Under a mesh
+    each count is a multiple of the devices the pages are split over (the sliding pool rounded
+    up, the full pool down)."""
+    probe = page_bytes_of(model, config)
+    page_bytes, shards = probe.pools, probe.page_shards
+    budget = parse_bytes(config.kv_memory) - probe.state_bytes
     sliding_pages = 0
-    if window is not None:
-        per_row = -(-(window - 1) // config.page_size) + 2
-        sliding_pages = config.max_num_seqs * per_row + -(-config.max_num_batched_tokens // config.page_size) + 1
+    if probe.window is not None:
+        per_row = -(-(probe.window - 1) // config.page_size) + 2
+        needed = config.max_num_seqs * per_row + -(-config.max_num_batched_tokens // config.page_size) + 1
+        sliding_pages = -(-needed // shards) * shards
         budget -= sliding_pages * page_bytes["sliding"]
-    full_pages = budget // page_bytes["full"] if page_bytes["full"] else 0
+    full_pages = budget // page_bytes["full"] // shards * shards if page_bytes["full"] else 0
     if budget < 0 or (page_bytes["full"] and full_pages < 2):
         raise ValueError(
-            f"kv_memory {config.kv_memory!r} cannot hold the pools: the sliding-window pool alone needs "
-            f"{sliding_pages} pages of {page_bytes['sliding']} bytes and the recurrent states {state_bytes} bytes; "
-            f"raise kv_memory or lower max_num_seqs"
+            f"kv_memory {config.kv_memory!r} cannot hold the pools: the sliding-window pool needs {sliding_pages} "
+            f"pages of {page_bytes['sliding']} bytes, the recurrent states {probe.state_bytes} bytes, and the "
+            f"full-attention pool at least {max(2, shards)} pages of {page_bytes['full']} bytes (a multiple of the "
+            f"{shards} devices its pages are split over); raise kv_memory or lower max_num_seqs"
         )
     return PoolSizes(
-        full_pages, page_bytes["full"], sliding_pages, page_bytes["sliding"], window, config.page_size, state_bytes
-    )
+        full_pages, page_bytes["full"], sliding_pages, page_bytes["sliding"], probe.window, config.page_size,
+        probe.state_bytes, shards,
+    )  # fmt: skip
