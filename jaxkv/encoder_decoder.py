@@ -25,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.cache import Cache
-from jaxkv.protocol import KVView, MaskInfo, check_array, is_traced
+from jaxkv.protocol import KVView, MaskInfo, check_array, flat_group_indices, is_traced
 from jaxkv.sizing import human_bytes
 
 
@@ -177,6 +177,11 @@ class EncoderDecoderCache:
         )
 
     select = reorder
+
+    def reorder_in_groups(self, indices) -> EncoderDecoderCache:
+        """Beams reordered within their input's group of ``K`` rows (``indices`` ``[G, K]``; see
+        ``Cache.reorder_in_groups``), in both halves."""
+        return self.reorder(flat_group_indices(jnp.asarray(indices, jnp.int32)))
 
     def repeat(self, num_repeats: int) -> EncoderDecoderCache:
         """Each row ``num_repeats`` times in a row, in both halves (one encoded input ->

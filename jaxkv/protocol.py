@@ -178,8 +178,7 @@ class CacheLayer(abc.ABC):
     def gather_rows_in_groups(self, indices: jax.Array) -> Self:
         """Rows gathered within groups of ``K`` consecutive rows (the beams of one prompt):
         row ``g * K + k`` of the result is row ``g * K + indices[g, k]`` (``indices`` ``[G, K]``)."""
-        groups, size = indices.shape
-        return self.gather_rows((indices + size * jnp.arange(groups, dtype=jnp.int32)[:, None]).reshape(-1))
+        return self.gather_rows(flat_group_indices(indices))
 
     # --- sharding ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -321,6 +320,12 @@ def describe_extent(rollback_slots: int, **span: int | None) -> str:
     parts = [f"{name}={value}" for name, value in span.items() if value]
     parts += [f"R={rollback_slots}"] if rollback_slots else []
     return " ".join(parts) or "-"
+
+
+def flat_group_indices(indices: jax.Array) -> jax.Array:
+    """``[G, K]`` row indices within groups of K rows -> the ``[G * K]`` absolute rows they name."""
+    groups, size = indices.shape
+    return (indices + size * jnp.arange(groups, dtype=jnp.int32)[:, None]).reshape(-1)
 
 
 def is_traced(*xs) -> bool:

@@ -141,7 +141,9 @@ class Pretrained:
         cache_file = self._cache_file("weights")
         cached = _read_weights(cache_file) if cache_file else None
         if cached is None:
-            cached = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=lambda name, array: array)
+            # Host arrays, contiguous as the cache file stores them (a transposed view would not be).
+            host = lambda name, array: np.ascontiguousarray(array)  # noqa: E731
+            cached = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=host)
             if cache_file:
                 config, params = cached
                 metadata = {"config_class": type(config).__name__, "config": config.model_dump_json()}
