@@ -16,6 +16,7 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from jaxkv.cache import Cache
+from jaxkv.hugepages import use_huge_pages
 from jaxkv.sharding import EMBED, KV_HEADS, LAYERS, Q_HEADS, VOCAB, Axes, Layout
 
 Norm = Callable[[jax.Array, jax.Array, float], jax.Array]
@@ -179,10 +180,11 @@ class Decoder(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else self.param(params["lm_head"], axes["lm_head"])
 
     def param(self, array, axes: Axes) -> nnx.Param:
-        """``array`` as a parameter, sharded by its logical ``axes`` when the model has a layout."""
-        if self.layout is None:
-            return nnx.Param(jnp.asarray(array))
-        return nnx.Param(self.layout.place(array, axes, head_units(self.config)))
+        """``array`` as a parameter, sharded by its logical ``axes`` when the model has a layout,
+        on huge pages in host memory (``jaxkv.hugepages``: a decode step streams every weight)."""
+        placed = jnp.asarray(array) if self.layout is None else self.layout.place(array, axes, head_units(self.config))
+        use_huge_pages(placed)
+        return nnx.Param(placed)
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         """Activations ``x`` sharded by their logical ``axes`` (unchanged on one device): the

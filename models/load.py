@@ -120,10 +120,11 @@ class Pretrained:
     @staticmethod
     def _placement(config: ModelConfig, dtype, mesh, rules) -> Placement:
         """Where each parameter of ``config``'s model goes as it is read: the default device, in
-        ``dtype`` (a float32 array of the weight cache's memory map stays a view of it where JAX
-        can alias it: CPU, aligned), or its shards over ``mesh``."""
+        ``dtype``, or its shards over ``mesh``. Always a copy in anonymous memory, never a view of
+        the weight cache's memory map: file pages cannot become huge pages (``jaxkv.hugepages``),
+        and reading weights through 4 KiB pages halves decode speed."""
         if mesh is None:
-            return lambda name, array: jnp.asarray(array, dtype)
+            return lambda name, array: jnp.asarray(np.array(array, dtype=jnp.dtype(dtype)))
         if type(config) not in PARAM_AXES:
             raise ValueError(f"{type(config).__name__} models do not shard over a mesh yet; load them without mesh=")
         layout, axes, units = Layout.create(mesh, rules), PARAM_AXES[type(config)](config), head_units(config)

@@ -31,6 +31,7 @@ LEVELS = {
     "jaxkv.protocol": 0,
     "jaxkv.quantization": 0,
     "jaxkv.sharding": 0,
+    "jaxkv.hugepages": 0,
     "jaxkv.layers": 1,
     "jaxkv.cache": 2,
     "jaxkv.attention": 3,
