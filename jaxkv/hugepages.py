@@ -1,56 +1,46 @@
-"""Back large host arrays with 2 MiB pages (Linux transparent huge pages).
+"""Weights in host memory backed by 2 MiB pages (Linux transparent huge pages).
 
 Why: a decode step streams every weight once. On CPU, read through 4 KiB pages, that stream
-misses the TLB on almost every page; in a virtual machine each miss walks two page tables.
-Measured on the 2-core VM (SmolLM2-135M float32, batch 1, the default scanned model):
-28.6 / 31.8 / 32.3 tok/s in three fresh processes with the weights on 4 KiB pages, 57.8 /
-58.1 / 59.5 tok/s with them collapsed into huge pages. The kernel gives huge pages only where
-asked (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most distributions),
-so a process got them only when khugepaged happened to collapse its buffers: the scanned
-model's "fast and slow processes".
+misses the TLB on almost every page, and in a virtual machine each miss walks two page tables.
+Measured on the 2-core VM (SmolLM2-135M float32, batch 1, the default scanned model, fresh
+processes): 28.6 / 31.8 / 32.3 tok/s with the weights on 4 KiB pages, 57.8 / 58.1 / 59.5 tok/s
+on huge pages. Most distributions give huge pages only where a program asks for them
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise``), so a process got them only
+when the kernel's background collapsing happened to reach its buffers: the scanned model's
+"fast and slow processes".
 
-``use_huge_pages(array)`` asks for them (``MADV_HUGEPAGE``) and collapses the array's whole
-2 MiB pages now (``MADV_COLLAPSE``, Linux 6.1+). Anonymous memory only: a view of a file's
-memory map (the weight cache's float32 tensors) stays on the page cache's small pages, so
-models copy their weights out of it first. Elsewhere (another OS, an accelerator's memory, THP
-disabled) it does nothing.
+``on_huge_pages(array)`` copies a host (CPU) array into a fresh anonymous mapping that asks for
+huge pages before its first touch (``MADV_HUGEPAGE``: the first write then faults in whole
+2 MiB pages), and hands that memory to JAX without a copy (``jax.device_put`` aliases aligned
+host memory on CPU). Collapsing an existing buffer (``MADV_COLLAPSE``) was tried first: it fails
+with EAGAIN once memory is fragmented, and with EINVAL on XLA's own allocations. Arrays under
+2 MiB, arrays on an accelerator or sharded over several devices, and other systems are left as
+they are.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+import mmap
 import sys
 
 import jax
+import numpy as np
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
 
 
-@functools.cache
-def _madvise():
-    """libc's ``madvise``, or None where there is none to call (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
-def use_huge_pages(array: jax.Array) -> int:
-    """Back ``array``'s whole 2 MiB pages with huge pages where it lives in host memory; returns
-    the bytes collapsed (0 when nothing could be: a small or non-host array, no THP)."""
-    madvise = _madvise()
-    if madvise is None or not isinstance(array, jax.Array) or not array.is_fully_addressable:
-        return 0
-    collapsed = 0
-    for shard in array.addressable_shards:
-        if shard.device.platform != "cpu":
-            continue
-        start = shard.data.unsafe_buffer_pointer()
-        low, high = -(-start // HUGE_PAGE) * HUGE_PAGE, (start + shard.data.nbytes) // HUGE_PAGE * HUGE_PAGE
-        if high > low and madvise(low, high - low, MADV_HUGEPAGE) == 0 and madvise(low, high - low, MADV_COLLAPSE) == 0:
-            collapsed += high - low
-    return collapsed
+def on_huge_pages(array) -> jax.Array:
+    """``array`` (a host array, or a jax array on one CPU device) as a jax array whose memory asks
+    for huge pages; anything else unchanged (a jax array) or placed as usual (a host array)."""
+    if isinstance(array, jax.Array) and (
+        len(array.devices()) != 1 or next(iter(array.devices())).platform != "cpu"
+    ):
+        return array
+    host = np.asarray(array)
+    if host.nbytes < HUGE_PAGE or not sys.platform.startswith("linux") or jax.default_backend() != "cpu":
+        return jax.numpy.asarray(array)
+    mapping = mmap.mmap(-1, host.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copy faults in huge pages
+    backed = np.frombuffer(mapping, dtype=host.dtype, count=host.size).reshape(host.shape)
+    np.copyto(backed, host)
+    return jax.device_put(backed)  # aliases the mapping (page-aligned), which the array keeps alive

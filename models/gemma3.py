@@ -149,6 +149,9 @@ LAYER_AXES = {
 }  # fmt: skip
 
 
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
 def param_axes(config: Gemma3Config) -> dict[str, Axes]:
     """Every parameter's logical axes, as ``param_shapes`` names them."""
     return decoder_param_axes(config, LAYER_AXES)
@@ -159,15 +162,19 @@ class Gemma3(Decoder):
 
     def __init__(
         self, config: Gemma3Config, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0, mesh=None,
-        rules=None,
+        rules=None, weight_layout: str = "out_in",
     ):  # fmt: skip
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
         leading layer axis, ``x @ w`` layout, norms as ``w`` of ``1 + w``); random if None.
-        ``mesh``, ``rules``: shard the weights (and the caches of ``init_cache``) over ``mesh``."""
+        ``mesh``, ``rules``: shard the weights (and the caches of ``init_cache``) over ``mesh``.
+        ``weight_layout``: matrices stored ``[out, in]`` (default) or ``[in, out]``; see
+        ``Decoder.layer_param``."""
         params = checked_params("Gemma3", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=0.0)
         axes = param_axes(config)
-        super().__init__(config, params, axes, mesh, rules)
-        self.layers = nnx.Dict({name: self.param(params[name], axes[name]) for name in layer_shapes(config)})
+        super().__init__(config, params, axes, mesh, rules, weight_layout)
+        self.layers = nnx.Dict(
+            {name: self.layer_param(params[name], axes[name], name in LAYER_MATRICES) for name in layer_shapes(config)}
+        )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
@@ -185,20 +192,22 @@ class Gemma3(Decoder):
         }
         scale = config.query_pre_attn_scalar**-0.5
         heads = lambda t, n: t.reshape(batch, length, n, config.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+        matmul = self.matmul
 
         def decoder_layer(x, cache, w, group, index):
             """Layer ``index * period + group``: ``group`` static (its kind), ``index`` may be traced."""
             kind = config.layer_types[group]
             h = offset_rms_norm(x, w["attn_norm"], eps)
-            q = offset_rms_norm(heads(h @ w["wq"], config.num_attention_heads), w["q_norm"], eps)
-            k = offset_rms_norm(heads(h @ w["wk"], config.num_key_value_heads), w["k_norm"], eps)
+            q = offset_rms_norm(heads(matmul(h, w["wq"]), config.num_attention_heads), w["q_norm"], eps)
+            k = offset_rms_norm(heads(matmul(h, w["wk"]), config.num_key_value_heads), w["k_norm"], eps)
             q, k = apply_rope(q, positions, inv_freq[kind]), apply_rope(k, positions, inv_freq[kind])
-            cache, kv = cache.update((group, index), k, heads(h @ w["wv"], config.num_key_value_heads), positions)
+            v = heads(matmul(h, w["wv"]), config.num_key_value_heads)
+            cache, kv = cache.update((group, index), k, v, positions)
             out = attention(q, kv, positions, scale=scale)
-            out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
+            out = matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
             x = x + offset_rms_norm(out, w["post_attn_norm"], eps)
             h = offset_rms_norm(x, w["mlp_norm"], eps)
-            h = (jax.nn.gelu(h @ w["w_gate"], approximate=True) * (h @ w["w_up"])) @ w["w_down"]
+            h = matmul(jax.nn.gelu(matmul(h, w["w_gate"]), approximate=True) * matmul(h, w["w_up"]), w["w_down"])
             return x + offset_rms_norm(h, w["post_mlp_norm"], eps), cache
 
         # Embeddings are scaled by sqrt(hidden) rounded to the weights' dtype, as transformers does.

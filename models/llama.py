@@ -7,9 +7,9 @@ SwiGLU MLP -> residual; then the final RMSNorm and the LM head.
 The layer weights are stacked along a leading layer axis and the layers run in one
 ``lax.scan``, so compile time does not grow with depth. The cache travels in the scan's
 carry (``cache.update(i, ...)`` writes layer i's slice in place), never as ``xs``/``ys``,
-which would rewrite the whole cache every step. ``weight_layout="out_in"`` keeps each
-matrix as PyTorch stores it (``[out, in]``, applied as ``x @ w.T``): the layout in which
-XLA's CPU backend reads a scanned layer's weights in place when one row decodes.
+which would rewrite the whole cache every step. Each matrix is kept as PyTorch stores it
+(``[out, in]``, applied as ``x @ w.T``; ``Decoder.layer_param``): the layout in which XLA's
+CPU backend reads a scanned layer's weights in place when one row decodes.
 
 What every decoder here shares (RMSNorm, RoPE, the parameter checks, the embedding, final
 norm and LM head around the layers, ``init_cache``) is in ``jaxkv.models.common``.
@@ -144,7 +144,7 @@ class Llama(Decoder):
 
     def __init__(
         self, config: LlamaConfig, params: dict | None = None, *, dtype=jnp.float32, seed: int = 0, scan_layers=True,
-        weight_layout: str = "in_out", mesh=None, rules=None,
+        weight_layout: str = "out_in", mesh=None, rules=None,
     ):  # fmt: skip
         """``params``: arrays named as ``param_shapes`` gives (layer weights stacked on a
         leading layer axis, ``x @ w`` layout), e.g. from ``jaxkv.models.weights``; random if None.
@@ -152,30 +152,22 @@ class Llama(Decoder):
         ``scan_layers``: run the layers in one ``lax.scan`` over the stacked weights, so
         compile time does not grow with depth. On CPU each scan step copies its layer's
         weight slice before the matmuls read it (XLA's CPU dot needs a whole buffer), which
-        roughly doubles the weight traffic of a memory-bound decode step (except for a
-        one-row decode with ``weight_layout="out_in"``); ``False`` keeps one buffer per
-        layer and unrolls the layers: faster steps, compile time growing with depth.
+        adds to the weight traffic of a memory-bound decode step (except for a one-row decode,
+        which reads the "out_in" layout in place); ``False`` keeps one buffer per layer and
+        unrolls the layers: compile time growing with depth.
 
-        ``weight_layout``: ``"in_out"`` stores each layer matrix ``[in, out]`` (``x @ w``);
-        ``"out_in"`` stores it transposed (``x @ w.T``), which XLA's CPU backend fuses with
-        the scanned layer's slice into a matrix-vector loop when one token of one row is
-        decoded: no weight copy, the fastest batch-1 decode (about 1.3x "in_out" on
-        SmolLM2). Batched and multi-token steps then copy and transpose each slice, so
-        use "in_out" for batch > 1, beams and speculative decoding.
+        ``weight_layout``: ``"out_in"`` (default) stores each layer matrix ``[out, in]`` and
+        applies it as ``x @ w.T``; ``"in_out"`` stores ``[in, out]`` (``x @ w``). See
+        ``Decoder.layer_param`` for why "out_in" serves both batch 1 and batch 8.
 
         ``mesh``, ``rules``: shard the weights over ``mesh`` by their logical axes
         (``param_axes``; ``jaxkv.sharding``), and the caches ``init_cache`` builds with them."""
-        if weight_layout not in ("in_out", "out_in"):
-            raise ValueError(f"weight_layout must be 'in_out' or 'out_in', got {weight_layout!r}")
         params = checked_params("Llama", param_shapes(config), params, dtype=dtype, seed=seed, norm_value=1.0)
         axes = param_axes(config)
-        super().__init__(config, params, axes, mesh, rules)
-        self.weight_layout = weight_layout
+        super().__init__(config, params, axes, mesh, rules, weight_layout)
 
         def stored(name, array, axes):
-            if weight_layout == "out_in" and name in LAYER_MATRICES:
-                array, axes = jnp.swapaxes(jnp.asarray(array), -1, -2), Axes(*axes[:-2], axes[-1], axes[-2])
-            return self.param(array, axes)
+            return self.layer_param(array, axes, name in LAYER_MATRICES)
 
         if scan_layers:
             self.layers = nnx.Dict({name: stored(name, params[name], axes[name]) for name in layer_shapes(config)})
@@ -197,10 +189,7 @@ class Llama(Decoder):
         batch, length = tokens.shape
         inv_freq = rope_frequencies(config)
         heads = lambda t, n: t.reshape(batch, length, n, config.dim_per_head).transpose(0, 2, 1, 3)  # noqa: E731
-        out_in = self.weight_layout == "out_in"
-
-        def matmul(x, w):  # x @ w.T, not a dot_general on w: the form XLA fuses with the slice
-            return x @ w.T if out_in else x @ w
+        matmul = self.matmul
 
         def decoder_layer(carry, w):
             x, cache, i = carry

@@ -93,14 +93,11 @@ class Pretrained:
         return tokenizer
 
     def model(
-        self, dtype=jnp.float32, *, single_row_decode: bool = False, mesh=None, rules=None, **model_kwargs
+        self, dtype=jnp.float32, *, mesh=None, rules=None, **model_kwargs
     ) -> Model:
         """The model ``MODEL_CLASSES`` gives for the config, its weights cast to ``dtype``.
 
         ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``).
-        ``single_row_decode``: the model will decode one row one token at a time (no batch,
-        beams or speculative rounds); a ``Llama`` then stores its matrices in the layout that
-        step reads fastest (``weight_layout="out_in"``).
         ``mesh``, ``rules``: shard the weights over ``mesh`` (``jaxkv.sharding``), each placed
         on its devices as it is read, never gathered on one device first."""
         if self.is_gguf:
@@ -111,20 +108,17 @@ class Pretrained:
             config = read_hf_config(self.path)
             config, params = load_safetensors_checkpoint(self.path, dtype, self._placement(config, dtype, mesh, rules))
         model_class = MODEL_CLASSES[type(config)]
-        if single_row_decode and model_class is Llama:
-            model_kwargs.setdefault("weight_layout", "out_in")
         if mesh is not None:
             model_kwargs |= {"mesh": mesh, "rules": rules}
         return model_class(config, params, **model_kwargs)
 
     @staticmethod
     def _placement(config: ModelConfig, dtype, mesh, rules) -> Placement:
-        """Where each parameter of ``config``'s model goes as it is read: the default device, in
-        ``dtype``, or its shards over ``mesh``. Always a copy in anonymous memory, never a view of
-        the weight cache's memory map: file pages cannot become huge pages (``jaxkv.hugepages``),
-        and reading weights through 4 KiB pages halves decode speed."""
+        """Where each parameter of ``config``'s model goes as it is read: a host array in ``dtype``
+        (the model copies it onto huge pages, ``jaxkv.hugepages``; a float32 tensor of the weight
+        cache stays a view of its file map until then), or its shards over ``mesh``."""
         if mesh is None:
-            return lambda name, array: jnp.asarray(np.array(array, dtype=jnp.dtype(dtype)))
+            return lambda name, array: np.asarray(array, dtype=jnp.dtype(dtype))
         if type(config) not in PARAM_AXES:
             raise ValueError(f"{type(config).__name__} models do not shard over a mesh yet; load them without mesh=")
         layout, axes, units = Layout.create(mesh, rules), PARAM_AXES[type(config)](config), head_units(config)
@@ -184,7 +178,6 @@ def load_pretrained(
     name_or_path: str | Path,
     dtype=jnp.float32,
     *,
-    single_row_decode: bool = False,
     use_weight_cache: bool = True,
     **model_kwargs,
 ) -> tuple[Model, Tokenizer | None]:
@@ -195,4 +188,4 @@ def load_pretrained(
     ``use_weight_cache=False``: convert a GGUF again rather than read or write the cache."""
     source = Pretrained(name_or_path, use_weight_cache=use_weight_cache)
     tokenizer = source.tokenizer()
-    return source.model(dtype, single_row_decode=single_row_decode, **model_kwargs), tokenizer
+    return source.model(dtype, **model_kwargs), tokenizer

@@ -203,7 +203,8 @@ class Qwen3_5(Decoder):
         if random:  # the gated norm multiplies by w, not 1 + w: start it at 1
             params["gated_norm"] = jnp.ones_like(params["gated_norm"])
         axes = param_axes(config)
-        super().__init__(config, params, axes, mesh, rules)
+        # Its matrices stay [in, out] (x @ w): the [out, in] layout of Decoder.layer_param is not applied here yet.
+        super().__init__(config, params, axes, mesh, rules, weight_layout="in_out")
         self.layers = nnx.Dict({name: self.param(params[name], axes[name]) for name in layer_shapes(config)})
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):

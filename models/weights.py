@@ -113,8 +113,9 @@ QWEN3_5_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-# Where a parameter goes as it is read: (our name, host array) -> a device array.
-Placement = Callable[[str, np.ndarray], jax.Array]
+# Where a parameter goes as it is read: (our name, host array) -> a device array, or a host array
+# for the model to place.
+Placement = Callable[[str, np.ndarray], jax.Array | np.ndarray]
 
 
 class _TensorSource(Protocol):

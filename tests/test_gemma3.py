@@ -188,10 +188,9 @@ def test_gguf_config_and_params_equal_transformers(gemma):
     for kind in ("sliding_attention", "full_attention"):
         assert getattr(config.rope_parameters, kind).rope_theta == hf_config.rope_parameters[kind]["rope_theta"]
     state = hf.state_dict()
-    linear = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
-    for name, param in model.layers.items():
+    for name, param in model.layers.items():  # matrices kept [out, in], as transformers stores them
         theirs = np.stack([state[GEMMA3_HF_NAMES[name].format(i=i)].numpy() for i in range(config.num_hidden_layers)])
-        np.testing.assert_array_equal(np.asarray(param[...]), theirs.swapaxes(1, 2) if name in linear else theirs, name)
+        np.testing.assert_array_equal(np.asarray(param[...]), theirs, name)
     np.testing.assert_array_equal(np.asarray(model.embed[...]), state["model.embed_tokens.weight"].numpy())
     np.testing.assert_array_equal(np.asarray(model.norm[...]), state["model.norm.weight"].numpy())
 

@@ -38,10 +38,10 @@ CONFIGS = {
     "qwen2-bias": transformers.Qwen2Config(**SMALL),
 }
 # "-unrolled": the model built with scan_layers=False (one weight buffer per layer);
-# "-out_in": weight_layout="out_in" (matrices stored [out, in], applied as x @ w.T).
-MODEL_OPTIONS = {"": {}, "unrolled": {"scan_layers": False}, "out_in": {"weight_layout": "out_in"}}
-CACHE_KINDS = {"llama": ["static", "dynamic", "static-unrolled"], "llama3-rope-tied": ["static", "static-out_in"]}
-CACHE_KINDS["qwen2-bias"] = ["static", "dynamic", "dynamic-out_in"]
+# "-in_out": weight_layout="in_out" (matrices stored [in, out], applied as x @ w; the default is [out, in]).
+MODEL_OPTIONS = {"": {}, "unrolled": {"scan_layers": False}, "in_out": {"weight_layout": "in_out"}}
+CACHE_KINDS = {"llama": ["static", "dynamic", "static-unrolled"], "llama3-rope-tied": ["static", "static-in_out"]}
+CACHE_KINDS["qwen2-bias"] = ["static", "dynamic", "dynamic-in_out"]
 CACHE_KINDS["mistral-window-8"] = ["static", "dynamic", "dynamic-unrolled"]  # every layer slides
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
@@ -120,8 +120,8 @@ def test_out_in_layout_reads_scanned_weights_in_place_at_batch_one():
         logits, _ = compiled(state, cache, tokens)
         return compiled.memory_analysis().temp_size_in_bytes, logits
 
-    copied, want = step(Llama(config))
-    in_place, got = step(Llama(config, weight_layout="out_in"))
+    copied, want = step(Llama(config, weight_layout="in_out"))
+    in_place, got = step(Llama(config))  # weight_layout="out_in", the default
     assert copied >= largest_matrix > 4 * in_place, (copied, in_place)
     np.testing.assert_allclose(got, want, atol=1e-5)
     with pytest.raises(ValueError, match="weight_layout must be"):

@@ -76,7 +76,10 @@ def test_sharded_models_equal_one_device(unsharded, model_name, mesh_shape):
     for kind, settings in CACHES.items():
         want, _ = reference(tokens, positions, reference.init_cache(8, 32, **settings))
         got, cache = model(tokens, positions, model.init_cache(8, 32, **settings))
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0, err_msg=kind)
+        # A sharded matmul may sum in another order (1 ulp); a quantized cache can round such a K/V value
+        # to the neighbouring code, one step of int8 at most: 1e-4 there, 1e-5 in full precision.
+        atol = 1e-4 if "quantization" in settings else 1e-5
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=0, err_msg=kind)
         assert_sharded_as(cache, cache.shardings())
         expected = generate(reference, PROMPTS, max_new_tokens=6, **settings)
         result = generate(model, PROMPTS, max_new_tokens=6, **settings)
@@ -90,8 +93,9 @@ def test_kv_heads_and_batch_go_where_the_rules_say():
     assert keys.sharding.spec == jax.sharding.PartitionSpec(None, "data", "model", None, None)
     assert cache.groups[0].lengths.sharding.spec == jax.sharding.PartitionSpec(None, "data")
     model = sharded("llama", {"data": 2, "model": 4})
-    assert model.layers["wq"][...].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
-    assert model.layers["w_down"][...].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    # Matrices are stored [out, in]: wq's output heads and w_down's input (the MLP) on model.
+    assert model.layers["wq"][...].sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    assert model.layers["w_down"][...].sharding.spec == jax.sharding.PartitionSpec(None, None, "model")
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=MESH_IDS)

@@ -65,13 +65,13 @@ RESULT_PREFIX = "BENCH_RESULT "
 # name -> (system, cache kind, jaxkv model options); the order is the table's.
 CONFIGS = {
     "jaxkv-static": ("jaxkv", "static", {}),
-    "jaxkv-out-in": ("jaxkv", "static", {"weight_layout": "out_in"}),  # scanned, weights read in place at batch 1
+    "jaxkv-in-out": ("jaxkv", "static", {"weight_layout": "in_out"}),  # scanned, [in, out] matrices: slices copied
     "jaxkv-dynamic": ("jaxkv", "dynamic", {}),
     "jaxkv-unrolled": ("jaxkv", "static", {"scan_layers": False}),  # one weight buffer per layer, no slice copies
     "hf-dynamic": ("transformers", "dynamic", None),
     "hf-static": ("transformers", "static", None),
 }
-JAXKV_LABELS = {"jaxkv-out-in": "jaxkv [out, in] weights", "jaxkv-unrolled": "jaxkv unrolled"}
+JAXKV_LABELS = {"jaxkv-in-out": "jaxkv [in, out] weights", "jaxkv-unrolled": "jaxkv unrolled"}
 BASELINE = "hf-dynamic"
 TARGET_SPEEDUP = {1: 2.5, 8: 2.0}  # batch -> jaxkv decode tok/s / HF dynamic decode tok/s
 TARGET_TTFT_S = 10.0
@@ -478,7 +478,7 @@ def speedup_targets(ok: list[dict]) -> list[dict]:
     find = lambda name, batch: next((r for r in ok if r["name"] == name and r["batch"] == batch), None)  # noqa: E731
     targets = []
     for batch, factor in TARGET_SPEEDUP.items():
-        for name in ("jaxkv-static", "jaxkv-out-in", "jaxkv-dynamic", "jaxkv-unrolled"):
+        for name in ("jaxkv-static", "jaxkv-in-out", "jaxkv-dynamic", "jaxkv-unrolled"):
             row = find(name, batch)
             value = row.get("speedup_vs_hf_dynamic") if row else None
             targets.append(

@@ -284,9 +284,7 @@ def load_for_generate(config: GenerateConfig, use_weight_cache: bool, mesh: Mesh
     chat = config.chat and tokenizer.chat_template is not None
     if config.chat and not chat:
         print(f"jaxkv: {config.model} has no chat template: the prompt is plain text (--no-chat)", file=sys.stderr)
-    # One prompt, one token per step.
-    single_row = len(config.prompts) == 1 and config.num_beams == 1 and config.speculative is None
-    model = source.model(jnp.dtype(config.dtype), single_row_decode=single_row, mesh=mesh)
+    model = source.model(jnp.dtype(config.dtype), mesh=mesh)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in config.prompts]
     return model, tokenizer, [tokenizer.encode(text) for text in texts], time.perf_counter() - start
 
