@@ -24,6 +24,7 @@ import mmap
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 HUGE_PAGE = 2 << 20
@@ -32,15 +33,23 @@ HUGE_PAGE = 2 << 20
 def on_huge_pages(array) -> jax.Array:
     """``array`` (a host array, or a jax array on one CPU device) as a jax array whose memory asks
     for huge pages; anything else unchanged (a jax array) or placed as usual (a host array)."""
-    if isinstance(array, jax.Array) and (
-        len(array.devices()) != 1 or next(iter(array.devices())).platform != "cpu"
-    ):
+    if isinstance(array, jax.Array) and not on_one_cpu(array):
         return array
+    if np.size(array) * np.dtype(array.dtype).itemsize < HUGE_PAGE or not huge_pages_apply():
+        return jnp.asarray(array)
     host = np.asarray(array)
-    if host.nbytes < HUGE_PAGE or not sys.platform.startswith("linux") or jax.default_backend() != "cpu":
-        return jax.numpy.asarray(array)
     mapping = mmap.mmap(-1, host.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copy faults in huge pages
     backed = np.frombuffer(mapping, dtype=host.dtype, count=host.size).reshape(host.shape)
     np.copyto(backed, host)
     return jax.device_put(backed)  # aliases the mapping (page-aligned), which the array keeps alive
+
+
+def on_one_cpu(array: jax.Array) -> bool:
+    devices = array.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def huge_pages_apply() -> bool:
+    """Linux (``MADV_HUGEPAGE``), and host arrays go to the CPU backend by default."""
+    return sys.platform.startswith("linux") and jax.default_backend() == "cpu"

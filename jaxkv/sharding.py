@@ -2,7 +2,7 @@
 mesh axes (the way MaxText and jax-llm-examples do).
 
 Every cache leaf and every weight names its axes with the logical names below (a cache layer's
-``logical_axes``, a model's ``PARAM_AXES``); a ``Layout`` (a ``Mesh`` plus ``rules``, logical
+``logical_axes``, a model module's ``param_axes``); a ``Layout`` (a ``Mesh`` plus ``rules``, logical
 name -> mesh axis or None) turns those names into a ``NamedSharding`` for an array of a given
 shape. The default rules are tensor parallel over ``model`` (query and K/V heads, the MLP
 hidden dimension, the vocabulary) and data parallel over ``data`` (batch rows, the engine's

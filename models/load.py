@@ -20,23 +20,19 @@ import warnings
 from functools import cached_property
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from pydantic import ValidationError
 
-from jaxkv.models import gemma3, llama, qwen3_5
 from jaxkv.models.bart import Bart, BartConfig
-from jaxkv.models.common import head_units
+from jaxkv.models.common import Decoder
 from jaxkv.models.defaults import resolve_model
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.models.tokenizer import Tokenizer
 from jaxkv.models.weight_cache import cache_dir, discard, file_sha256, read_checked, write_checked
-from jaxkv.models.weights import ModelConfig, Placement, load_gguf, load_safetensors_checkpoint, open_gguf
-from jaxkv.models.weights import read_hf_config
-from jaxkv.sharding import Layout
+from jaxkv.models.weights import ModelConfig, load_gguf, load_safetensors_checkpoint, open_gguf
 
 # Bump whenever load_gguf or Tokenizer.from_gguf would give another result for the same file,
 # or a config class reads its fields differently: older conversions are then not read.
@@ -47,8 +43,6 @@ MODEL_CLASSES: dict[type[ModelConfig], type[Model]] = {
     LlamaConfig: Llama, Gemma3Config: Gemma3, Qwen3_5Config: Qwen3_5, BartConfig: Bart,
 }  # fmt: skip
 CONFIG_CLASSES = {config_class.__name__: config_class for config_class in MODEL_CLASSES}
-# The parameters' logical axes (jaxkv.sharding) of the models that shard over a mesh.
-PARAM_AXES = {LlamaConfig: llama.param_axes, Gemma3Config: gemma3.param_axes, Qwen3_5Config: qwen3_5.param_axes}
 
 
 class Pretrained:
@@ -92,41 +86,26 @@ class Pretrained:
             write_checked(cache_file, {}, tokenizer.state())
         return tokenizer
 
-    def model(
-        self, dtype=jnp.float32, *, mesh=None, rules=None, **model_kwargs
-    ) -> Model:
+    def model(self, dtype=jnp.float32, *, mesh=None, rules=None, **model_kwargs) -> Model:
         """The model ``MODEL_CLASSES`` gives for the config, its weights cast to ``dtype``.
 
         ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``).
-        ``mesh``, ``rules``: shard the weights over ``mesh`` (``jaxkv.sharding``), each placed
-        on its devices as it is read, never gathered on one device first."""
+        ``mesh``, ``rules``: shard the weights over ``mesh`` (``jaxkv.sharding``). The weights
+        reach the model as host arrays (a float32 tensor of the weight cache a view of its file
+        map), and the model places each one: onto huge pages, or each device's share straight
+        from the host, never gathered on one device first (``Decoder.param``)."""
+        host = lambda name, array: np.asarray(array, dtype=jnp.dtype(dtype))  # noqa: E731
         if self.is_gguf:
-            config, host_params = self._gguf_float32()
-            place = self._placement(config, dtype, mesh, rules)
-            params = {name: place(name, array) for name, array in host_params.items()}
+            config, float32 = self._gguf_float32()
+            params = {name: host(name, array) for name, array in float32.items()}
         else:
-            config = read_hf_config(self.path)
-            config, params = load_safetensors_checkpoint(self.path, dtype, self._placement(config, dtype, mesh, rules))
+            config, params = load_safetensors_checkpoint(self.path, dtype, host)
         model_class = MODEL_CLASSES[type(config)]
         if mesh is not None:
+            if not issubclass(model_class, Decoder):
+                raise ValueError(f"{model_class.__name__} models do not shard over a mesh yet; load them without mesh=")
             model_kwargs |= {"mesh": mesh, "rules": rules}
         return model_class(config, params, **model_kwargs)
-
-    @staticmethod
-    def _placement(config: ModelConfig, dtype, mesh, rules) -> Placement:
-        """Where each parameter of ``config``'s model goes as it is read: a host array in ``dtype``
-        (the model copies it onto huge pages, ``jaxkv.hugepages``; a float32 tensor of the weight
-        cache stays a view of its file map until then), or its shards over ``mesh``."""
-        if mesh is None:
-            return lambda name, array: np.asarray(array, dtype=jnp.dtype(dtype))
-        if type(config) not in PARAM_AXES:
-            raise ValueError(f"{type(config).__name__} models do not shard over a mesh yet; load them without mesh=")
-        layout, axes, units = Layout.create(mesh, rules), PARAM_AXES[type(config)](config), head_units(config)
-
-        def place(name: str, array) -> jax.Array:
-            return layout.place(np.asarray(array).astype(jnp.dtype(dtype), copy=False), axes[name], units)
-
-        return place
 
     def _gguf_float32(self) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         """The GGUF's config and float32 host weights: the cached conversion, or converted now (and cached).
