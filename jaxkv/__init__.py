@@ -1,9 +1,11 @@
 """jaxkv: functional KV caches for JAX."""
 
-from jaxkv.attention import attention, attention_mask
+from jaxkv.attention import attention, attention_mask, cached_attention
 from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, LayerType, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
+from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
+from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
@@ -21,6 +23,8 @@ __all__ = [
     "ChunkedLayer",
     "DynamicLayer",
     "EncoderDecoderCache",
+    "EvictingLayer",
+    "EvictionSpec",
     "HybridLayer",
     "KVView",
     "LayerSpec",
@@ -33,6 +37,7 @@ __all__ = [
     "StaticLayer",
     "attention",
     "attention_mask",
+    "cached_attention",
     "cache_bytes",
     "layer_bytes",
     "layer_types_of",

@@ -8,20 +8,23 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxkv.cache import Cache
 from jaxkv.layers.paged import QUERY_BLOCK, PagedKVView
 from jaxkv.protocol import KVView, MaskInfo
 
 
 def attention_mask(q_positions: jax.Array, mask_info: MaskInfo) -> jax.Array:
     """``[B, T, S]`` bool: may the query at ``q_positions`` ``[B, T]`` see each slot?
+    ``[B, H_kv, T, S]`` when ``kv_positions`` is per K/V head (``[B, H_kv, S]``: an evicting layer).
 
     Only absolute positions decide: the slot must hold a token (``kv_positions >= 0``),
     not from the future (causal), inside the window or the same chunk when the layer has
     one. A padding query (negative position) sees nothing. Prefill and decode take the
     same path.
     """
-    q = q_positions[:, :, None]
-    kv = mask_info.kv_positions[:, None, :]
+    q, kv = q_positions[:, :, None], mask_info.kv_positions[..., None, :]
+    if kv.ndim == 4:  # per K/V head
+        q = q[:, None]
     mask = (kv >= 0) & (q >= 0) & (kv <= q)
     if mask_info.window is not None:
         mask &= kv > q - mask_info.window
@@ -92,7 +95,8 @@ class Queries:
         if self.logit_softcap is not None:
             logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
         mask = attention_mask(self.positions, self.mask_info.replace(kv_positions=positions_block))
-        return jnp.where(mask[:, None, None], logits, -jnp.inf)
+        mask = mask[:, None, None] if mask.ndim == 3 else mask[:, :, None]  # -> [B, H_kv or 1, 1, T, S]
+        return jnp.where(mask, logits, -jnp.inf)
 
     def weighted(self, weights: jax.Array, v_block: jax.Array) -> jax.Array:
         """``weights`` ``[B, H_kv, G, T, S]`` times values ``[B, H_kv, S, D]``: ``[B, H_kv, G, T, D]`` float32."""
@@ -105,13 +109,21 @@ class Queries:
         return jnp.einsum("bhgts,bhsd->bhgtd", weights, v_block, preferred_element_type=jnp.float32)
 
 
-def read_whole(q: Queries, kv: KVView) -> tuple[jax.Array, jax.Array]:
+def read_whole(q: Queries, kv: KVView, query_weights: jax.Array | None = None):
     """Softmax numerator and denominator over the view's whole buffer: the weighted values
-    ``[B, H_kv, G, T, D]`` and the weight totals ``[B, H_kv, G, T, 1]``."""
+    ``[B, H_kv, G, T, D]`` and the weight totals ``[B, H_kv, G, T, 1]``; with ``query_weights``
+    ``[B, T]``, also the slot mass ``[B, H_kv, S]``: each slot's attention probability summed
+    over the query heads of its K/V head and over the queries, query t weighted by
+    ``query_weights[:, t]`` (what an evicting layer's policy scores by)."""
     logits = q.scores(kv.keys, kv.mask_info.kv_positions)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-    return q.weighted(weights, kv.values), jnp.sum(weights, axis=-1, keepdims=True)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    if query_weights is None:
+        return q.weighted(weights, kv.values), total
+    probabilities = weights / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+    mass = jnp.einsum("bhgts,bt->bhs", probabilities, query_weights.astype(jnp.float32))
+    return q.weighted(weights, kv.values), total, mass
 
 
 def softmax_init(shape: tuple[int, ...], head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -143,7 +155,7 @@ def read_blocked(q: Queries, kv: KVView, block_size: int) -> tuple[jax.Array, ja
     def step(block, carry):
         start = block * block_size
         k_block, v_block = kv.read(start, block_size)
-        positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=1)
+        positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=-1)
         return softmax_step(carry, q.scores(k_block, positions), lambda weights: q.weighted(weights, v_block))
 
     init = softmax_init(q.grouped.shape[:-1], q.grouped.shape[-1])  # [B, H_kv, G, T]
@@ -222,14 +234,17 @@ def attention(
     scale: float | None = None,
     logit_softcap: float | None = None,
     block_size: int | None = None,
-) -> jax.Array:
+    query_weights: jax.Array | None = None,
+):
     """Softmax attention of ``queries`` ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over
     the K/V ``[B, H_kv, S, D]`` of the view a cache update returned.
 
     GQA/MQA: ``H_q`` is a multiple of ``H_kv``; query head h reads K/V head
     ``h // (H_q / H_kv)``. ``scale`` defaults to ``D ** -0.5``; ``logit_softcap`` applies
     ``c * tanh(logits / c)`` (Gemma 2). Logits and softmax run in float32. A query that
-    may see no slot (padding) gets zeros, not NaN. Returns ``[B, H_q, T, D]``.
+    may see no slot (padding) gets zeros, not NaN. Returns ``[B, H_q, T, D]``; with
+    ``query_weights`` ``[B, T]``, ``(output, slot mass [B, H_kv, S])`` (see ``read_whole``),
+    from the same softmax: the scores an evicting layer ranks its slots by.
 
     When the layer says how many leading slots are in use (``mask_info.slots_used``) and
     the buffer spans several blocks, K/V are read block by block (``kv.read``) up to that
@@ -242,6 +257,8 @@ def attention(
     batch, num_heads, length, head_dim = queries.shape
     scale = head_dim**-0.5 if scale is None else scale
     if isinstance(kv, PagedKVView):
+        if query_weights is not None:
+            raise ValueError("attention: paged K/V return no slot mass (eviction is not paged)")
         return paged_attention(queries, kv, q_positions, scale=scale, logit_softcap=logit_softcap)
     _, num_kv_heads, num_slots, _ = kv.shape
     if num_heads % num_kv_heads:
@@ -255,8 +272,41 @@ def attention(
         scale=scale,
         logit_softcap=logit_softcap,
     )
+
+    def output(out: jax.Array, total: jax.Array) -> jax.Array:
+        out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+        return out.reshape(batch, num_heads, length, head_dim).astype(queries.dtype)
+
+    if query_weights is not None:
+        out, total, mass = read_whole(q, kv, query_weights)
+        return output(out, total), mass
     block_size = attention_block_size(num_slots) if block_size is None else block_size
     blocked = kv.mask_info.slots_used is not None and num_slots % block_size == 0 and num_slots >= 2 * block_size
-    out, total = read_blocked(q, kv, block_size) if blocked else read_whole(q, kv)
-    out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
-    return out.reshape(batch, num_heads, length, head_dim).astype(queries.dtype)
+    return output(*(read_blocked(q, kv, block_size) if blocked else read_whole(q, kv)))
+
+
+def cached_attention(
+    cache: Cache,
+    layer_idx,
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float | None = None,
+    logit_softcap: float | None = None,
+) -> tuple[Cache, jax.Array]:
+    """The one line a model's attention layer calls: store ``keys``/``values`` ``[B, H_kv, T, D]``
+    of layer ``layer_idx`` at ``positions`` ``[B, T]`` and attend ``queries`` ``[B, H_q, T, D]``
+    over what the layer holds (``attention``'s ``scale`` and ``logit_softcap``). Returns the
+    cache and the output ``[B, H_q, T, D]``. An evicting layer also receives the slot mass its
+    policy scores by, from the same softmax."""
+
+    options = dict(scale=scale, logit_softcap=logit_softcap)
+
+    def read(view, query_weights):
+        if query_weights is None:
+            return attention(queries, view, positions, **options), None
+        return attention(queries, view, positions, **options, query_weights=query_weights)
+
+    return cache.attend(layer_idx, queries, keys, values, positions, read)

@@ -2,10 +2,12 @@
 
 ``Cache`` only routes. Model code calls one line per attention layer:
 
-    cache, (k, v, mask_info) = cache.update(layer_idx, k, v, positions)
+    cache, out = cached_attention(cache, layer_idx, q, k, v, positions)   # jaxkv.attention
 
-and never sees how a layer stores its K/V. Every operation returns a new ``Cache``; the
-old one is untouched, so a prefilled prefix can seed many continuations without a copy.
+(``Cache.attend``: the layer stores K/V and attention reads what it returned;
+``cache.update`` alone returns that view) and never sees how a layer stores its K/V.
+Every operation returns a new ``Cache``; the old one is untouched, so a prefilled prefix can
+seed many continuations without a copy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
+from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -54,6 +58,9 @@ class LayerSpec:
     quantization: QuantSpec | None = None
     # Store full and sliding attention K/V in page pools read through block tables (jaxkv.layers.paged).
     paging: Paging | None = None
+    # Keep full-attention K/V in a budget of slots, evicting by a policy (jaxkv.layers.evicting).
+    eviction: EvictionSpec | None = None
+    num_layers: int = 1  # the model's layers (PyramidKV spreads its budget over them)
 
     def __post_init__(self):
         if self.full_attention not in FULL_ATTENTION_KINDS:
@@ -77,7 +84,18 @@ def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
     )
 
 
+def _evicting_layer(spec: LayerSpec) -> CacheLayer:
+    for option, value in (("paging", spec.paging), ("quantization", spec.quantization)):
+        if value is not None:
+            raise ValueError(f"eviction keeps full-precision K/V in its own slots; it does not combine with {option}")
+    eviction = spec.eviction.resolved(spec.max_length)
+    slots = max(eviction.layer_budgets(spec.num_layers))  # PyramidKV's first layer keeps the most
+    return EvictingLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, eviction, slots, spec.dtype)
+
+
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
+    if spec.eviction is not None and not spec.eviction.is_uncompressed():
+        return _evicting_layer(spec)
     if spec.paging is not None:
         return _paged_layer(spec)
     if spec.quantization is not None:
@@ -144,21 +162,25 @@ def _conv_layer(spec: LayerSpec) -> CacheLayer:
     return _conv_state(spec, ())
 
 
-def _check_not_paged(spec: LayerSpec) -> None:
+def _check_hybrid_options(spec: LayerSpec) -> None:
     if spec.paging is not None:
         raise ValueError(
             "paging keeps linear-attention states in their own layers (linear_attention, conv); a hybrid layer "
             "(hybrid, hybrid_sliding) is not paged"
         )
+    if spec.eviction is not None and not spec.eviction.is_uncompressed():
+        raise ValueError(
+            "eviction covers full_attention layers; a hybrid layer (hybrid, hybrid_sliding) keeps all its K/V"
+        )
 
 
 def _hybrid_layer(spec: LayerSpec) -> CacheLayer:
-    _check_not_paged(spec)
+    _check_hybrid_options(spec)
     return HybridLayer(_linear_layer(spec), _full_attention_layer(spec))
 
 
 def _hybrid_sliding_layer(spec: LayerSpec) -> CacheLayer:
-    _check_not_paged(spec)
+    _check_hybrid_options(spec)
     return HybridLayer(_linear_layer(spec), _sliding_layer(spec))
 
 
@@ -170,13 +192,14 @@ class LayerType:
     ``storage``: the class per full-attention kind ('static', 'dynamic'), or under None for a
     type with one storage; empty for a type made of others (a hybrid holds a linear state and
     an attention layer). ``quantized``: the class that stores it under ``quantization``, if any;
-    ``paged``: under ``paging``.
+    ``paged``: under ``paging``; ``evicted``: under ``eviction``.
     """
 
     build: Callable[[LayerSpec], CacheLayer]
     storage: Mapping[str | None, type[CacheLayer]]
     quantized: type[CacheLayer] | None = None
     paged: type[CacheLayer] | None = None
+    evicted: type[CacheLayer] | None = None
 
 
 # The config's layer_types value -> its builder and storage. A new layer family registers
@@ -187,6 +210,7 @@ LAYER_TYPES: dict[str, LayerType] = {
         {"static": StaticLayer, "dynamic": DynamicLayer},
         quantized=QuantizedLayer,
         paged=PagedLayer,
+        evicted=EvictingLayer,
     ),
     "sliding_attention": LayerType(
         _sliding_layer, {None: SlidingWindowLayer}, quantized=QuantizedLayer, paged=PagedLayer
@@ -260,8 +284,9 @@ def build_groups(layer_types: Sequence[str], spec: LayerSpec, period: int) -> tu
     """Group g: layer type ``layer_types[g]`` built once and repeated for layers g, g + period, ..."""
     groups = []
     for g in range(period):
-        layer, count = LAYER_TYPES[layer_types[g]].build(spec), len(range(g, len(layer_types), period))
-        groups.append(jax.tree.map(lambda leaf, n=count: jnp.broadcast_to(leaf, (n, *leaf.shape)), layer))
+        layer, indices = LAYER_TYPES[layer_types[g]].build(spec), list(range(g, len(layer_types), period))
+        stack = jax.tree.map(lambda leaf, n=len(indices): jnp.broadcast_to(leaf, (n, *leaf.shape)), layer)
+        groups.append(stack.for_layers(indices, len(layer_types)))
     return tuple(groups)
 
 
@@ -321,6 +346,7 @@ class Cache:
         state_shapes: tuple[tuple[int, ...], ...] = (),
         quantization: QuantSpec | None = None,
         paging: Paging | None = None,
+        eviction: EvictionSpec | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
     ) -> Cache:
@@ -338,6 +364,9 @@ class Cache:
         ``paging``: a ``Paging`` stores full and sliding attention layers as ``PagedLayer``
         (page pools read through block tables; ``batch_size`` is then the block table's rows),
         quantized pages with ``quantization`` too.
+        ``eviction``: an ``EvictionSpec`` keeps full-attention layers in a budget of slots,
+        evicting by its policy (``EvictingLayer``; models attend through ``cached_attention``);
+        a compression ratio of 0 builds the uncompressed layers.
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a
@@ -350,7 +379,8 @@ class Cache:
             batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
             sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
             rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
-            state_shapes=state_shapes, quantization=quantization, paging=paging,
+            state_shapes=state_shapes, quantization=quantization, paging=paging, eviction=eviction,
+            num_layers=len(layer_types),
         )  # fmt: skip
         check_layer_types(layer_types)
         period = pattern_period(layer_types) if stacked else len(layer_types)
@@ -451,6 +481,14 @@ class Cache:
             positions = start[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
         stack, view = stack.update_entry(index, keys, values, positions)
         return self.with_group(group, stack), view
+
+    def attend(self, layer_idx, queries, keys, values, positions, read: Callable) -> tuple[Cache, jax.Array]:
+        """Store K/V ``[B, H_kv, T, D]`` of a layer at ``positions`` ``[B, T]`` and attend ``queries``
+        ``[B, H_q, T, D]`` with ``read`` (see ``CacheLayer.attend_entry``); returns the cache and the
+        output. Model code calls it through ``jaxkv.attention.cached_attention``."""
+        group, index = self.locate(layer_idx)
+        stack, out = self.groups[group].attend_entry(index, queries, keys, values, positions, read)
+        return self.with_group(group, stack), out
 
     def update_state(self, layer_idx, conv_inputs, positions, conv_fn, step_fn) -> tuple[Cache, Any]:
         """Feed a linear-attention (or hybrid) layer's conv inputs ``[B, T, C]`` at

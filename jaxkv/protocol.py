@@ -153,6 +153,15 @@ class CacheLayer(abc.ABC):
             f"update_state feeds linear_attention, conv and hybrid layers"
         )
 
+    def attend_entry(self, index, queries, keys, values, positions, read: Callable) -> tuple[Self, jax.Array]:
+        """``update_entry``, then attention of ``queries`` ``[B, H_q, T, D]`` over what it returned:
+        ``read(view, query_weights)`` -> ``(output, slot mass or None)`` (``jaxkv.attention.cached_attention``
+        supplies it). A layer that scores its slots by attention (``EvictingLayer``) asks ``read``
+        for the mass with its query weights; every other layer asks for none."""
+        stack, view = self.update_entry(index, keys, values, positions)
+        out, _ = read(view, None)
+        return stack, out
+
     def as_entry_zero(self, entry_method: Callable, *args) -> tuple[Self, Any]:
         """``entry_method(stack, 0, *args)`` on this layer as a stack of one; returns the layer and the result."""
         stack, result = entry_method(jax.tree.map(lambda leaf: leaf[None], self), 0, *args)
@@ -220,6 +229,11 @@ class CacheLayer(abc.ABC):
         """``[B]`` (``[L, B]`` stacked): the most tokens the next update of each row may bring and
         still show every query what token-by-token decoding would; None when any number may."""
         return None
+
+    def for_layers(self, layer_indices: list[int], num_layers: int) -> Self:
+        """This stack, entry j being model layer ``layer_indices[j]`` of ``num_layers``: a layer
+        whose entries differ by depth (PyramidKV's budgets) sets them; others are unchanged."""
+        return self
 
     def grow(self, capacity: int) -> Self:
         """The layer with room for ``capacity`` tokens; a layer that does not grow is unchanged."""

@@ -3,7 +3,7 @@ on the pieces of ``jaxkv.models.common``.
 
 Follow one token: ``embed * sqrt(hidden)`` -> for each layer: RMSNorm -> q/k/v projections
 -> per-head q/k RMSNorm -> RoPE (local base on sliding layers, global base on full ones) ->
-``cache.update`` -> attention (scale ``query_pre_attn_scalar ** -0.5``) -> output projection
+``cached_attention`` (scale ``query_pre_attn_scalar ** -0.5``) -> output projection
 -> RMSNorm -> residual -> RMSNorm -> GeGLU MLP (gelu tanh) -> RMSNorm -> residual; then the
 final RMSNorm, the tied LM head and an optional logit soft-cap.
 
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, PositiveInt, model_validator
 
-from jaxkv.attention import attention
+from jaxkv.attention import cached_attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
     Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_axes, decoder_param_shapes,
@@ -202,8 +202,7 @@ class Gemma3(Decoder):
             k = offset_rms_norm(heads(matmul(h, w["wk"]), config.num_key_value_heads), w["k_norm"], eps)
             q, k = apply_rope(q, positions, inv_freq[kind]), apply_rope(k, positions, inv_freq[kind])
             v = heads(matmul(h, w["wv"]), config.num_key_value_heads)
-            cache, kv = cache.update((group, index), k, v, positions)
-            out = attention(q, kv, positions, scale=scale)
+            cache, out = cached_attention(cache, (group, index), q, k, v, positions, scale=scale)
             out = matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
             x = x + offset_rms_norm(out, w["post_attn_norm"], eps)
             h = offset_rms_norm(x, w["mlp_norm"], eps)

@@ -1,12 +1,12 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in one readable file.
 
 Follow one token: ``embed`` -> for each layer (scanned): RMSNorm -> q/k/v projections ->
-RoPE -> ``cache.update`` -> attention -> output projection -> residual -> RMSNorm ->
+RoPE -> ``cached_attention`` (the cache stores K/V, attention reads them) -> output projection -> residual -> RMSNorm ->
 SwiGLU MLP -> residual; then the final RMSNorm and the LM head.
 
 The layer weights are stacked along a leading layer axis and the layers run in one
 ``lax.scan``, so compile time does not grow with depth. The cache travels in the scan's
-carry (``cache.update(i, ...)`` writes layer i's slice in place), never as ``xs``/``ys``,
+carry (``cached_attention(cache, i, ...)`` writes layer i's slice in place), never as ``xs``/``ys``,
 which would rewrite the whole cache every step. Each matrix is kept as PyTorch stores it
 (``[out, in]``, applied as ``x @ w.T``; ``Decoder.layer_param``): the layout in which XLA's
 CPU backend reads a scanned layer's weights in place when one row decodes.
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
-from jaxkv.attention import attention
+from jaxkv.attention import cached_attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
     Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_axes, decoder_param_shapes,
@@ -199,8 +199,7 @@ class Llama(Decoder):
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = apply_rope(heads(q, config.num_attention_heads), positions, inv_freq)
             k = apply_rope(heads(k, config.kv_heads), positions, inv_freq)
-            cache, kv = cache.update(i, k, heads(v, config.kv_heads), positions)
-            out = attention(q, kv, positions)
+            cache, out = cached_attention(cache, i, q, k, heads(v, config.kv_heads), positions)
             x = x + matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             x = x + matmul(jax.nn.silu(matmul(h, w["w_gate"])) * matmul(h, w["w_up"]), w["w_down"])

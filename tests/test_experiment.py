@@ -1,0 +1,295 @@
+"""``jaxkv experiment``: config validation, the cell listing, the smoke grid end to end (results,
+summary, plot, resuming), and the tasks' prompts (needle depth, fitting, answer parsing)."""
+
+import csv
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxkv.app.cli import main
+from jaxkv.app.config import ConfigError, load_config
+from jaxkv.app.experiment import Cell, ExperimentConfig, grid
+from jaxkv.app.tasks import (
+    PASSKEY,
+    Haystack,
+    KVRetrievalTask,
+    PasskeyTask,
+    kv_retrieval_examples,
+    parse_number,
+    passkey_examples,
+    perplexity_through_cache,
+    perplexity_windows,
+    split_prompt,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "configs" / "experiments"
+GRID = {
+    "models": ["smollm2"],
+    "tasks": [{"kind": "passkey", "contexts": [256]}],
+    "caches": [{"name": "full"}, {"name": "snapkv", "eviction": {"policy": "snapkv", "window": 16}}],
+    "budgets": [1.0, 0.5],
+}
+
+
+def validate(**changes) -> ExperimentConfig:
+    return ExperimentConfig.model_validate(GRID | changes)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from jaxkv.models.load import Pretrained
+
+    return Pretrained("smollm2").tokenizer(required=True)
+
+
+@pytest.fixture(scope="module")
+def haystack(tokenizer):
+    return Haystack.build(tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"seed": [0]}, "seed"),  # a typo of seeds
+        ({"caches": [{"name": "full", "quantisation": {"nbits": 8}}]}, "caches.0.quantisation"),
+        ({"caches": [{"name": "x", "eviction": {"policy": "lru"}}]}, "caches.0.eviction.policy"),
+        ({"tasks": [{"kind": "needle", "contexts": [256]}]}, "tasks.0"),
+        ({"tasks": [{"kind": "passkey", "depths": [1.5]}]}, "tasks.0.passkey.depths.0"),
+        ({"budgets": [0.0]}, "budgets.0"),
+        (
+            {"caches": [{"name": "full"}, {"name": "full", "quantization": {"nbits": 8}}]},
+            "cache names must be distinct",
+        ),
+        ({"caches": [{"name": "q", "quantization": {"nbits": 8}, "eviction": {"policy": "h2o"}}]}, "not both"),
+        ({"caches": [{"name": "full"}]}, "budgets below 1.0 apply to eviction caches"),
+        ({"caches": [{"name": "snapkv", "eviction": {"policy": "snapkv", "window": 16}}]}, "add a plain cache"),
+        (
+            {"caches": [{"name": "full"}, {"name": "s", "eviction": {"policy": "snapkv"}}], "budgets": [0.125]},
+            "cache 's' at budget 0.125 of 256",  # 32 slots, less than SnapKV's window of 64
+        ),
+        ({"tasks": [{"kind": "perplexity", "contexts": [200]}]}, "not a multiple of chunk"),
+    ],
+)
+def test_config_errors_name_the_field(tmp_path, changes, message):
+    """Each mistake is a ConfigError naming the file and the field (or the rule broken)."""
+    path = tmp_path / "grid.yaml"
+    path.write_text(json.dumps(GRID | changes))  # JSON is YAML
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        load_config(path, ExperimentConfig)
+    assert str(path) in str(error.value)
+
+
+def test_grid_runs_budget_one_once_and_orders_cells_by_model():
+    """Plain and quantized caches run once; an eviction cache once per budget below 1.0 (1.0 of
+    a policy is the plain cache's cell); cells go model by model, seeds of one cache together."""
+    config = validate(
+        models=["smollm2", "gemma3"], seeds=[0, 1], budgets=[1.0, 0.5, 0.25],
+        caches=[GRID["caches"][0], {"name": "int8", "quantization": {"nbits": 8}}, GRID["caches"][1]],
+    )  # fmt: skip
+    cells = grid(config)
+    assert len(cells) == 2 * (1 + 1 + 2) * 2
+    assert cells[:4] == [
+        Cell("smollm2", "passkey", 256, "full", 1.0, 0),
+        Cell("smollm2", "passkey", 256, "full", 1.0, 1),
+        Cell("smollm2", "passkey", 256, "int8", 1.0, 0),
+        Cell("smollm2", "passkey", 256, "int8", 1.0, 1),
+    ]
+    assert [c.budget for c in cells if c.cache == "snapkv" and c.model == "gemma3"] == [0.5, 0.5, 0.25, 0.25]
+    assert {c.model for c in cells[: len(cells) // 2]} == {"smollm2"}
+
+
+def test_budget_fractions_become_slots():
+    snapkv = validate().caches[1]
+    assert snapkv.options(0.5, 1024)["eviction"].budget == 512
+    assert snapkv.options(1.0, 1024) == {}
+    int8 = validate(caches=[GRID["caches"][0], {"name": "int8", "quantization": {"nbits": 8}}], budgets=[1.0])
+    assert int8.caches[1].options(1.0, 1024)["quantization"].bits == 8
+
+
+def test_shipped_grids_validate():
+    for path in sorted(EXPERIMENTS.glob("*.yaml")):
+        assert grid(load_config(path, ExperimentConfig)), path
+
+
+def test_dry_run_lists_the_cells(capsys, tmp_path):
+    code = main(["experiment", str(EXPERIMENTS / "smoke.yaml"), "--dry-run", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "todo  smollm2 passkey 256 full seed 0" in out
+    assert "todo  smollm2 perplexity 256 snapkv@0.25 seed 0" in out
+    assert out.strip().endswith(f"12 cells, 12 to run, results in {tmp_path / 'smoke'}")
+    assert not (tmp_path / "smoke").exists()  # nothing run, nothing written
+
+
+def test_a_cell_whose_settings_changed_runs_again(tmp_path):
+    """A results line counts as done only for the task and cache settings it ran with."""
+    from jaxkv.app.experiment import cell_settings, list_cells
+
+    config = validate(budgets=[1.0])
+    (cell,) = [c for c in grid(config) if c.cache == "full"]
+    line = {**dataclasses.asdict(cell), "settings": cell_settings(config, cell)}
+    (tmp_path / "results.jsonl").write_text(json.dumps(line) + "\n")
+    assert list_cells(config, tmp_path).startswith("done  smollm2 passkey 256 full seed 0")
+    deeper = validate(budgets=[1.0], tasks=[{"kind": "passkey", "contexts": [256], "depths": [0.9]}])
+    assert list_cells(deeper, tmp_path).startswith("todo  smollm2 passkey 256 full seed 0")
+
+
+def test_smoke_grid_end_to_end_and_resumes(capsys, tmp_path, monkeypatch):
+    """The CI grid: results.jsonl (one line per cell), summary.csv and the PNG; K/V bytes follow the
+    budgets; a second run finds every cell done and loads no model."""
+    assert main(["experiment", str(EXPERIMENTS / "smoke.yaml"), "--output-dir", str(tmp_path)]) == 0
+    out = tmp_path / "smoke"
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(lines) == 12
+    cell = {(x["task"], x["cache"], x["budget"]): x for x in lines}
+    for task in ("passkey", "perplexity"):
+        full = cell[task, "full", 1.0]["kv_bytes"]
+        assert cell[task, "int8", 1.0]["kv_bytes"] < full
+        for policy in ("streaming_llm", "snapkv"):
+            assert cell[task, policy, 0.25]["kv_bytes"] < cell[task, policy, 0.5]["kv_bytes"] < full
+    assert cell["passkey", "full", 1.0]["value"] == 1.0  # both depths found with the full cache
+    assert cell["passkey", "full", 1.0]["metrics"]["predictions"] == cell["passkey", "full", 1.0]["metrics"]["answers"]
+    full_ppl = cell["perplexity", "full", 1.0]["value"]
+    assert 5 < full_ppl < 100
+    np.testing.assert_allclose(cell["perplexity", "int8", 1.0]["value"], full_ppl, rtol=0.01)
+    with (out / "summary.csv").open() as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 12 and {r["metric"] for r in rows} == {"accuracy", "perplexity"}
+    assert all(float(r["kv_vs_full"]) <= 1.0 for r in rows)
+    assert (out / "smoke.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+
+    import jaxkv.models.load
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a finished grid loads no model")
+
+    monkeypatch.setattr(jaxkv.models.load, "load_pretrained", no_load)
+    assert main(["experiment", str(EXPERIMENTS / "smoke.yaml"), "--output-dir", str(tmp_path)]) == 0
+    assert len((out / "results.jsonl").read_text().splitlines()) == 12
+    assert main(["experiment", str(EXPERIMENTS / "smoke.yaml"), "--dry-run", "--output-dir", str(tmp_path)]) == 0
+    assert "12 cells, 0 to run" in capsys.readouterr().out
+
+
+def test_haystack_puts_needles_at_the_nearest_sentence_boundary():
+    """Ten sentences of 10 tokens: depth 0.3 lands after three of them, 0 first, 1 last, and two
+    needles at one boundary keep their order."""
+    haystack = Haystack(tuple(f"S{i}." for i in range(10)), np.full(10, 10))
+    filled = haystack.fill(2, 100, [(0.3, "N1."), (0.0, "N0."), (1.0, "N9."), (0.31, "N2.")])
+    assert filled.text == "N0. S2. S3. S4. N1. N2. S5. S6. S7. S8. S9. S0. S1. N9."
+    assert filled.depths == (0.3, 0.0, 1.0, 0.3)
+    assert haystack.fill(0, 35, []).text == "S0. S1. S2."  # at most 35 tokens
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_passkey_needle_is_at_the_requested_depth(tokenizer, haystack, depth):
+    """In the token ids the key's digits sit within 5% of the haystack from the requested depth;
+    the prompt leaves room for the answer, uses the chat template and ends on the answer's start."""
+    task = PasskeyTask(kind="passkey", contexts=[2048], depths=[depth], max_new_tokens=8)
+    (example,) = passkey_examples(task, tokenizer, True, haystack, 2048, seed=3)
+    assert len(example.context) + len(example.question) <= 2048 - 8
+    assert len(example.context) + len(example.question) > 2048 - 8 - 100  # the haystack fills the context
+    assert tokenizer.decode(example.context, skip_special_tokens=False).startswith("<|im_start|>system")
+    assert tokenizer.decode(example.question).endswith("The pass key is:")
+    opening = len(split_prompt(tokenizer, True, PASSKEY, "")[0]) - 1  # the empty haystack's context, less its "\n\n"
+    digits = tokenizer.encode(example.answer, add_special_tokens=False)
+    found = [i for i in range(len(example.context)) if example.context[i : i + len(digits)] == digits]
+    haystack_tokens = len(example.context) - opening
+    assert abs((found[0] - opening) / haystack_tokens - depth) < 0.05
+    assert abs(example.placed_depth - depth) < 0.05
+    assert re.fullmatch(r"\d{5}", example.answer)
+
+
+def test_examples_are_seeded(tokenizer, haystack):
+    task = PasskeyTask(kind="passkey", contexts=[512], depths=[0.5], examples=2)
+    first = passkey_examples(task, tokenizer, True, haystack, 512, seed=0)
+    assert first == passkey_examples(task, tokenizer, True, haystack, 512, seed=0)
+    assert first[0].answer != first[1].answer
+    assert [e.answer for e in passkey_examples(task, tokenizer, True, haystack, 512, seed=1)] != [
+        e.answer for e in first
+    ]
+
+
+def test_kv_retrieval_asks_one_of_its_facts(tokenizer, haystack):
+    task = KVRetrievalTask(kind="kv_retrieval", contexts=[1024], depths=[0.2, 0.8], facts=5)
+    for example in kv_retrieval_examples(task, tokenizer, False, haystack, 1024, seed=0):
+        context, question = tokenizer.decode(example.context), tokenizer.decode(example.question)
+        facts = dict(re.findall(r"The special magic number for (\w+) is: (\d+)\.", context))
+        assert len(facts) == 5
+        (asked,) = re.findall(r"What is the special magic number for (\w+)\?", question)
+        assert facts[asked] == example.answer
+        assert question.endswith(f"The special magic number for {asked} is:")
+        assert abs(example.placed_depth - example.depth) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("text", "number"), [(" 12345.", "12345"), (" 4 5", "4"), (": 007", "007"), (" unknown", None), ("", None)]
+)
+def test_answers_parse_to_their_first_number(text, number):
+    assert parse_number(text) == number
+
+
+def test_perplexity_windows_are_seeded_and_batched():
+    """Seed s reads the windows after seed s - 1's; a corpus too short is an error naming the fix;
+    windows batched as rows score as each alone. (Chunked feeding against one forward, and int8:
+    tests/test_quantized.py.)"""
+    from jaxkv.models.llama import Llama, LlamaConfig
+
+    ids = np.arange(20, dtype=np.int32)
+    np.testing.assert_array_equal(perplexity_windows(ids, 4, 2, seed=1), [[10, 11, 12, 13, 14], [15, 16, 17, 18, 19]])
+    with pytest.raises(ValueError, match="fewer windows"):
+        perplexity_windows(ids, 4, 2, seed=2)
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = Llama(config, seed=5)
+    windows = np.random.default_rng(0).integers(0, 50, (2, 17)).astype(np.int32)
+    both, _ = perplexity_through_cache(model, windows, 8, {})
+    first, _ = perplexity_through_cache(model, windows[:1], 8, {})
+    second, _ = perplexity_through_cache(model, windows[1:], 8, {})
+    np.testing.assert_allclose(both, [first[0], second[0]], rtol=1e-5)
+
+
+def test_mqar_cells_run_on_their_checkpoint(tmp_path):
+    """An mqar task runs on its checkpoint (not on the grid's models), its budgets are fractions of
+    the checkpoint's context, and its cells carry evaluate's error attribution. The model is
+    untrained: this checks the plumbing, jaxkv.app.mqar's tests check recall."""
+    from jaxkv.app.experiment import run_experiment
+    from jaxkv.app.mqar import MQARConfig, RecallModel, build_decoder, save_checkpoint
+
+    mqar = MQARConfig.model_validate({"data": {"num_pairs": 8, "num_queries": 4, "num_keys": 16, "num_values": 16}})
+    save_checkpoint(RecallModel(build_decoder(mqar), mqar), tmp_path / "mqar")
+    config = ExperimentConfig.model_validate({
+        "models": ["smollm2"], "budgets": [0.5],
+        "tasks": [{"kind": "mqar", "checkpoint": str(tmp_path / "mqar"), "examples": 8, "batch_size": 8}],
+        "caches": [{"name": "full"}, {"name": "key_norm", "eviction": {"policy": "key_norm"}}],
+    })  # fmt: skip
+    assert grid(config) == [
+        Cell(str(tmp_path / "mqar"), "mqar", 16, "full", 1.0, 0),
+        Cell(str(tmp_path / "mqar"), "mqar", 16, "key_norm", 0.5, 0),
+    ]
+    rows = run_experiment(config, tmp_path / "grid", progress=False)
+    held = {r["cache"]: r for r in rows}
+    assert held["key_norm"]["kv_bytes"] < held["full"]["kv_bytes"]
+    lines = [json.loads(line) for line in (tmp_path / "grid" / "results.jsonl").read_text().splitlines()]
+    assert {line["cache"]: line["metrics"]["evicted_fraction"] for line in lines}["full"] == 0.0
+
+
+def test_mqar_without_a_checkpoint_names_the_training_command(tmp_path):
+    with pytest.raises(ValueError, match="jaxkv train-mqar"):
+        ExperimentConfig.model_validate(GRID | {"tasks": [{"kind": "mqar", "checkpoint": str(tmp_path / "none")}]})
+
+
+def test_readme_config_example_validates():
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"## Experiments.*?```yaml\n(.*?)```", readme, re.S).group(1)
+    config = ExperimentConfig.model_validate(yaml.safe_load(example))
+    assert {c.kind for c in config.caches} == {"full", "quantized", "eviction"}
