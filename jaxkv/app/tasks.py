@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, PositiveInt, model_validator
 
-from jaxkv.app.config import Strict
+from jaxkv.app.config import Strict, load_config
 from jaxkv.app.corpus import corpus_text
 
 Depth = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -160,27 +160,38 @@ class MQARTask(Task):
 
     kind: Literal["mqar"]
     checkpoint: str
+    # The training config of the checkpoint: its context sizes the budgets, and a missing
+    # checkpoint is trained from it on first use (the grid then runs with one command).
+    train_config: str | None = None
     examples: PositiveInt = 512
     batch_size: PositiveInt = 256
 
     metric: ClassVar[str] = "accuracy"
 
-    @property
-    def contexts(self) -> list[int]:
-        """The checkpoint's context length (read from its config.json)."""
+    def training_config(self):
+        """The ``MQARConfig`` the checkpoint was (or will be) trained with."""
         from jaxkv.app.mqar import CONFIG_FILE, MQARConfig
 
         config_file = Path(self.checkpoint) / CONFIG_FILE
-        if not config_file.is_file():
+        if config_file.is_file():
+            return MQARConfig.model_validate_json(config_file.read_text())
+        if self.train_config is None:
             raise ValueError(
                 f"mqar checkpoint {self.checkpoint}: {config_file} does not exist; train one with "
-                f"`jaxkv train-mqar configs/mqar.yaml --output {self.checkpoint}`"
+                f"`jaxkv train-mqar configs/mqar.yaml --output {self.checkpoint}`, or give the task a train_config"
             )
-        return [MQARConfig.model_validate_json(config_file.read_text()).data.context_length]
+        return load_config(self.train_config, MQARConfig)
+
+    @property
+    def contexts(self) -> list[int]:
+        """The checkpoint's context length."""
+        return [self.training_config().data.context_length]
 
     def load(self):
-        from jaxkv.app.mqar import load_checkpoint
+        from jaxkv.app.mqar import CONFIG_FILE, load_checkpoint, train
 
+        if not (Path(self.checkpoint) / CONFIG_FILE).is_file():
+            train(self.training_config(), self.checkpoint)
         return load_checkpoint(self.checkpoint), None
 
     def prepare(self, tokenizer) -> None:
