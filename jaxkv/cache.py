@@ -70,6 +70,8 @@ class LayerSpec:
         # A frozen dataclass normalizes its own fields through object.__setattr__.
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         object.__setattr__(self, "state_shapes", tuple(tuple(shape) for shape in self.state_shapes))
+        if self.eviction is not None and self.eviction.is_uncompressed():
+            object.__setattr__(self, "eviction", None)  # a ratio of 0 evicts nothing: the plain layers
 
 
 def _paged_layer(spec: LayerSpec, window: int | None = None) -> CacheLayer:
@@ -94,7 +96,7 @@ def _evicting_layer(spec: LayerSpec) -> CacheLayer:
 
 
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
-    if spec.eviction is not None and not spec.eviction.is_uncompressed():
+    if spec.eviction is not None:
         return _evicting_layer(spec)
     if spec.paging is not None:
         return _paged_layer(spec)
@@ -168,7 +170,7 @@ def _check_hybrid_options(spec: LayerSpec) -> None:
             "paging keeps linear-attention states in their own layers (linear_attention, conv); a hybrid layer "
             "(hybrid, hybrid_sliding) is not paged"
         )
-    if spec.eviction is not None and not spec.eviction.is_uncompressed():
+    if spec.eviction is not None:
         raise ValueError(
             "eviction covers full_attention layers; a hybrid layer (hybrid, hybrid_sliding) keeps all its K/V"
         )
