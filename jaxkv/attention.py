@@ -304,7 +304,7 @@ def cached_attention(
 
     options = dict(scale=scale, logit_softcap=logit_softcap)
 
-    def read(view, query_weights):
+    def read(queries, view, positions, query_weights):
         if query_weights is None:
             return attention(queries, view, positions, **options), None
         return attention(queries, view, positions, **options, query_weights=query_weights)

@@ -24,7 +24,7 @@ from flax import struct
 
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
-from jaxkv.layers.evicting import EvictingLayer
+from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -87,12 +87,15 @@ def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
 
 
 def _evicting_layer(spec: LayerSpec) -> CacheLayer:
-    for option, value in (("paging", spec.paging), ("quantization", spec.quantization)):
-        if value is not None:
-            raise ValueError(f"eviction keeps full-precision K/V in its own slots; it does not combine with {option}")
-    eviction = spec.eviction.resolved(spec.max_length)
+    if spec.quantization is not None:
+        raise ValueError("eviction keeps full-precision K/V in its own slots; it does not combine with quantization")
+    # Under paging (the serving engine) a compression ratio is a fraction of the longest sequence.
+    eviction = spec.eviction.resolved(spec.paging.max_length if spec.paging else spec.max_length)
     slots = max(eviction.layer_budgets(spec.num_layers))  # PyramidKV's first layer keeps the most
-    return EvictingLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, eviction, slots, spec.dtype)
+    layer = EvictingLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, eviction, slots, spec.dtype)
+    if spec.paging is None:
+        return layer
+    return PackedEvictingLayer(layer, jnp.zeros((spec.paging.num_tokens,), jnp.int32))
 
 
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
@@ -368,7 +371,8 @@ class Cache:
         quantized pages with ``quantization`` too.
         ``eviction``: an ``EvictionSpec`` keeps full-attention layers in a budget of slots,
         evicting by its policy (``EvictingLayer``; models attend through ``cached_attention``);
-        a compression ratio of 0 builds the uncompressed layers.
+        a compression ratio of 0 builds the uncompressed layers. With ``paging`` (the serving
+        engine) they are ``PackedEvictingLayer``: a budget of slots per engine row, no pages.
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, TOKENS, Axes
 
 
 class MaskInfo(struct.PyTreeNode):
@@ -155,11 +155,12 @@ class CacheLayer(abc.ABC):
 
     def attend_entry(self, index, queries, keys, values, positions, read: Callable) -> tuple[Self, jax.Array]:
         """``update_entry``, then attention of ``queries`` ``[B, H_q, T, D]`` over what it returned:
-        ``read(view, query_weights)`` -> ``(output, slot mass or None)`` (``jaxkv.attention.cached_attention``
-        supplies it). A layer that scores its slots by attention (``EvictingLayer``) asks ``read``
-        for the mass with its query weights; every other layer asks for none."""
+        ``read(queries, view, positions, query_weights)`` -> ``(output, slot mass or None)``
+        (``jaxkv.attention.cached_attention`` supplies it). A layer that scores its slots by
+        attention (``EvictingLayer``) asks ``read`` for the mass with its query weights; every
+        other layer asks for none."""
         stack, view = self.update_entry(index, keys, values, positions)
-        out, _ = read(view, None)
+        out, _ = read(queries, view, positions, None)
         return stack, out
 
     def as_entry_zero(self, entry_method: Callable, *args) -> tuple[Self, Any]:
@@ -327,6 +328,104 @@ class PositionalLayer(BatchMajorLayer):
 
     def reset(self):
         return jax.tree.map(jnp.zeros_like, self)
+
+
+@struct.dataclass
+class RowPacking:
+    """Where the serving engine's packed tokens go in a per-row layout: token i (of engine row
+    ``rows[i]``, at ``positions[i]``) is token ``order[i]`` of its row, counted from the row's
+    length before the update; ``[N, ...]`` <-> ``[R, T, ...]``, padding (a negative position)
+    nowhere."""
+
+    rows: jax.Array  # [N] int32
+    order: jax.Array  # [N] int32, T for padding (dropped when unpacked)
+    real: jax.Array  # [N] bool
+    num_rows: int = struct.field(pytree_node=False)
+    tokens_per_row: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def of(cls, rows, positions, row_lengths, tokens_per_row: int) -> RowPacking:
+        """``rows``, ``positions`` ``[N]``; ``row_lengths`` ``[R]`` before the update."""
+        real = positions >= 0
+        order = jnp.where(real, positions - row_lengths[rows], tokens_per_row)
+        return cls(rows, order, real, row_lengths.shape[0], tokens_per_row)
+
+    def unpacked(self, x: jax.Array, fill) -> jax.Array:
+        """``[N, ...]`` -> ``[R, T, ...]``, ``fill`` where a row has no token."""
+        dense = jnp.full((self.num_rows, self.tokens_per_row, *x.shape[1:]), fill, x.dtype)
+        return dense.at[self.rows, self.order].set(x, mode="drop")
+
+    def packed(self, x: jax.Array) -> jax.Array:
+        """``[R, T, ...]`` -> ``[N, ...]``, zeros at padding."""
+        found = x[self.rows, jnp.clip(self.order, 0, self.tokens_per_row - 1)]
+        return jnp.where(self.real.reshape(-1, *[1] * (found.ndim - 1)), found, 0)
+
+
+class PackedRowsLayer(CacheLayer):
+    """A per-row layer held for the serving engine: ``slots`` keeps one row per engine row (the
+    request that holds the row), and an update brings ``[1, N]`` packed tokens of many rows,
+    token i of row ``token_rows[i]`` (``with_step`` sets them per step). Subclasses lay the
+    tokens out ``[R, T]`` (``packing``), run their storage there and pack the outputs again.
+
+    A row whose tokens start at position 0 starts empty: a request that takes over a row (or is
+    computed again after a preemption) never sees what the row's previous request left. What
+    such a row holds cannot be rebuilt from cached pages, so the engine serves a model with
+    these layers without prefix caching, and nothing in them can be rolled back.
+
+    Subclasses declare the fields ``slots``, ``token_rows`` ``[N]`` and the static ``tokens_per_row``.
+    """
+
+    slots: CacheLayer
+    token_rows: jax.Array
+    tokens_per_row: int
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.slots.lengths
+
+    @property
+    def max_length(self) -> None:
+        return None
+
+    @property
+    def max_rollback(self) -> int:
+        return 0
+
+    def with_step(self, token_rows: jax.Array, tokens_per_row: int) -> Self:
+        """This stacked layer with a step's ``token_rows`` ``[N]``; no row brings more than ``tokens_per_row``."""
+        depth = self.lengths.shape[0]
+        return self.replace(
+            token_rows=jnp.broadcast_to(token_rows, (depth, *token_rows.shape)), tokens_per_row=tokens_per_row
+        )
+
+    def packing(self, index, positions: jax.Array) -> tuple[CacheLayer, RowPacking]:
+        """``slots`` with entry ``index``'s rows that get position 0 in this update emptied, and
+        where the update's packed tokens (``positions`` ``[N]``) go in ``[R, T]``."""
+        rows = entry(self.token_rows, index)
+        current = jax.tree.map(lambda leaf: entry(leaf, index), self.slots)
+        fresh = jnp.zeros(self.lengths.shape[1], bool).at[rows].max(positions == 0)
+
+        def emptied(now: jax.Array, empty: jax.Array) -> jax.Array:
+            return jnp.where(fresh.reshape(-1, *[1] * (now.ndim - 1)), empty, now)
+
+        current = jax.tree.map(emptied, current, current.reset())
+        slots = jax.tree.map(lambda stack, new: stack.at[index].set(new), self.slots, current)
+        return slots, RowPacking.of(rows, positions, current.lengths, self.tokens_per_row)
+
+    def rollback(self, num_tokens) -> Self:
+        return self.replace(slots=self.slots.rollback(num_tokens))
+
+    def reset(self) -> Self:
+        return self.replace(slots=self.slots.reset())
+
+    def gather_rows(self, indices: jax.Array) -> Self:
+        return self.replace(slots=self.slots.gather_rows(indices))
+
+    def logical_axes(self) -> Self:
+        return self.replace(slots=self.slots.logical_axes(), token_rows=Axes(TOKENS))
+
+    def describe(self) -> str:
+        return self.slots.describe()
 
 
 def describe_extent(rollback_slots: int, **span: int | None) -> str:

@@ -9,7 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.cache import layer_types_of
 from jaxkv.decoding.generate import generate
+from jaxkv.eviction import EvictionSpec
+from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.decoding.sampling import RowSampling, Sampling, sample_rows, sampling_logits, top_k_top_p
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
@@ -259,6 +262,64 @@ def test_hybrid_recurrent_states_live_in_row_slots():
     assert tight.stats()["preemptions"] > 0 and [c.token_ids for c in done] == expected
     pair = engine.generate_many(prompts[:1], max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
     assert [c.token_ids for c in pair] == [expected[0]] * 2
+
+
+def chunked_greedy(model, prompt, eviction, chunk: int, new_tokens: int = NEW_TOKENS) -> list[int]:
+    """One prompt through ``model`` on an evicting cache, its prefill in ``chunk``-token updates
+    (what the engine runs for a request alone), then greedy decoding token by token."""
+    cache, tokens = model.init_cache(1, eviction=eviction), list(prompt)
+    for start in range(0, len(prompt), chunk):
+        piece = tokens[start : start + chunk]
+        positions = jnp.arange(start, start + len(piece))[None]
+        logits, cache = model(jnp.asarray(piece)[None], positions, cache)
+    for _ in range(new_tokens):
+        tokens.append(int(jnp.argmax(logits[0, -1])))
+        logits, cache = model(jnp.asarray(tokens[-1:])[None], jnp.asarray([[len(tokens) - 1]]), cache)
+    return tokens[len(prompt) :]
+
+
+EVICTION = {"h2o": EvictionSpec("h2o", budget=10, window=4), "snapkv": EvictionSpec("snapkv", budget=10, window=4)}
+
+
+@pytest.mark.parametrize("policy", EVICTION)
+def test_evicted_rows_equal_generate_with_the_same_policy(model, policy):
+    """Evicted full-attention layers keep a budget of slots per engine row, beside the pages
+    (Gemma's sliding layers) or instead of them (Llama): prompts of one chunk arriving at
+    different steps, rows taken over by new requests, give ``generate``'s tokens with the
+    same policy; a prompt chunked over many steps gives what a cache fed the same chunks
+    gives. No prefix caching (with a warning), no pages for evicted layers."""
+    spec = EVICTION[policy]
+    prompts = prompts_of(21, 10, longest=16)
+    with pytest.warns(UserWarning, match="without prefix caching"):
+        Engine(model, kv_memory=64 * 1024, eviction=spec, **SMALL)
+    engine = Engine(model, kv_memory=64 * 1024, eviction=spec, prefix_caching=False, **SMALL)
+    got = run_arrivals(engine, prompts, [2 * (i // 3) for i in range(len(prompts))], NEW_TOKENS)
+    result = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=(), eviction=spec)
+    assert got == [result.row(i) for i in range(len(prompts))]
+    assert "full" not in engine.stats()["pages"]
+    rows = engine.config.max_num_seqs
+    assert engine.sizes.state_bytes == EvictingLayer.kv_bytes(rows, 0, 2, 8, jnp.float32, slots=10) * sum(
+        kind == "full_attention" for kind in layer_types_of(model.config)
+    )
+    long_prompt = prompts_of(22, 1, longest=60)[0] + [1] * 30
+    alone = engine.generate_many([long_prompt], max_tokens=NEW_TOKENS, ignore_eos=True)[0].token_ids
+    assert alone == chunked_greedy(model, long_prompt, spec, SMALL["max_num_batched_tokens"])
+    assert alone != greedy_reference(model, [long_prompt], NEW_TOKENS)[0]  # the budget of 10 did evict
+
+
+def test_eviction_with_room_for_everything_serves_exactly(llama):
+    """A budget that holds every token evicts nothing: chunked prefills, staggered arrivals and
+    n=2 samples (each computed, not forked) give the uncompressed cache's tokens."""
+    prompts = prompts_of(23, 8)
+    spec = EvictionSpec("key_norm", budget=64, window=4)
+    engine = Engine(llama, kv_memory="256KiB", eviction=spec, prefix_caching=False, **SMALL)
+    got = run_arrivals(engine, prompts, [i for i in range(len(prompts))], NEW_TOKENS)
+    expected = reference(llama, prompts)
+    assert got == expected
+    pair = engine.generate_many(prompts[:1], max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    assert [c.token_ids for c in pair] == [expected[0]] * 2
+    with pytest.raises(ValueError, match="does not combine with quantization"):
+        Engine(llama, kv_memory=64 * 1024, eviction=spec, quantization=QuantSpec(nbits=8, residual_length=0))
 
 
 def test_unpaged_layer_types_and_budgets_are_refused():

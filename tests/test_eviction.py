@@ -24,7 +24,6 @@ from jaxkv.decoding.generate import generate
 from jaxkv.decoding.speculative import PromptLookup, generate_speculative
 from jaxkv.eviction import POLICIES, EvictionSpec
 from jaxkv.layers.evicting import EvictingLayer
-from jaxkv.layers.paged import Paging
 from jaxkv.memory import storage_rows
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
@@ -307,10 +306,6 @@ def test_build_errors_name_the_fix():
     with pytest.raises(ValueError, match="does not combine with quantization"):
         Cache.from_layer_types(["full_attention"], batch_size=1, num_kv_heads=1, head_dim=8, max_length=16,
                                eviction=EvictionSpec("h2o", budget=8), quantization=QuantSpec(nbits=8))  # fmt: skip
-    with pytest.raises(ValueError, match="does not combine with paging"):
-        Cache.from_layer_types(["full_attention"], batch_size=1, num_kv_heads=1, head_dim=8,
-                               eviction=EvictionSpec("h2o", budget=8), paging=Paging(num_pages=4, page_size=4,
-                               max_length=16))  # fmt: skip
     with pytest.raises(ValueError, match="fraction of max_length"):
         ratio = EvictionSpec("h2o", compression_ratio=0.5)
         Cache.from_layer_types(["full_attention"], batch_size=1, num_kv_heads=1, head_dim=8, eviction=ratio)

@@ -26,11 +26,12 @@ from flax import struct
 
 from jaxkv.eviction import EvictionSpec, key_norm_scores, pooled_window_mass
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
-from jaxkv.protocol import limit_rollback
+from jaxkv.protocol import PackedRowsLayer, limit_rollback
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
-# read(view, query_weights [B, T] or None) -> (attention output, slot mass [B, H_kv, S] or None)
-Read = Callable[[KVView, jax.Array | None], tuple[jax.Array, jax.Array | None]]
+# read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
+#   -> (attention output [B, H_q, T, D], slot mass [B, H_kv, S] or None)
+Read = Callable[[jax.Array, KVView, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array | None]]
 HEAD_SLOT_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS)  # [B, H_kv, N]
 
 
@@ -105,7 +106,8 @@ class EvictingLayer(BatchMajorLayer):
         lengths = lengths_after(layer.lengths, positions)
         candidates = layer.candidates(keys, values, positions)
         weights = self.query_weights(positions, lengths) if self.spec.uses_attention else None
-        out, mass = read(KVView.of(candidates.keys, candidates.values, MaskInfo(candidates.positions)), weights)
+        view = KVView.of(candidates.keys, candidates.values, MaskInfo(candidates.positions))
+        out, mass = read(queries, view, positions, weights)
         group = queries.shape[1] // keys.shape[1]
         scores = self.candidate_scores(candidates, keys, mass, positions, lengths, group)
         kept = layer.keep(candidates, scores, lengths)
@@ -212,3 +214,41 @@ class EvictingLayer(BatchMajorLayer):
 
     def describe(self) -> str:
         return f"{self.spec.policy} N={self.keys.shape[-2]}"
+
+
+@struct.dataclass
+class PackedEvictingLayer(PackedRowsLayer):
+    """Evicting K/V for the serving engine: an ``EvictingLayer`` with one row per engine row
+    (``slots``), fed with packed tokens of many rows (``PackedRowsLayer``). Each row holds its
+    budget of slots whatever its length, so evicted layers take no pages: the engine's memory
+    for them is fixed by ``max_num_seqs``.
+
+    A prefill chunk is one update: the policy scores and evicts after each chunk, as a cache fed
+    the prompt in those chunks would (SnapKV's observation window is each chunk's last tokens).
+    """
+
+    slots: EvictingLayer
+    token_rows: jax.Array  # [N] int32
+    tokens_per_row: int = struct.field(pytree_node=False, default=1)
+
+    MEMORY_FORMULA = EvictingLayer.MEMORY_FORMULA + "; B engine rows"
+    kv_bytes = staticmethod(EvictingLayer.kv_bytes)
+
+    def for_layers(self, layer_indices: list[int], num_layers: int) -> PackedEvictingLayer:
+        return self.replace(slots=self.slots.for_layers(layer_indices, num_layers))
+
+    def update_entry(self, index, keys, values, positions):
+        return self.slots.update_entry(index, keys, values, positions)  # raises: use cached_attention
+
+    def attend_entry(self, index, queries, keys, values, positions, read: Read):
+        """``EvictingLayer.attend_entry`` of packed ``[1, H, N, D]`` tokens at ``positions`` ``[1, N]``;
+        the output comes back packed ``[1, H_q, N, D]`` (zeros at padding)."""
+        slots, packing = self.packing(index, positions[0])
+
+        def unpacked(x: jax.Array) -> jax.Array:  # [1, H, N, D] -> [R, H, T, D]
+            return jnp.moveaxis(packing.unpacked(jnp.moveaxis(x[0], 1, 0), 0), 2, 1)
+
+        slots, out = slots.attend_entry(
+            index, unpacked(queries), unpacked(keys), unpacked(values), packing.unpacked(positions[0], -1), read
+        )
+        return self.replace(slots=slots), jnp.moveaxis(packing.packed(jnp.moveaxis(out, 2, 1)), 1, 0)[None]

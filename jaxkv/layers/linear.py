@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.protocol import BatchMajorLayer, CacheLayer, check_array, check_positions, describe_extent, entry
-from jaxkv.protocol import lengths_after, limit_rollback
-from jaxkv.sharding import BATCH, STATE, TOKENS, Axes
+from jaxkv.protocol import BatchMajorLayer, CacheLayer, PackedRowsLayer, check_array, check_positions, describe_extent
+from jaxkv.protocol import entry, lengths_after, limit_rollback
+from jaxkv.sharding import BATCH, STATE, Axes
 
 
 def check_state_inputs(layer, index, conv_inputs: jax.Array, positions) -> jax.Array:
@@ -322,18 +322,14 @@ class HybridLayer(BatchMajorLayer):
 
 
 @struct.dataclass
-class PackedStateLayer(CacheLayer):
-    """Linear-attention states in one slot per engine row, fed with packed tokens of many rows.
+class PackedStateLayer(PackedRowsLayer):
+    """Linear-attention states in one slot per engine row, fed with packed tokens of many rows
+    (``PackedRowsLayer``).
 
     The serving engine's paged cache keeps a model's recurrent states here, beside its K/V
     pages. ``slots``: a ``LinearAttentionLayer`` with one row per engine row: the conv inputs and
-    recurrent state of the request that holds the row. An update brings ``[1, N]`` packed tokens,
-    token i of row ``token_rows[i]``; the layer lays them out ``[R, T]`` (each row's tokens in
-    order, ``T = tokens_per_row``), runs the conv and the recurrence there, and returns the
-    outputs packed again. A row whose tokens start at position 0 starts from a zero state: a
-    request that takes over a row (or is computed again after a preemption) never sees the
-    state of the row's previous request. States cannot be rebuilt from a cached prefix, so a
-    model with such layers serves without prefix caching.
+    recurrent state of the request that holds the row. The layer lays an update's packed tokens
+    out ``[R, T]``, runs the conv and the recurrence there, and returns the outputs packed again.
     """
 
     slots: LinearAttentionLayer
@@ -343,74 +339,16 @@ class PackedStateLayer(CacheLayer):
     MEMORY_FORMULA = LinearAttentionLayer.MEMORY_FORMULA + "; B engine rows"
     kv_bytes = staticmethod(LinearAttentionLayer.kv_bytes)
 
-    @property
-    def lengths(self) -> jax.Array:
-        return self.slots.lengths
-
-    @property
-    def max_length(self) -> None:
-        return None
-
-    @property
-    def max_rollback(self) -> int:
-        return 0
-
-    def with_step(self, token_rows: jax.Array, tokens_per_row: int) -> PackedStateLayer:
-        """This stacked layer with a step's ``token_rows`` ``[N]``; no row brings more than ``tokens_per_row``."""
-        depth = self.lengths.shape[0]
-        return self.replace(
-            token_rows=jnp.broadcast_to(token_rows, (depth, *token_rows.shape)), tokens_per_row=tokens_per_row
-        )
-
     def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
         """Feed packed ``conv_inputs`` ``[1, N, C]`` at ``positions`` ``[1, N]``; ``conv_fn`` sees packed
         windows ``[1, N, C, K]`` and outputs come back packed ``[1, N, ...]`` (zeros at padding)."""
-        rows, positions = entry(self.token_rows, index), positions[0]
-        slots = self.fresh_rows(index, rows, positions)
-        start = entry(slots.lengths, index)[rows]
-        real = positions >= 0
-        order = jnp.where(real, positions - start, self.tokens_per_row)  # each token's place in its row
-        place = jnp.clip(order, 0, self.tokens_per_row - 1)
-        num_rows = self.lengths.shape[1]
-
-        def unpacked(x: jax.Array, fill) -> jax.Array:  # [N, ...] -> [R, T, ...]
-            dense = jnp.full((num_rows, self.tokens_per_row, *x.shape[1:]), fill, x.dtype)
-            return dense.at[rows, order].set(x, mode="drop")
-
-        def packed(x: jax.Array) -> jax.Array:  # [R, T, ...] -> [1, N, ...]
-            return rows_where(real, x[rows, place], 0)[None]
+        slots, packing = self.packing(index, positions[0])
 
         def packed_conv(windows):  # the model's conv_fn on packed windows, its outputs unpacked
-            return jax.tree.map(lambda a: unpacked(a[0], 0), conv_fn(packed(windows)))
+            packed = jax.tree.map(lambda a: packing.packed(a)[None], windows)
+            return jax.tree.map(lambda a: packing.unpacked(a[0], 0), conv_fn(packed))
 
         slots, outputs = slots.update_state_entry(
-            index, unpacked(conv_inputs[0], 0), unpacked(positions, -1), packed_conv, step_fn
+            index, packing.unpacked(conv_inputs[0], 0), packing.unpacked(positions[0], -1), packed_conv, step_fn
         )
-        return self.replace(slots=slots), jax.tree.map(packed, outputs)
-
-    def fresh_rows(self, index, rows: jax.Array, positions: jax.Array) -> LinearAttentionLayer:
-        """``slots`` with entry ``index``'s rows that get position 0 in this update emptied."""
-        fresh = jnp.zeros(self.lengths.shape[1], bool).at[rows].max(positions == 0)
-
-        def emptied(stack):
-            current = entry(stack, index)
-            return stack.at[index].set(jnp.where(fresh.reshape(-1, *[1] * (current.ndim - 1)), 0, current))
-
-        return self.slots.replace(
-            conv_inputs=emptied(self.slots.conv_inputs),
-            states=tuple(emptied(s) for s in self.slots.states),
-            lengths=emptied(self.slots.lengths),
-            high_water=emptied(self.slots.high_water),
-        )
-
-    def rollback(self, num_tokens) -> PackedStateLayer:
-        return self.replace(slots=self.slots.rollback(num_tokens))
-
-    def reset(self) -> PackedStateLayer:
-        return self.replace(slots=self.slots.reset())
-
-    def gather_rows(self, indices: jax.Array) -> PackedStateLayer:
-        return self.replace(slots=self.slots.gather_rows(indices))
-
-    def logical_axes(self) -> PackedStateLayer:
-        return self.replace(slots=self.slots.logical_axes(), token_rows=Axes(TOKENS))
+        return self.replace(slots=slots), jax.tree.map(lambda a: packing.packed(a)[None], outputs)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, RowSampling, Sampling
+from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.paged import QUERY_BLOCK, Paging, table_width
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.pages import NULL_PAGE, PageManager, salt_key
@@ -48,7 +49,11 @@ class EngineConfig:
     of ``QUERY_BLOCK``; also the largest prefill bucket); ``max_model_len``:
     the longest prompt plus output (default: the model's ``max_position_embeddings``);
     ``max_logprobs``: the most ``logprobs`` a request may ask for; ``quantization``: store the
-    pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8 with ``format="e4m3"``)."""
+    pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8 with ``format="e4m3"``);
+    ``eviction``: keep full-attention K/V in a budget of slots per row, evicting by a policy
+    (``EvictionSpec``; a ``compression_ratio`` is a fraction of ``max_model_len``): those
+    layers take no pages, the engine serves without prefix caching, and each prefill chunk is
+    one update of the policy."""
 
     kv_memory: int | str = "1GiB"
     page_size: int = 16
@@ -59,6 +64,7 @@ class EngineConfig:
     max_logprobs: int = 20
     seed: int = 0
     quantization: QuantSpec | None = None
+    eviction: EvictionSpec | None = None
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -92,14 +98,15 @@ class Engine:
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.sizes = pool_sizes(model, self.config, self.max_model_len)
         self.cache = model.init_cache(
-            self.config.max_num_seqs, paging=self.paging(self.sizes), quantization=self.config.quantization
-        )
-        # A recurrent state cannot be rebuilt from cached pages or forked from a longer one.
+            self.config.max_num_seqs, paging=self.paging(self.sizes), quantization=self.config.quantization,
+            eviction=self.config.eviction,
+        )  # fmt: skip
+        # A recurrent state or an evicted row cannot be rebuilt from cached pages or forked from a longer one.
         self.has_states = self.sizes.state_bytes > 0
         if self.has_states and self.config.prefix_caching:
             warnings.warn(
-                "this model keeps recurrent states (linear-attention layers): the engine serves it without prefix "
-                "caching; pass prefix_caching=False to silence this",
+                "this cache keeps per-row state outside the pages (recurrent states of linear-attention layers, or "
+                "evicted K/V): the engine serves it without prefix caching; pass prefix_caching=False to silence this",
                 stacklevel=2,
             )
         self.scheduler = Scheduler(
@@ -339,7 +346,7 @@ class Engine:
             while self.awaits_fork(sample):
                 child = SampleState(sample.request_id, len(family), sample.prompt, sample.options, sample.arrival)
                 family.append(child)
-                # A fork copies at most one page per pool; a recurrent state is recomputed instead.
+                # A fork copies at most one page per pool; per-row state is recomputed instead.
                 room = not self.has_states and all(len(p) < MAX_COPIES for p in pairs.values())
                 forked = self.scheduler.fork(sample, child) if room else None
                 if forked is None:

@@ -260,7 +260,10 @@ class Scheduler:
 
     # --- what the engine reads --------------------------------------------------------------------
     def wasted_slots(self) -> tuple[int, int]:
-        """``(allocated, unused)`` slots of the running samples' pages in the full-attention pool."""
+        """``(allocated, unused)`` slots of the running samples' pages in the first pool (the full-attention
+        pool when the model has one); none when nothing is paged (every layer evicted)."""
+        if not self.pools:
+            return 0, 0
         pool = self.pools[0]
         allocated = unused = 0
         for sample in self.running:

@@ -13,8 +13,8 @@ import re
 import jax
 
 from jaxkv.cache import layer_types_of
-from jaxkv.layers.linear import PackedStateLayer
 from jaxkv.layers.paged import Paging
+from jaxkv.protocol import PackedRowsLayer
 from jaxkv.sharding import PAGES, Layout
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -41,7 +41,7 @@ class PoolSizes:
     sliding_page_bytes: int
     window: int | None
     page_size: int
-    state_bytes: int = 0  # recurrent-state slots (one per row), outside the pools
+    state_bytes: int = 0  # per-row slots (recurrent states, evicted K/V), outside the pools
     page_shards: int = 1  # devices a pool's pages are split over (each pool's page count is a multiple)
 
     @property
@@ -55,7 +55,7 @@ class PoolSizes:
 class PageBytes:
     """What ``page_bytes_of`` reads from the model's paged cache: the bytes of one page of each
     pool ('full', 'sliding') over all its layers, the sliding window, the bytes of the
-    recurrent-state slots (one per row), and the devices a pool's pages are split over."""
+    per-row slots (recurrent states, evicted K/V), and the devices a pool's pages are split over."""
 
     pools: dict[str, int]
     window: int | None
@@ -69,7 +69,7 @@ def page_shards_of(layout: Layout | None) -> int:
     return 1 if axis is None else layout.mesh.shape[axis]
 
 
-def page_bytes_of(model, config) -> PageBytes:
+def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
     """``PageBytes`` read from the shapes of the model's paged cache (nothing allocated). The
     probe's pools hold a page count every mesh axis divides (one page per device, at least 2);
     its block table has ``max_num_seqs`` rows, which must divide the mesh axis ``batch`` maps to
@@ -80,13 +80,15 @@ def page_bytes_of(model, config) -> PageBytes:
         raise ValueError(
             f"the serving engine serves {', '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
-    paging = Paging(config.page_size, max(2, jax.device_count()), config.page_size)
+    paging = Paging(config.page_size, max(2, jax.device_count()), max_model_len)
     probe = jax.eval_shape(
-        lambda: model.init_cache(config.max_num_seqs, paging=paging, quantization=config.quantization)
+        lambda: model.init_cache(
+            config.max_num_seqs, paging=paging, quantization=config.quantization, eviction=config.eviction
+        )
     )
     sizes, window, state_bytes = {"full": 0, "sliding": 0}, None, 0
     for group in probe.groups:
-        if isinstance(group, PackedStateLayer):
+        if isinstance(group, PackedRowsLayer):
             state_bytes += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(group.slots))
             continue
         pool = "full" if group.window is None else "sliding"
@@ -101,7 +103,7 @@ def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
     read at once (window plus a step's chunk, per row), the full pool the rest. Under a mesh
     each count is a multiple of the devices the pages are split over (the sliding pool rounded
     up, the full pool down)."""
-    probe = page_bytes_of(model, config)
+    probe = page_bytes_of(model, config, max_model_len)
     page_bytes, shards = probe.pools, probe.page_shards
     budget = parse_bytes(config.kv_memory) - probe.state_bytes
     sliding_pages = 0
@@ -114,7 +116,8 @@ def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
     if budget < 0 or (page_bytes["full"] and full_pages < 2):
         raise ValueError(
             f"kv_memory {config.kv_memory!r} cannot hold the pools: the sliding-window pool needs {sliding_pages} "
-            f"pages of {page_bytes['sliding']} bytes, the recurrent states {probe.state_bytes} bytes, and the "
+            f"pages of {page_bytes['sliding']} bytes, the per-row slots (recurrent states, evicted K/V) "
+            f"{probe.state_bytes} bytes, and the "
             f"full-attention pool at least {max(2, shards)} pages of {page_bytes['full']} bytes (a multiple of the "
             f"{shards} devices its pages are split over); raise kv_memory or lower max_num_seqs"
         )

@@ -14,8 +14,8 @@ from flax import nnx, struct
 
 from jaxkv.cache import Cache
 from jaxkv.decoding.sampling import RowSampling, sample_rows
-from jaxkv.layers.linear import PackedStateLayer
 from jaxkv.layers.paged import PagedLayer
+from jaxkv.protocol import PackedRowsLayer
 
 
 @struct.dataclass
@@ -63,11 +63,11 @@ def pool_of(layer: PagedLayer) -> str:
 
 def routed(cache: Cache, inputs: StepInputs, single_tokens: int) -> Cache:
     """The cache with the step's page copies applied and its block tables and token rows in
-    every group (recurrent-state groups take the token rows only)."""
+    every group (per-row groups, recurrent states or evicted K/V, take the token rows only)."""
     tokens_per_row = max(1, inputs.tokens.shape[0] - single_tokens)  # a prefill chunk fills at most the rest
     groups = []
     for group in cache.groups:
-        if isinstance(group, PackedStateLayer):
+        if isinstance(group, PackedRowsLayer):
             groups.append(group.with_step(inputs.token_rows, tokens_per_row))
             continue
         pool = pool_of(group)
@@ -81,10 +81,10 @@ def routed(cache: Cache, inputs: StepInputs, single_tokens: int) -> Cache:
     return cache.replace(groups=tuple(groups))
 
 
-def persistent(kept: PagedLayer | PackedStateLayer, stepped: PagedLayer | PackedStateLayer):
-    """What carries over to the next step: ``stepped``'s pages or states, with ``kept``'s per-step
-    fields (their shapes are the engine's, whatever this step's bucket)."""
-    if isinstance(kept, PackedStateLayer):
+def persistent(kept: PagedLayer | PackedRowsLayer, stepped: PagedLayer | PackedRowsLayer):
+    """What carries over to the next step: ``stepped``'s pages or per-row slots, with ``kept``'s
+    per-step fields (their shapes are the engine's, whatever this step's bucket)."""
+    if isinstance(kept, PackedRowsLayer):
         return kept.replace(slots=stepped.slots)
     return kept.replace(key_pages=stepped.key_pages, value_pages=stepped.value_pages)
 
