@@ -73,8 +73,15 @@ class QuantSpec:
         return self.format == "int"
 
     @property
-    def code_dtype(self):
+    def number_dtype(self):
+        """What a code means: uint8 (int codes, packed) or the fp8 format's float8."""
         return jnp.dtype(FP8_DTYPES.get(self.format, jnp.uint8))
+
+    # Codes are stored as uint8 for every format; fp8 codes are float8 bit patterns, bitcast
+    # (free) on write and read. XLA's CPU scatter has no float8 kernel: a float8 buffer
+    # updated in a loop was widened to float16 and narrowed back whole, every layer of every
+    # step (2.5x the full-precision time of a 1k-token perplexity window on SmolLM2).
+    code_dtype = jnp.dtype(jnp.uint8)
 
     def check_head_dim(self, head_dim: int) -> None:
         per_byte = 8 // self.bits
@@ -92,7 +99,7 @@ class QuantSpec:
 class QuantizedTensor(struct.PyTreeNode):
     """Codes and group scales of ``[..., S, D]`` values; see ``quantize``.
 
-    ``codes``: ``[..., S, D·bits/8]`` uint8 (int) or ``[..., S, D]`` float8. ``scales``
+    ``codes``: ``[..., S, D·bits/8]`` uint8: packed int codes, or float8 bit patterns (fp8). ``scales``
     and ``zeros`` (int only; None for fp8): ``[..., S, D/G]`` per token or
     ``[..., ceil(S/G), D]`` per channel, float16.
     """
@@ -149,12 +156,13 @@ def quantize(x: jax.Array, spec: QuantSpec, axis: int) -> QuantizedTensor:
         codes = jnp.clip(jnp.round((grouped - zero.astype(jnp.float32)) / step), 0, 2**spec.bits - 1).astype(jnp.uint8)
         codes = _pack(codes.reshape(x.shape), spec.bits)
         return QuantizedTensor(codes, scale.squeeze(reduce), zero.squeeze(reduce))
-    largest = float(jnp.finfo(spec.code_dtype).max)
+    largest = float(jnp.finfo(spec.number_dtype).max)
     scale = (jnp.max(jnp.abs(grouped), reduce, keepdims=True) / largest).astype(SCALE_DTYPE)
     step = scale.astype(jnp.float32)
     step = jnp.where(step > 0, step, 1.0)
     # e4m3fn has no infinity: a value past its largest rounds to NaN, so clip first.
-    codes = jnp.clip(grouped / step, -largest, largest).astype(spec.code_dtype)
+    codes = jnp.clip(grouped / step, -largest, largest).astype(spec.number_dtype)
+    codes = jax.lax.bitcast_convert_type(codes, spec.code_dtype)
     return QuantizedTensor(codes.reshape(x.shape), scale.squeeze(reduce), None)
 
 
@@ -165,7 +173,8 @@ def expand_scales(scales: jax.Array, group: int, axis: int) -> jax.Array:
 
 def decode_codes(codes: jax.Array, scales: jax.Array, zeros: jax.Array | None, spec: QuantSpec) -> jax.Array:
     """Values ``[..., S, D]`` float32 from codes and per-value ``scales``/``zeros`` ``[..., S, D]``."""
-    values = _unpack(codes, spec.bits).astype(jnp.float32) * scales.astype(jnp.float32)
+    numbers = _unpack(codes, spec.bits) if spec.asymmetric else jax.lax.bitcast_convert_type(codes, spec.number_dtype)
+    values = numbers.astype(jnp.float32) * scales.astype(jnp.float32)
     return values if zeros is None else values + zeros.astype(jnp.float32)
 
 

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from jaxkv.app.cli import build_parser, main, resolve_config, resolve_serve_config
+from jaxkv.app.cli import build_parser, main, resolve_config, resolve_serve_config, serving_engine
 from jaxkv.app.config import QuantizationConfig
+from jaxkv.eviction import EvictionSpec
+from jaxkv.models.llama import Llama, LlamaConfig
+from tests.cases import TINY_LLAMA
 
 
 def resolved(*argv):
@@ -67,3 +70,20 @@ def test_serve_config_typo_is_named(tmp_path, capsys):
         resolve_serve_config(build_parser().parse_args(["serve", "--config", str(bad)]))
     assert main(["serve", "--config", str(bad)]) == 2
     assert "max_num_seq" in capsys.readouterr().err
+
+
+def test_serve_config_eviction(tmp_path):
+    """``eviction:`` in the serve config reaches the engine as its ``EvictionSpec``; it needs
+    prefix caching off (an error naming the fix), and exactly one of budget and compression_ratio."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("eviction: {policy: snapkv, budget: 32, window: 8}\nprefix_caching: false\nkv_memory: 1MiB\n")
+    served = resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+    engine = serving_engine(served, Llama(LlamaConfig(**TINY_LLAMA)))
+    assert engine.config.eviction == EvictionSpec("snapkv", budget=32, window=8)
+    assert not engine.config.prefix_caching and engine.sizes.state_bytes > 0
+    config.write_text("eviction: {policy: snapkv, budget: 32}\n")  # prefix caching on, the default
+    with pytest.raises(ValueError, match="prefix caching cannot share.*prefix_caching: false"):
+        resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+    config.write_text("eviction: {policy: h2o}\nprefix_caching: false\n")
+    with pytest.raises(ValueError, match="eviction.*exactly one of budget"):
+        resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))

@@ -66,14 +66,14 @@ def test_round_trip_error_is_bounded_per_group(spec, axis):
         # fp8 relative rounding (3 or 2 mantissa bits), plus the subnormal floor below the group's max.
         mantissa = {"e4m3": 3, "e5m2": 2}[spec.format]
         amax = per_group(np.abs(xs), axis, np.max)
-        smallest = float(jnp.finfo(spec.code_dtype).smallest_subnormal / jnp.finfo(spec.code_dtype).max)
+        smallest = float(jnp.finfo(spec.number_dtype).smallest_subnormal / jnp.finfo(spec.number_dtype).max)
         bound = np.abs(xs) * (2.0 ** -(mantissa + 1) + 2**-10) + amax * smallest
     assert np.all(error <= bound), f"worst excess {np.max(error - bound)}"
 
 
 @pytest.mark.parametrize("spec", FORMATS, ids=lambda s: f"{s.format}{s.bits}")
 def test_allocated_dtypes_are_the_packed_codes(spec):
-    """The storage really is uint8 (packed) or float8, scales float16; the residual keeps
+    """The storage really is uint8 (packed int codes, or fp8 bit patterns), scales float16; the residual keeps
     the cache dtype: nothing silently falls back to the full-precision dtype."""
     config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": HEAD_DIM,
               "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}  # fmt: skip
@@ -81,7 +81,7 @@ def test_allocated_dtypes_are_the_packed_codes(spec):
     for layer in cache.layers:
         assert isinstance(layer, QuantizedLayer)
         for stored in (layer.quantized_keys, layer.quantized_values):
-            chex.assert_type(stored.codes, spec.code_dtype)
+            chex.assert_type(stored.codes, jnp.uint8)
             assert stored.codes.shape[-1] == HEAD_DIM * spec.bits // 8
             chex.assert_type(stored.scales, jnp.float16)
             assert (stored.zeros is not None) == (spec.format == "int")
@@ -324,7 +324,7 @@ def test_cli_quantized_options_resolve_to_a_spec(tmp_path):
     spec = resolve("--quantization", "--kv-bits", "2", "--kv-axis-key", "-1").cache.quantization_spec()
     assert spec == QuantSpec(nbits=2, axis_key=PER_CHANNEL)
     assert resolve("--quantization").cache.quantization_spec() == QuantSpec()
-    assert resolve("--quantization", "--kv-format", "e5m2").cache.quantization_spec().code_dtype == jnp.float8_e5m2
+    assert resolve("--quantization", "--kv-format", "e5m2").cache.quantization_spec().number_dtype == jnp.float8_e5m2
     config = tmp_path / "int4.yaml"
     config.write_text("cache:\n  quantization:\n    nbits: 4\n    axis_key: -1\n")
     assert resolve("--config", str(config)).cache.quantization_spec() == QuantSpec(nbits=4, axis_key=PER_CHANNEL)

@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from jaxkv.app import launch
-from jaxkv.app.config import CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
+from jaxkv.app.config import BudgetedEvictionConfig, CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
 from jaxkv.app.launch import Distributed
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
+
+    from jaxkv.serving import Engine
 
 
 class GenerateConfig(Strict):
@@ -477,10 +479,20 @@ class ServeConfig(Strict):
     max_waiting: PositiveInt = 64
     prefix_caching: bool = True
     quantization: QuantizationConfig | None = None  # quantized pages (per token, residual_length 0)
+    eviction: BudgetedEvictionConfig | None = None  # full-attention K/V in a budget of slots per request
     mesh: MeshConfig | None = None  # shard the model and the page pools over the devices (this process's)
 
+    @model_validator(mode="after")
+    def _eviction_without_prefix_caching(self):
+        if self.eviction is not None and self.prefix_caching:
+            raise ValueError(
+                "eviction keeps each request's K/V in its own slots, which prefix caching cannot share: set "
+                "prefix_caching: false (or --no-prefix-caching)"
+            )
+        return self
 
-SERVE_FLAGS = tuple(name for name in ServeConfig.model_fields if name not in ("quantization", "mesh"))
+
+SERVE_FLAGS = tuple(name for name in ServeConfig.model_fields if name not in ("quantization", "eviction", "mesh"))
 
 
 def _serve_parser(sub) -> None:
@@ -507,11 +519,23 @@ def resolve_serve_config(args) -> ServeConfig:
     return ServeConfig.model_validate(merged | mesh_setting(args))
 
 
+def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
+    """The engine ``jaxkv serve`` runs ``model`` on, as ``config`` sets it."""
+    from jaxkv.serving import Engine
+
+    return Engine(
+        model, tokenizer=tokenizer, kv_memory=config.kv_memory, page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
+        quantization=None if config.quantization is None else config.quantization.spec(),
+        eviction=None if config.eviction is None else config.eviction.budgeted_spec(),
+    )  # fmt: skip
+
+
 def run_serve(args) -> int:
     """Load, build the engine, compile every step shape, then serve until SIGINT/SIGTERM."""
     from jaxkv.app.server import Server, serve
     from jaxkv.models.load import load_pretrained
-    from jaxkv.serving import Engine
     from jaxkv.serving.runner import EngineRunner
 
     config = resolve_serve_config(args)
@@ -519,12 +543,7 @@ def run_serve(args) -> int:
     model, tokenizer = load_pretrained(config.model, mesh=mesh)  # the engine shards its pools like the model
     if tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer: the server needs one for text prompts and outputs")
-    engine = Engine(
-        model, tokenizer=tokenizer, kv_memory=config.kv_memory, page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
-        quantization=None if config.quantization is None else config.quantization.spec(),
-    )  # fmt: skip
+    engine = serving_engine(config, model, tokenizer)
     start = time.perf_counter()
     engine.warmup()
     name = config.served_model_name or config.model

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from jax.sharding import Mesh
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
+from jaxkv.eviction import POLICIES, EvictionSpec
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import DATA, MODEL, make_mesh, parse_mesh
 
@@ -38,6 +39,38 @@ class QuantizationConfig(Strict):
 
     def spec(self) -> QuantSpec:
         return QuantSpec(**self.model_dump())
+
+
+class EvictionConfig(Strict):
+    """An eviction policy (``jaxkv.eviction.EvictionSpec`` without its budget, which an experiment
+    grid's budgets give): ``window`` recent and ``sinks`` first positions always kept (None: the
+    policy's default), SnapKV's pooling ``kernel_size``, PyramidKV's steepness ``beta``."""
+
+    policy: Literal[POLICIES]
+    window: NonNegativeInt | None = None
+    sinks: NonNegativeInt | None = None
+    kernel_size: PositiveInt = 5
+    beta: float = 20.0
+
+    def spec(self, budget: int) -> EvictionSpec:
+        """The policy keeping ``budget`` slots per row, K/V head and layer."""
+        return EvictionSpec(budget=budget, **self.model_dump())
+
+
+class BudgetedEvictionConfig(EvictionConfig):
+    """An eviction policy with its budget (``jaxkv serve``): ``budget`` slots per row, K/V head and
+    layer, or ``compression_ratio``, the fraction of the longest sequence evicted; exactly one."""
+
+    budget: PositiveInt | None = None
+    compression_ratio: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        self.budgeted_spec()  # exactly one of budget and compression_ratio, and the policy's own rules
+        return self
+
+    def budgeted_spec(self) -> EvictionSpec:
+        return EvictionSpec(**self.model_dump())
 
 
 class CacheConfig(Strict):

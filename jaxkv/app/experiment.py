@@ -47,30 +47,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import Field, model_validator
 
-from jaxkv.app.config import QuantizationConfig, Strict, load_config
+from jaxkv.app.config import EvictionConfig, QuantizationConfig, Strict, load_config
 from jaxkv.app.tasks import KVRetrievalTask, MQARTask, PasskeyTask, PerplexityTask
-from jaxkv.eviction import POLICIES, EvictionSpec
 
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
 TaskConfig = Annotated[PerplexityTask | PasskeyTask | KVRetrievalTask | MQARTask, Field(discriminator="kind")]
-
-
-class EvictionConfig(Strict):
-    """An eviction policy (``jaxkv.eviction.EvictionSpec`` without its budget, which comes from the
-    grid's budgets): ``window`` recent and ``sinks`` first positions always kept (None: the
-    policy's default), SnapKV's pooling ``kernel_size``, PyramidKV's steepness ``beta``."""
-
-    policy: Literal[POLICIES]
-    window: NonNegativeInt | None = None
-    sinks: NonNegativeInt | None = None
-    kernel_size: PositiveInt = 5
-    beta: float = 20.0
-
-    def spec(self, budget: int) -> EvictionSpec:
-        """The policy keeping ``budget`` slots per row, K/V head and layer."""
-        return EvictionSpec(budget=budget, **self.model_dump())
 
 
 class CacheChoice(Strict):
