@@ -30,3 +30,29 @@ def test_bench_decode_tiny_jaxkv(tmp_path):
     assert report["bandwidth_bound"]["tok_s_upper_bound_b1"] > 0
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_decode_quantized_and_gpu_refusal(tmp_path):
+    """``--quantized``: full precision and the chosen formats, each a row with decode and
+    perplexity-window times over full precision's, and a target per ratio. ``--device gpu``
+    without a GPU stops before any configuration runs, saying what is missing."""
+    out = tmp_path / "bench"
+    args = [
+        "--model", "tiny-random", "--systems", "jaxkv-static", "--batch", "1", "--new-tokens", "3",
+        "--prompt-tokens", "5", "--membw-mib", "8", "--quantized", "--quantized-formats", "fp8-e4m3", "int4-kivi",
+        "--quantized-context", "256", "--quantized-new-tokens", "3", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "### Quantized K/V" in proc.stdout and "| fp8-e4m3 |" in proc.stdout
+    rows = json.loads(out.with_suffix(".json").read_text())["quantized"]
+    assert [r["name"] for r in rows] == ["full", "fp8-e4m3", "int4-kivi"]
+    full, *quantized = rows
+    for row in quantized:
+        assert "error" not in row, row
+        assert row["cache_bytes"] < full["cache_bytes"] and row["window_s"] > 0 and row["decode_vs_full"] > 0
+        assert abs(row["perplexity"] - full["perplexity"]) < 0.05 * full["perplexity"]  # random weights: near-uniform
+    assert "quantized fp8-e4m3 decode <= 1.5x full precision" in proc.stdout
+    gpu = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-random", "--device", "gpu", "--membw-mib", "8",
+                          "--out", str(tmp_path / "gpu")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gpu.returncode == 2 and "--device gpu, but JAX found no GPU" in gpu.stderr

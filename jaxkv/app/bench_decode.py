@@ -38,6 +38,17 @@ Plus a memory-bandwidth bound for batch-1 decode: (parameter bytes + K/V bytes o
 context, averaged over the decode) / bandwidth, where the bandwidth is the best of a timed
 numpy copy and a jitted jax sum over a large array, measured in its own worker.
 
+``--quantized`` (jaxkv only): the quantized K/V formats of ``configs/experiments/perplexity.yaml``
+against full precision, batch 1, at a ``--quantized-context``-token context (random ids):
+decode ms/step after prefilling it, and the seconds of one perplexity window of that length fed
+in 128-token chunks (what ``jaxkv experiment`` runs); target: every format within 1.5x of full
+precision on both.
+
+``--device gpu``: both systems on the GPU (jaxkv with ``JAX_PLATFORMS=cuda``, transformers on
+``cuda``, its static cache compiled by ``generate`` itself with ``torch.compile``); the bound is
+then the HBM bandwidth a jitted jax sum reaches. It needs a jax with CUDA (``pip install
+"jax[cuda12]"``) and a CUDA torch; without a GPU it stops with an error saying so.
+
 ``--long`` (jaxkv only): a prompt of 4096 random token ids, 32 new tokens, static cache with the
 capacity ``generate`` picks by default (bucket(bucket(4096) + 32) = 8192) against 32768; reports
 decode ms/step for each and their ratio (target <= 1.25). ``--long-prompt``/``--long-capacity``
@@ -76,13 +87,25 @@ BASELINE = "hf-dynamic"
 TARGET_SPEEDUP = {1: 2.5, 8: 2.0}  # batch -> jaxkv decode tok/s / HF dynamic decode tok/s
 TARGET_TTFT_S = 10.0
 TARGET_LONG_RATIO = 1.25
+TARGET_QUANTIZED_RATIO = 1.5
+# --quantized: the formats of configs/experiments/perplexity.yaml (QuantSpec keywords; KIVI: keys
+# per channel, values per token, groups of 64, a 128-token residual).
+QUANTIZED_FORMATS = {
+    "full": None,
+    "int8": dict(nbits=8),
+    "int4-kivi": dict(nbits=4, axis_key=-1, axis_value=0, q_group_size=64, residual_length=128),
+    "int2-kivi": dict(nbits=2, axis_key=-1, axis_value=0, q_group_size=64, residual_length=128),
+    "fp8-e4m3": dict(format="e4m3"),
+    "fp8-e5m2": dict(format="e5m2"),
+}
+PERPLEXITY_CHUNK = 128
 
 # A random Llama small enough for tests (no download, no tokenizer): --model tiny-random.
 TINY = "tiny-random"
 TINY_CONFIG = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-)  # fmt: skip
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+)  # fmt: skip  head_dim 64: the quantized formats' groups of 64 channels fit
 
 PROMPT_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -189,8 +212,9 @@ def worker_jaxkv(spec: dict) -> dict:
     )
 
 
-def _jaxkv_generate(model, prompt: list[int], spec: dict):
-    """``spec['batch']`` copies of ``prompt``, exactly ``spec['new_tokens']`` greedy tokens each."""
+def _jaxkv_generate(model, prompt: list[int], spec: dict, **cache_settings):
+    """``spec['batch']`` copies of ``prompt``, exactly ``spec['new_tokens']`` greedy tokens each;
+    ``cache_settings`` for ``model.init_cache`` (``quantization``)."""
     from jaxkv.decoding.generate import generate
     from jaxkv.decoding.sampling import Sampling
 
@@ -202,6 +226,7 @@ def _jaxkv_generate(model, prompt: list[int], spec: dict):
         sampling=Sampling(),  # greedy
         full_attention=spec["cache"],
         max_length=spec.get("max_length"),
+        **cache_settings,
     )
 
 
@@ -226,6 +251,35 @@ def _jaxkv_sizes(model, dtype: str) -> dict:
         param_bytes=int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))),
         kv_bytes_per_token=2 * config.num_hidden_layers * config.kv_heads * config.dim_per_head * itemsize,
     )
+
+
+def worker_quantized(spec: dict) -> dict:
+    """One ``--quantized`` format: ``generate`` after a ``spec['prompt_tokens']``-token prompt of
+    random ids (twice; the second call is timed) and one perplexity window of that length in
+    ``PERPLEXITY_CHUNK``-token updates (twice; the second is timed)."""
+    import jax
+    import numpy as np
+
+    from jaxkv.app.tasks import perplexity_through_cache
+    from jaxkv.quantization import QuantSpec
+
+    model = jaxkv_model(spec)
+    options = {} if spec["quantization"] is None else {"quantization": QuantSpec(**spec["quantization"])}
+    prompt = random_ids(model.config.vocab_size, spec["prompt_tokens"])
+    spec = spec | {"prompt": prompt, "cache": "static", "batch": 1}
+    cold, result = (_jaxkv_generate(model, prompt, spec, **options) for _ in range(2))
+    _check_jaxkv_runs(cold, result, spec["new_tokens"])
+    window = np.asarray(random_ids(model.config.vocab_size, spec["prompt_tokens"] + 1, seed=1))[None]
+    window_s = []
+    for _ in range(2):  # the first compiles
+        start = time.perf_counter()
+        perplexity, _ = perplexity_through_cache(model, window, PERPLEXITY_CHUNK, options)
+        window_s.append(time.perf_counter() - start)
+    return dict(
+        prefill_s=result.prefill_seconds, decode_s=result.decode_seconds, window_s=window_s[1],
+        cache_bytes=int(result.cache_bytes), perplexity=float(perplexity[0]), tokens_head=result.tokens[0, :16].tolist(),
+        backend=jax.default_backend(),
+    )  # fmt: skip
 
 
 def hf_model(spec):
@@ -263,12 +317,18 @@ def worker_transformers(spec: dict) -> dict:
     import transformers  # noqa: F401  imported before the load timer: load_s times the model alone
 
     torch.set_num_threads(spec["threads"])
+    device = "cuda" if spec.get("device") == "gpu" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device gpu: torch sees no CUDA device (a CUDA build of torch and a GPU are needed)")
     start = time.perf_counter()
-    model = hf_model(spec)
+    model = hf_model(spec).to(device)
     load_seconds = time.perf_counter() - start
     new = spec["new_tokens"]
-    ids = torch.tensor([spec["prompt"]] * spec["batch"], dtype=torch.long)
-    _, start, times, _ = _hf_generate(model, ids, spec["cache"], min(2, new))  # warm-up, the cold first call
+    ids = torch.tensor([spec["prompt"]] * spec["batch"], dtype=torch.long, device=device)
+    # On a GPU the static cache's generate compiles its forward (torch.compile) for the cache's
+    # length: the warm-up runs the measured length, so the measured run compiles nothing.
+    warmup = new if device == "cuda" else min(2, new)
+    _, start, times, _ = _hf_generate(model, ids, spec["cache"], warmup)  # the cold first call
     ttft = times[0] - start
     out, start, times, end = _hf_generate(model, ids, spec["cache"], new)
     generated = out.sequences.shape[1] - ids.shape[1]
@@ -292,6 +352,7 @@ def worker_transformers(spec: dict) -> dict:
 
 def _hf_step_timer():
     """A logits processor that records ``time.perf_counter()`` in ``.times`` at each call."""
+    import torch
     import transformers
 
     class StepTimes(transformers.LogitsProcessor):
@@ -301,6 +362,8 @@ def _hf_step_timer():
             self.times = []
 
         def __call__(self, input_ids, scores):
+            if scores.is_cuda:  # the step's kernels are queued: time their end
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter())
             return scores
 
@@ -328,6 +391,8 @@ def _hf_generate(model, ids, cache: str, max_new_tokens: int):
             return_dict_in_generate=True,
             logits_processor=transformers.LogitsProcessorList([timer]),
         )
+    if ids.is_cuda:
+        torch.cuda.synchronize()
     end = time.perf_counter()
     return out, start, timer.times, end
 
@@ -344,23 +409,35 @@ def hf_sizes(model) -> dict:
 
 
 def worker_membw(spec: dict) -> dict:
-    """Memory bandwidth, GB/s: best of a numpy copy (read + write) and a jitted jax sum (read)."""
+    """Memory bandwidth, GB/s: best of a numpy copy (read + write) and a jitted jax sum (read);
+    on ``--device gpu`` the sum over the GPU's memory alone."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     n = spec["mib"] * 2**20 // 4
+    x = jnp.ones(n, jnp.float32)
+    if spec.get("device") == "gpu":
+        if jax.default_backend() != "gpu":
+            raise RuntimeError(f"JAX runs on {jax.default_backend()}")
+        return _jax_sum_bandwidth(x, spec["mib"], numpy_copy=None)
     src = np.ones(n, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     copy_s = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
-    x = jnp.ones(n, jnp.float32)
+    return _jax_sum_bandwidth(x, spec["mib"], numpy_copy=2 * src.nbytes / copy_s / 1e9)
+
+
+def _jax_sum_bandwidth(x, mib: int, numpy_copy: float | None) -> dict:
+    """The bandwidth of a jitted sum over ``x`` (best of 5), next to the numpy copy's (None on a GPU)."""
+    import jax
+    import jax.numpy as jnp
+
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()
     sum_s = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
-    numpy_copy = 2 * src.nbytes / copy_s / 1e9
     jax_sum = x.nbytes / sum_s / 1e9
-    return dict(array_mib=spec["mib"], numpy_copy_gbps=numpy_copy, jax_sum_gbps=jax_sum, gbps=max(numpy_copy, jax_sum))
+    return dict(array_mib=mib, numpy_copy_gbps=numpy_copy, jax_sum_gbps=jax_sum, gbps=max(numpy_copy or 0, jax_sum))
 
 
 def _timed(fn) -> float:
@@ -373,6 +450,8 @@ def worker_main(spec: dict) -> int:
     kind = spec["kind"]
     if kind == "membw":
         result = worker_membw(spec)
+    elif kind == "quantized":
+        result = worker_quantized(spec)
     elif spec["system"] == "jaxkv":
         result = worker_jaxkv(spec)
     else:
@@ -386,16 +465,19 @@ def worker_main(spec: dict) -> int:
 # parent
 
 
-def worker_env() -> dict:
-    """A worker's environment: offline hub, quiet tokenizers and progress bars."""
+def worker_env(device: str) -> dict:
+    """A worker's environment: offline hub, quiet tokenizers and progress bars; JAX on the GPU
+    only for ``--device gpu`` (else JAX's default)."""
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if device == "gpu":
+        env["JAX_PLATFORMS"] = "cuda"
     return env
 
 
 def run_worker(spec: dict, *, timeout: float | None, verbose: bool) -> dict:
-    env = worker_env()
+    env = worker_env(spec.get("device", "cpu"))
     label = spec.get("label", spec["kind"])
     print(f"[bench] {label} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -606,6 +688,12 @@ def parse_args(argv):
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both systems")
     parser.add_argument("--systems", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where both systems run")
+    parser.add_argument("--quantized", action="store_true", help="also run the quantized K/V experiment")
+    parser.add_argument("--quantized-context", type=int, default=1024, help="--quantized context (random ids)")
+    parser.add_argument("--quantized-new-tokens", type=int, default=64)
+    parser.add_argument("--quantized-formats", nargs="+", choices=list(QUANTIZED_FORMATS)[1:],
+                        default=list(QUANTIZED_FORMATS)[1:], help="--quantized formats (full precision always runs)")
     parser.add_argument("--long", action="store_true", help="also run the jaxkv cache-capacity experiment")
     parser.add_argument("--long-prompt", type=int, default=4096, help="--long prompt length (random ids)")
     parser.add_argument("--long-new-tokens", type=int, default=32)
@@ -624,10 +712,13 @@ def parse_args(argv):
         argv = argv[1:]
     args = parser.parse_args(argv)
     if args.worker is None:
-        if args.new_tokens < 2 or args.long_new_tokens < 2:
-            parser.error("--new-tokens and --long-new-tokens must be at least 2 (decode rate needs a decode step)")
+        if min(args.new_tokens, args.long_new_tokens, args.quantized_new_tokens) < 2:
+            parser.error("--new-tokens, --long-new-tokens and --quantized-new-tokens must be at least 2 (decode rate "
+                         "needs a decode step)")  # fmt: skip
         if args.prompt_tokens < 1 or args.long_prompt < 1 or min(args.batch) < 1:
             parser.error("--prompt-tokens, --long-prompt and --batch must be positive")
+        if args.quantized_context < PERPLEXITY_CHUNK or args.quantized_context % PERPLEXITY_CHUNK:
+            parser.error(f"--quantized-context must be a positive multiple of {PERPLEXITY_CHUNK} (the window's chunks)")
     return args
 
 
@@ -712,6 +803,60 @@ def run_long(args, common: dict) -> dict:
     return long
 
 
+def run_quantized(args, common: dict) -> list[dict]:
+    """The ``--quantized`` experiment: one row per ``QUANTIZED_FORMATS`` entry (median of ``--repeat``
+    fresh workers by decode speed), with its decode and perplexity-window times over full precision's."""
+    rows = []
+    for name in ["full", *args.quantized_formats]:
+        spec = dict(
+            quantization=QUANTIZED_FORMATS[name],
+            kind="quantized", system="jaxkv", model_kwargs={}, prompt_tokens=args.quantized_context,
+            new_tokens=args.quantized_new_tokens, label=f"quantized K/V {name}", **common,
+        )  # fmt: skip
+        runs = []
+        for _ in range(args.repeat):
+            row = dict(name=name, batch=1, prompt_tokens=args.quantized_context,
+                       new_tokens=args.quantized_new_tokens, **run_worker(spec, timeout=args.worker_timeout,
+                       verbose=args.verbose))  # fmt: skip
+            add_rates(row)
+            runs.append(row)
+        rows.append(median_run(runs))
+    full = rows[0]
+    for row in rows:
+        if "error" not in row and "error" not in full:
+            row["decode_vs_full"] = row["decode_ms_per_step"] / full["decode_ms_per_step"]
+            row["window_vs_full"] = row["window_s"] / full["window_s"]
+    return rows
+
+
+def print_quantized(rows: list[dict], context: int) -> None:
+    print(f"\n### Quantized K/V (jaxkv static, batch 1, {context}-token context of random ids)\n")
+    print("| cache | K/V MiB | prefill s | decode ms/step | vs full | perplexity window s "
+          f"({PERPLEXITY_CHUNK}-token chunks) | vs full |\n|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error'][:60]} | | | | | |")
+            continue
+        print(f"| {r['name']} | {r['cache_bytes'] / 2**20:.2f} | {r['prefill_s']:.2f} | {r['decode_ms_per_step']:.2f} | "
+              f"{fmt(r.get('decode_vs_full'), '.2f')}x | {r['window_s']:.2f} | {fmt(r.get('window_vs_full'), '.2f')}x |")
+
+
+def quantized_targets(rows: list[dict]) -> list[dict]:
+    targets = []
+    for row in rows[1:]:
+        for what, key in (("decode", "decode_vs_full"), ("perplexity window", "window_vs_full")):
+            value = row.get(key)
+            targets.append(
+                dict(
+                    target=f"quantized {row['name']} {what} <= {TARGET_QUANTIZED_RATIO}x full precision",
+                    value=value,
+                    display="not measured" if value is None else f"{value:.2f}x",
+                    passed=None if value is None else value <= TARGET_QUANTIZED_RATIO,
+                )
+            )
+    return targets
+
+
 def print_long(long: dict) -> None:
     print("\n### Cache capacity (jaxkv static, batch 1)\n")
     print(f"prompt {long['prompt_tokens']} random ids, {long['new_tokens']} new tokens")
@@ -736,7 +881,7 @@ def print_bound(bound: dict | None) -> None:
         print("- not available (bandwidth or model measurement failed)")
         return
     print(
-        f"- bandwidth {bound['bandwidth_gbps']:.1f} GB/s (numpy copy {bound['numpy_copy_gbps']:.1f}, "
+        f"- bandwidth {bound['bandwidth_gbps']:.1f} GB/s (numpy copy {fmt(bound['numpy_copy_gbps'])}, "
         f"jax sum {bound['jax_sum_gbps']:.1f})\n"
         f"- bytes per step: parameters {bound['param_bytes'] / 2**20:.1f} MiB + live K/V "
         f"{bound['kv_bytes'] / 2**20:.2f} MiB (average context)\n"
@@ -753,10 +898,10 @@ def print_bound(bound: dict | None) -> None:
 
 
 def print_report(title: str, rows: list[dict], long: dict | None, targets: list[dict], bound: dict | None,
-                 agree: dict, table: str) -> None:  # fmt: skip
+                 agree: dict, table: str, device: str) -> None:  # fmt: skip
     """The markdown report on stdout (a warning on stderr when jaxkv did not run on the CPU)."""
     backends = sorted({r["backend"] for r in rows if r.get("backend")})
-    if backends and backends != ["cpu"]:
+    if device == "cpu" and backends and backends != ["cpu"]:
         print(f"[bench] warning: jaxkv ran on {backends}, transformers on CPU; set JAX_PLATFORMS=cpu to compare like "
               "with like", file=sys.stderr)  # fmt: skip
     print(f"## Decode benchmark: {title}\n")
@@ -790,24 +935,33 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     prompt = prompt_ids(args.model, args.prompt_tokens)
-    common = dict(model=args.model, dtype=args.dtype, threads=args.threads)
-    membw_spec = dict(kind="membw", mib=args.membw_mib, label="memory bandwidth")
+    common = dict(model=args.model, dtype=args.dtype, threads=args.threads, device=args.device)
+    membw_spec = dict(kind="membw", mib=args.membw_mib, label="memory bandwidth", device=args.device)
     membw = run_worker(membw_spec, timeout=args.worker_timeout, verbose=args.verbose)
+    if args.device == "gpu" and "error" in membw:
+        print(f"jaxkv bench decode: --device gpu, but JAX found no GPU ({membw['error']}); install a CUDA jax "
+              '(pip install "jax[cuda12]") on a machine with an NVIDIA GPU', file=sys.stderr)  # fmt: skip
+        return 2
     rows = run_configurations(args, prompt, common)
     long = run_long(args, common) if args.long else None
+    quantized = run_quantized(args, common) if args.quantized else None
 
-    targets = check_targets(rows, long)
+    targets = check_targets(rows, long) + (quantized_targets(quantized) if quantized else [])
     bound = bandwidth_bound(rows, membw, len(prompt), args.new_tokens)
     agree = agreement(rows)
     table = markdown_table(rows)
-    title = f"{args.model} {args.dtype}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; {cpu_cores()} cores"
-    print_report(title, rows, long, targets, bound, agree, table)
+    where = f"{cpu_cores()} cores" if args.device == "cpu" else "GPU"
+    title = f"{args.model} {args.dtype}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; {where}"
+    print_report(title, rows, long, targets, bound, agree, table, args.device)
+    if quantized:
+        print_quantized(quantized, args.quantized_context)
     report = dict(
         settings=dict(
-            model=args.model, dtype=args.dtype, batch=args.batch, new_tokens=args.new_tokens,
+            model=args.model, dtype=args.dtype, device=args.device, batch=args.batch, new_tokens=args.new_tokens,
             prompt_tokens=len(prompt), systems=args.systems, prompt_ids=prompt,
         ),
-        environment=environment(args), rows=rows, long=long, targets=targets, memory_bandwidth=membw,
+        environment=environment(args), rows=rows, long=long, quantized=quantized, targets=targets,
+        memory_bandwidth=membw,
         bandwidth_bound=bound, greedy_agreement=agree, table_markdown=table,
         total_seconds=time.perf_counter() - start,
     )  # fmt: skip
