@@ -5,6 +5,7 @@ runs a ragged batch: a prefill, then single-token decode steps fed the same toke
 step's logits must equal transformers' full-sequence logits at those positions.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -49,8 +50,10 @@ def hf_early_exit_logits(hf, sequences, num_layers, softcap=None):
 
 def check_teacher_forced(forward, cache, sequences, prompt_lengths, expected, decode_steps, label, atol=1e-4):
     """Prefill the ragged prompts, then ``decode_steps`` single tokens, through
-    ``forward(tokens, positions, cache) -> (logits, cache)``; assert every step's logits
+    ``forward(tokens, positions, cache) -> (logits, cache)``, jitted (two compiles, where an
+    eager scanned model traces its layer scan again at every step); assert every step's logits
     against ``expected``. Returns the final cache."""
+    forward = jax.jit(lambda tokens, positions, cache, forward=forward: forward(tokens, positions, cache))
     width = max(prompt_lengths)
     tokens = np.zeros((len(prompt_lengths), width), np.int32)
     for row, n in enumerate(prompt_lengths):

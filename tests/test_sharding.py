@@ -6,6 +6,7 @@ The tiny configs have 8 (Llama) and 4 (Gemma 3) K/V heads so that the ``model`` 
 the real models' 3 and 1 K/V heads take the replicated path (a warning) and shard over ``data``.
 """
 
+import functools
 import warnings
 
 import jax
@@ -42,6 +43,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [1, 2, 3], [40, 41, 42, 43, 44], [
 INT8 = QuantSpec(nbits=8, q_group_size=8, residual_length=4)
 CACHES = {"static": {}, "quantized": {"quantization": INT8}}
 MODELS = {"llama": (Llama, LLAMA), "gemma3": (Gemma3, GEMMA)}
+TOKENS = jnp.asarray(np.arange(64).reshape(8, 8) * 7 % VOCAB, jnp.int32)
+POSITIONS = jnp.broadcast_to(jnp.arange(8), (8, 8))
 
 
 def assert_sharded_as(tree, shardings) -> None:
@@ -60,6 +63,19 @@ def unsharded():
     return {name: cls(config, seed=3) for name, (cls, config) in MODELS.items()}
 
 
+@pytest.fixture(scope="module")
+def one_device(unsharded):
+    """``(model name, cache kind) -> (logits, greedy tokens)`` on one device, computed once for every mesh."""
+
+    @functools.cache
+    def outputs(name: str, kind: str):
+        reference, settings = unsharded[name], CACHES[kind]
+        logits, _ = reference(TOKENS, POSITIONS, reference.init_cache(8, 32, **settings))
+        return np.asarray(logits), generate(reference, PROMPTS, max_new_tokens=6, **settings).tokens
+
+    return outputs
+
+
 def sharded(name: str, mesh_shape: dict):
     cls, config = MODELS[name]
     return cls(config, seed=3, mesh=make_mesh(mesh_shape))
@@ -67,23 +83,20 @@ def sharded(name: str, mesh_shape: dict):
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=MESH_IDS)
 @pytest.mark.parametrize("model_name", MODELS)
-def test_sharded_models_equal_one_device(unsharded, model_name, mesh_shape):
+def test_sharded_models_equal_one_device(one_device, model_name, mesh_shape):
     """Logits within 1e-5 and equal greedy tokens, for static and quantized caches (Gemma 3's
     sliding layers are rings; Llama's full), with the cache sharded as the rules say."""
-    reference, model = unsharded[model_name], sharded(model_name, mesh_shape)
-    tokens = jnp.asarray(np.arange(64).reshape(8, 8) * 7 % VOCAB, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(8), (8, 8))
+    model = sharded(model_name, mesh_shape)
     for kind, settings in CACHES.items():
-        want, _ = reference(tokens, positions, reference.init_cache(8, 32, **settings))
-        got, cache = model(tokens, positions, model.init_cache(8, 32, **settings))
+        want, expected_tokens = one_device(model_name, kind)
+        got, cache = model(TOKENS, POSITIONS, model.init_cache(8, 32, **settings))
         # A sharded matmul may sum in another order (1 ulp); a quantized cache can round such a K/V value
         # to the neighbouring code, one step of int8 at most: 1e-4 there, 1e-5 in full precision.
         atol = 1e-4 if "quantization" in settings else 1e-5
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=atol, rtol=0, err_msg=kind)
+        np.testing.assert_allclose(np.asarray(got), want, atol=atol, rtol=0, err_msg=kind)
         assert_sharded_as(cache, cache.shardings())
-        expected = generate(reference, PROMPTS, max_new_tokens=6, **settings)
         result = generate(model, PROMPTS, max_new_tokens=6, **settings)
-        np.testing.assert_array_equal(result.tokens, expected.tokens, err_msg=kind)
+        np.testing.assert_array_equal(result.tokens, expected_tokens, err_msg=kind)
         assert_sharded_as(result.cache, result.cache.shardings())
 
 
