@@ -465,7 +465,7 @@ def worker_main(spec: dict) -> int:
 # parent
 
 
-def worker_env(device: str) -> dict:
+def worker_env(device: str = "cpu") -> dict:
     """A worker's environment: offline hub, quiet tokenizers and progress bars; JAX on the GPU
     only for ``--device gpu`` (else JAX's default)."""
     env = dict(os.environ)
