@@ -54,7 +54,8 @@ def attention_block_size(num_slots: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Queries:
     """The query side of one ``attention`` call: ``queries`` ``[B, H_q, T, D]`` at ``positions``
-    ``[B, T]``, grouped ``[B, H_kv, G, T, D]`` by the K/V head they read (G per head)."""
+    ``[B, T]``, grouped ``[B, H_kv, G, T, D]`` by the K/V head they read (G per head).
+    ``per_kv_head``: how one query is scored, see ``per_head`` (``for_view`` sets it)."""
 
     queries: jax.Array
     grouped: jax.Array
@@ -62,33 +63,42 @@ class Queries:
     mask_info: MaskInfo
     scale: float
     logit_softcap: float | None
+    per_kv_head: bool = False
 
     @property
     def one_query(self) -> bool:
         """One query of one row (a batch-1 decode step): scored head by head, see ``per_head``."""
         return self.queries.shape[0] * self.queries.shape[2] == 1
 
-    def per_head(self, fn, kv_block: jax.Array) -> jax.Array:
-        """``fn(query head h, its K/V head [S, D])`` -> ``[1, X]`` for every head, stacked as the
-        batched einsum's output ``[1, H_kv, G, 1, X]``.
+    def for_view(self, kv: KVView) -> Queries:
+        """These queries set to read ``kv``: its blocks are products of K/V heads when its
+        reads compute them (``KVView.computed_reads``), else of query heads."""
+        return dataclasses.replace(self, per_kv_head=kv.computed_reads)
+
+    def per_head(self, product, rows: jax.Array, kv_block: jax.Array) -> jax.Array:
+        """``product(rows of one head, its K/V head [S, D])`` for every head, stacked as the
+        batched einsum's output ``[1, H_kv, G, 1, X]``; ``rows`` ``[H_q, 1, Y]`` hold one query's.
 
         A matrix-vector product per query head, written ``q @ K.T`` with K ``[S, D]``, is the
         form XLA's CPU backend fuses with the slice of the stacked cache; the batched einsum
-        copies the block and transposes its keys.
+        copies the block and transposes its keys. A block the view computes (dequantizes) is
+        fused into each product that reads it, so there it is one product per K/V head
+        (its G query rows together): G times less dequantization, measured 1.5x faster on
+        an int4 decode step, and 1.3x slower on a plain one.
         """
         _, num_kv_heads, group, _, _ = self.grouped.shape
-        rows = [fn(h, kv_block[0, h // group]) for h in range(num_kv_heads * group)]
-        return jnp.stack(rows).reshape(1, num_kv_heads, group, 1, -1)
+        if self.per_kv_head:
+            parts = [product(rows[h * group:(h + 1) * group, 0], kv_block[0, h]) for h in range(num_kv_heads)]
+        else:
+            parts = [product(rows[h], kv_block[0, h // group]) for h in range(num_kv_heads * group)]
+        return jnp.stack(parts).reshape(1, num_kv_heads, group, 1, -1)
 
     def scores(self, k_block: jax.Array, positions_block: jax.Array) -> jax.Array:
         """Masked logits ``[B, H_kv, G, T, S]`` (float32) over keys ``[B, H_kv, S, D]`` holding
         ``positions_block`` ``[B, S]``; -inf where the mask refuses."""
         if self.one_query:
-            queries = self.queries
-            logits = self.per_head(
-                lambda h, k: jnp.matmul(queries[0, h], k.T, preferred_element_type=jnp.float32), k_block
-            )
-            logits = logits * self.scale
+            product = lambda q, k: jnp.matmul(q, k.T, preferred_element_type=jnp.float32)  # noqa: E731
+            logits = self.per_head(product, self.queries[0], k_block) * self.scale
         else:
             logits = jnp.einsum("bhgtd,bhsd->bhgts", self.grouped, k_block, preferred_element_type=jnp.float32)
             logits = logits * self.scale
@@ -101,10 +111,8 @@ class Queries:
     def weighted(self, weights: jax.Array, v_block: jax.Array) -> jax.Array:
         """``weights`` ``[B, H_kv, G, T, S]`` times values ``[B, H_kv, S, D]``: ``[B, H_kv, G, T, D]`` float32."""
         if self.one_query:
-            flat = weights.reshape(self.queries.shape[1], 1, -1)
-            return self.per_head(
-                lambda h, v: jnp.matmul(flat[h].astype(v.dtype), v, preferred_element_type=jnp.float32), v_block
-            )
+            product = lambda w, v: jnp.matmul(w.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
+            return self.per_head(product, weights.reshape(self.queries.shape[1], 1, -1), v_block)
         weights = weights.astype(v_block.dtype)
         return jnp.einsum("bhgts,bhsd->bhgtd", weights, v_block, preferred_element_type=jnp.float32)
 
@@ -115,6 +123,7 @@ def read_whole(q: Queries, kv: KVView, query_weights: jax.Array | None = None):
     ``[B, T]``, also the slot mass ``[B, H_kv, S]``: each slot's attention probability summed
     over the query heads of its K/V head and over the queries, query t weighted by
     ``query_weights[:, t]`` (what an evicting layer's policy scores by)."""
+    q = q.for_view(kv)
     logits = q.scores(kv.keys, kv.mask_info.kv_positions)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
@@ -149,18 +158,25 @@ def softmax_step(carry, logits: jax.Array, weigh) -> tuple[jax.Array, jax.Array,
 
 def read_blocked(q: Queries, kv: KVView, block_size: int) -> tuple[jax.Array, jax.Array]:
     """``read_whole``'s result by an online softmax over blocks of ``block_size`` slots up to
-    ``mask_info.slots_used``: running max, running total, running weighted values."""
-    mask_info = kv.mask_info
+    ``mask_info.slots_used`` of the view's body, then over its tail (``KVView.split_tail``):
+    running max, running total, running weighted values."""
+    body, tail = kv.split_tail()
+    mask_info = body.mask_info
+
+    def fold(q, carry, k_block, v_block, positions):
+        return softmax_step(carry, q.scores(k_block, positions), lambda weights: q.weighted(weights, v_block))
 
     def step(block, carry):
         start = block * block_size
-        k_block, v_block = kv.read(start, block_size)
         positions = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start, block_size, axis=-1)
-        return softmax_step(carry, q.scores(k_block, positions), lambda weights: q.weighted(weights, v_block))
+        return fold(q.for_view(body), carry, *body.read(start, block_size), positions)
 
     init = softmax_init(q.grouped.shape[:-1], q.grouped.shape[-1])  # [B, H_kv, G, T]
     num_blocks = (mask_info.slots_used + block_size - 1) // block_size
-    _, total, out = jax.lax.fori_loop(0, num_blocks, step, init)
+    carry = jax.lax.fori_loop(0, num_blocks, step, init)
+    if tail is not None:
+        carry = fold(q.for_view(tail), carry, tail.keys, tail.values, tail.mask_info.kv_positions)
+    _, total, out = carry
     return out, total
 
 

@@ -86,6 +86,9 @@ class KVView(struct.PyTreeNode):
     value_stack: jax.Array
     index: jax.Array | int
     mask_info: MaskInfo
+    # Does ``read`` compute its blocks (True: a quantized view dequantizes them) or cut them
+    # from storage? Attention arranges its products by it (``Queries.per_head``).
+    computed_reads = False
 
     @classmethod
     def of(cls, keys: jax.Array, values: jax.Array, mask_info: MaskInfo) -> KVView:
@@ -113,6 +116,13 @@ class KVView(struct.PyTreeNode):
             jax.lax.dynamic_slice(self.key_stack, corner, shape)[0],
             jax.lax.dynamic_slice(self.value_stack, corner, shape)[0],
         )
+
+    def split_tail(self) -> tuple[KVView, KVView | None]:
+        """The view as blocked attention reads it: a body read block by block up to its
+        ``slots_used``, and a short tail read whole after it (None: no tail). Together they
+        hold the same visible slots as the view. A quantized layer's tail is its
+        full-precision residual, so the blocks dequantize codes and nothing else."""
+        return self, None
 
     def __iter__(self):
         return iter((self.keys, self.values, self.mask_info))

@@ -131,10 +131,15 @@ def _pack(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def _unpack(packed: jax.Array, bits: int) -> jax.Array:
+    """Inverse of ``_pack``: ``[..., D·bits/8]`` -> uint8 codes ``[..., D]``."""
     per_byte, mask = 8 // bits, (1 << bits) - 1
     if per_byte == 1:
         return packed
-    return jnp.concatenate([(packed >> (bits * i)) & mask for i in range(per_byte)], axis=-1)
+    # One broadcast shift and a reshape: a concatenate of the k parts compiles, on XLA's CPU
+    # backend, to a select per value that ran int4 blocks several times slower.
+    shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8)[:, None]  # [k, 1]
+    parts = (packed[..., None, :] >> shifts) & jnp.uint8(mask)  # [..., k, D/k]: part i holds codes i·D/k...
+    return parts.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)
 
 
 def quantize(x: jax.Array, spec: QuantSpec, axis: int) -> QuantizedTensor:

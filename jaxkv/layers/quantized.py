@@ -84,77 +84,113 @@ class QuantizedView(struct.PyTreeNode):
     ``p``, quantized below the row's ``quantized`` count and from the residual above it.
 
     ``read`` dequantizes only the requested block (plus the residual slots inside it), so
-    blocked attention never builds a full-precision copy of the whole cache. Measured on
-    the 2-core CPU (one SmolLM2-shaped layer, one decode step, median of interleaved runs):
-    2048 tokens in 4096 slots, block by block 0.9 / 4.5 / 3.8 ms for int8 / int4 KIVI /
-    fp8 e4m3 against 1.5 / 5.2 / 3.8 ms dequantizing the whole cache; in 2304 slots (the
-    cache nearly full) 0.8 / 3.2 / 2.9 against 0.8 / 2.6 / 2.3 ms. Blocks are kept: they
-    win when the capacity exceeds the length (as ``generate`` sizes it) and bound the
-    temporaries by the block, not the cache.
+    blocked attention never builds a full-precision copy of the whole cache; blocked
+    attention reads the residual once, as the view's tail (``split_tail``). The codes stay
+    in the layer stack; the layer's scales and zero points (a 32nd or less of the values)
+    are taken out of it and widened to float32 once per update, not once per value read:
+    XLA's CPU backend fuses a dequantization into each dot that reads it, and a float16
+    convert per value there cost more than the rest of the read.
     """
 
-    key_stack: QuantizedTensor  # leaves [L, B, ...]
-    value_stack: QuantizedTensor
-    residual_keys: jax.Array  # [B, H_kv, R, D] of entry ``index``
+    key_codes: jax.Array  # [L, B, H_kv, N, D·bits/8]: entry ``index`` is this layer's
+    value_codes: jax.Array
+    key_scales: QuantizedTensor  # scales and zero points of entry ``index``, float32; no codes
+    value_scales: QuantizedTensor
+    residual_keys: jax.Array  # [B, H_kv, W, D] full-precision slots, slot i at position ``residual_start + i``
     residual_values: jax.Array
-    quantized: jax.Array  # [B] int32
+    residual_start: jax.Array  # [B] int32
+    quantized: jax.Array  # [B] int32: slots below it are read from the store, the others from the residual
+    lengths: jax.Array  # [B] int32 row lengths
     index: jax.Array | int
     mask_info: MaskInfo
     spec: QuantSpec = struct.field(pytree_node=False)
+    computed_reads = True  # read dequantizes (see KVView)
+
+    @classmethod
+    def of_entry(cls, keys: QuantizedTensor, values: QuantizedTensor, index, **fields) -> QuantizedView:
+        """The view of entry ``index`` of a layer's stacked store ``keys``/``values`` (leaves ``[L, B, ...]``)."""
+
+        def scales_of(store: QuantizedTensor) -> QuantizedTensor:
+            widen = lambda x: None if x is None else entry(x, index).astype(jnp.float32)  # noqa: E731
+            return QuantizedTensor(None, widen(store.scales), widen(store.zeros))
+
+        return cls(keys.codes, values.codes, scales_of(keys), scales_of(values), index=index, **fields)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         batch, heads, _, dim = self.residual_keys.shape
-        return batch, heads, self.key_stack.codes.shape[3], dim
+        return batch, heads, self.key_codes.shape[3], dim
 
-    def _read_one(self, stack: QuantizedTensor, residual: jax.Array, axis: int, start, size: int) -> jax.Array:
-        _, batch, heads, _, _ = stack.codes.shape
-
-        def cut(x):  # slots [start, start + size) of entry ``index``
-            return jax.lax.dynamic_slice(x, (self.index, 0, 0, start, 0), (1, batch, heads, size, x.shape[-1]))[0]
-
+    def _read_one(self, codes, scales: QuantizedTensor, residual: jax.Array, axis: int, start, size: int) -> jax.Array:
+        _, batch, heads, _, code_dim = codes.shape
         group = self.spec.q_group_size
+        block_codes = jax.lax.dynamic_slice(codes, (self.index, 0, 0, start, 0), (1, batch, heads, size, code_dim))[0]
         if axis == PER_TOKEN:
-            scales, zeros = cut(stack.scales), None if stack.zeros is None else cut(stack.zeros)
-            scales = expand_scales(scales, group, axis)
-            zeros = None if zeros is None else expand_scales(zeros, group, axis)
+
+            def take(x):  # the block's rows, one scale per value
+                rows = jax.lax.dynamic_slice_in_dim(x, start, size, axis=2)
+                return expand_scales(rows, group, axis)
+
         else:  # one scale row per group of tokens: the rows covering the block, one per slot
-            # ceil(size / G) + 1 rows hold any ``size`` slots, whatever ``start``'s offset in its group.
-            num_rows, total_rows = -(-size // group) + 1, stack.scales.shape[3]
-            # Clamped so the slice stays inside (dynamic_slice would shift it silently).
-            first = jnp.minimum(start // group, max(total_rows - num_rows, 0))
-            num_rows = min(num_rows, total_rows)
 
             def take(x):
-                corner, shape = (self.index, 0, 0, first, 0), (1, batch, heads, num_rows, x.shape[-1])
-                rows = jax.lax.dynamic_slice(x, corner, shape)[0]
+                # ceil(size / G) + 1 rows hold any ``size`` slots, whatever ``start``'s offset in its group.
+                num_rows, total_rows = -(-size // group) + 1, x.shape[2]
+                # Clamped so the slice stays inside (dynamic_slice would shift it silently).
+                first = jnp.minimum(start // group, max(total_rows - num_rows, 0))
+                rows = jax.lax.dynamic_slice_in_dim(x, first, min(num_rows, total_rows), axis=2)
                 per_slot = expand_scales(rows, group, axis)
                 return jax.lax.dynamic_slice_in_dim(per_slot, start - first * group, size, axis=2)
 
-            scales, zeros = take(stack.scales), None if stack.zeros is None else take(stack.zeros)
-        block = decode_codes(cut(stack.codes), scales, zeros, self.spec).astype(residual.dtype)
+        zeros = None if scales.zeros is None else take(scales.zeros)
+        block = decode_codes(block_codes, take(scales.scales), zeros, self.spec).astype(residual.dtype)
         if residual.shape[2] == 0:
             return block
-        offset = start + jnp.arange(size)[None, :] - self.quantized[:, None]  # [B, size]: residual slot
+        slot_positions = start + jnp.arange(size)[None, :]  # [B, size]
+        offset = slot_positions - self.residual_start[:, None]  # residual slot
         from_residual = jnp.take_along_axis(
             residual, jnp.clip(offset, 0, residual.shape[2] - 1)[:, None, :, None], axis=2
         )
-        return jnp.where((offset >= 0)[:, None, :, None], from_residual, block)
+        return jnp.where((slot_positions >= self.quantized[:, None])[:, None, :, None], from_residual, block)
 
     def read(self, start, size: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values ``[B, H_kv, size, D]`` of slots ``[start, start + size)``, dequantized."""
         return (
-            self._read_one(self.key_stack, self.residual_keys, self.spec.axis_key, start, size),
-            self._read_one(self.value_stack, self.residual_values, self.spec.axis_value, start, size),
-        )
+            self._read_one(self.key_codes, self.key_scales, self.residual_keys, self.spec.axis_key, start, size),
+            self._read_one(self.value_codes, self.value_scales, self.residual_values, self.spec.axis_value, start,
+                           size),
+        )  # fmt: skip
 
     @property
     def keys(self) -> jax.Array:
-        return self._read_one(self.key_stack, self.residual_keys, self.spec.axis_key, 0, self.shape[2])
+        return self._read_one(self.key_codes, self.key_scales, self.residual_keys, self.spec.axis_key, 0, self.shape[2])
 
     @property
     def values(self) -> jax.Array:
-        return self._read_one(self.value_stack, self.residual_values, self.spec.axis_value, 0, self.shape[2])
+        spec, size = self.spec, self.shape[2]
+        return self._read_one(self.value_codes, self.value_scales, self.residual_values, spec.axis_value, 0, size)
+
+    def split_tail(self) -> tuple[QuantizedView, KVView | None]:
+        """Blocked attention's split: a body holding only the quantized slots (no residual
+        to merge into each block) and the residual as a tail, slot r at position Q + r."""
+        if self.residual_keys.shape[2] == 0:
+            return self, None
+        batch, heads, capacity, dim = self.shape
+        slot_index = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+        kv_positions = jnp.where(slot_index < self.quantized[:, None], self.mask_info.kv_positions, -1)
+        used = jnp.minimum(jnp.max(self.quantized), capacity)
+        empty = jnp.zeros((batch, heads, 0, dim), self.residual_keys.dtype)
+        body = self.replace(
+            residual_keys=empty, residual_values=empty,
+            mask_info=self.mask_info.replace(kv_positions=kv_positions, slots_used=used),
+        )  # fmt: skip
+        # A residual slot is visible where the merged view shows it: not quantized, inside the row and the buffer.
+        width = self.residual_keys.shape[2]
+        tail_positions = self.residual_start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+        visible = (tail_positions >= self.quantized[:, None]) & (tail_positions < jnp.minimum(self.lengths, capacity)[:, None])
+        tail_info = self.mask_info.replace(kv_positions=jnp.where(visible, tail_positions, -1), slots_used=None)
+        tail = KVView.of(self.residual_keys, self.residual_values, tail_info)
+        return body, tail
 
     def __iter__(self):
         return iter((self.keys, self.values, self.mask_info))
@@ -172,6 +208,7 @@ class Staging(NamedTuple):
     slots: jax.Array  # [B, T] staging slot of each new token; W (dropped) for padding
     positions: jax.Array  # [B, W] position of each staging slot
     store_slots: jax.Array  # [B, W] store slot of each flushed staging slot; N (dropped) for the others
+    residual_slots: jax.Array  # [B, T] residual slot of each new token kept in full precision; R (dropped) else
 
     def stage(self, residual: jax.Array, new: jax.Array) -> jax.Array:
         """The residual ``[B, H_kv, R, D]`` with the new tokens ``[B, H_kv, T, D]`` written: ``[B, H_kv, W, D]``."""
@@ -192,10 +229,19 @@ class Staging(NamedTuple):
             None if q.zeros is None else write_slots(store.zeros, index, q.zeros, scale_slots),
         )
 
-    def shift(self, staged: jax.Array) -> jax.Array:
-        """The new residual ``[B, H_kv, R, D]``: slot s takes staging slot ``flushed + s``."""
-        take = self.flushed[:, None] + jnp.arange(self.spec.residual_length)[None, :]
-        return jnp.take_along_axis(staged, take[:, None, :, None], axis=2, mode="clip")
+    def keep(self, residual_stack: jax.Array, index, staged: jax.Array) -> jax.Array:
+        """The residual stack with the new tokens that stay in full precision written into entry
+        ``index``, taken from the staging buffer ``staged`` ``[B, H_kv, W, D]``: Q is a multiple of
+        R, so residual slot s (position Q + s) is the position modulo R, and after a flush every
+        position of the new residual is a new token's.
+
+        Why so: XLA's CPU backend copies the whole residual stack (twice, every layer of every
+        step) when an update both reads the old entry and writes the stack in a way that does not
+        depend on that read, or when anything reads the stack after the write. Here only the
+        kept tokens are written, taken from the staging buffer (so after its read), and the
+        view attends over the staging buffer, not the written stack."""
+        new = jnp.take_along_axis(staged, self.slots[:, None, :, None], axis=2, mode="clip")
+        return write_slots(residual_stack, index, new, self.residual_slots)
 
 
 @struct.dataclass
@@ -355,16 +401,15 @@ class QuantizedLayer(BatchMajorLayer):
         # The whole staging buffer is quantized; only the blocks that filled are kept.
         quantized_keys = quantize(staged_keys, spec, spec.axis_key)
         quantized_values = quantize(staged_values, spec, spec.axis_value)
-        residual_keys, residual_values = plan.shift(staged_keys), plan.shift(staged_values)
         new = self.replace(
             quantized_keys=plan.flush(self.quantized_keys, index, quantized_keys, spec.axis_key),
             quantized_values=plan.flush(self.quantized_values, index, quantized_values, spec.axis_value),
-            residual_keys=self.residual_keys.at[index].set(residual_keys),
-            residual_values=self.residual_values.at[index].set(residual_values),
+            residual_keys=plan.keep(self.residual_keys, index, staged_keys),
+            residual_values=plan.keep(self.residual_values, index, staged_values),
             lengths=self.lengths.at[index].set(plan.lengths),
         )
         if self.window is None:
-            return new, new.full_view(index, residual_keys, residual_values, plan)
+            return new, new.full_view(index, staged_keys, staged_values, plan)
         rows = jnp.arange(keys.shape[0])[:, None]
         slot_positions = self.slot_positions.at[index, rows, plan.store_slots].set(plan.positions, mode="drop")
         view = self.ring_view(index, (staged_keys, quantized_keys), (staged_values, quantized_values), plan)
@@ -395,16 +440,22 @@ class QuantizedLayer(BatchMajorLayer):
             slots=jnp.where(positions >= 0, positions - old_quantized[:, None], width),
             positions=staging_positions,
             store_slots=jnp.where(jnp.arange(width)[None, :] < flushed[:, None], store_slots, slots_total),
+            residual_slots=jnp.where(
+                positions >= new_quantized[:, None], positions % max(spec.residual_length, 1), spec.residual_length
+            ),
         )
 
-    def full_view(self, index, residual_keys, residual_values, plan: Staging) -> QuantizedView:
-        """Full attention's view of entry ``index`` after the update: slot p holds position p."""
+    def full_view(self, index, staged_keys, staged_values, plan: Staging) -> QuantizedView:
+        """Full attention's view of entry ``index`` after the update: slot p holds position p,
+        from the store below the new Q, from the staging buffers ``[B, H_kv, W, D]`` above it."""
         slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         kv_positions = jnp.where(slot_index < plan.lengths[:, None], slot_index, -1)
         used = jnp.minimum(jnp.max(plan.lengths), self.capacity)
-        return QuantizedView(
-            self.quantized_keys, self.quantized_values, residual_keys, residual_values, plan.new_quantized, index,
-            MaskInfo(kv_positions, slots_used=used), self.spec,
+        return QuantizedView.of_entry(
+            self.quantized_keys, self.quantized_values, index, residual_keys=staged_keys,
+            residual_values=staged_values, residual_start=plan.old_quantized, quantized=plan.new_quantized,
+            lengths=plan.lengths,
+            mask_info=MaskInfo(kv_positions, slots_used=used), spec=self.spec,
         )  # fmt: skip
 
     def ring_view(self, index, staged_keys, staged_values, plan: Staging) -> KVView:
