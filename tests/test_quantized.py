@@ -15,6 +15,7 @@ from jaxkv.app.config import CacheConfig
 from jaxkv.decoding.generate import generate
 from jaxkv.memory import cache_bytes, layer_bytes
 from jaxkv.layers.quantized import QuantizedLayer, quantized_lengths
+from jaxkv.protocol import KVView
 from jaxkv.quantization import PER_CHANNEL, PER_TOKEN, QuantSpec, dequantize, quantize
 from jaxkv.models.llama import Llama, LlamaConfig
 from tests.oracle import full_attention
@@ -183,6 +184,30 @@ def test_blocked_reads_equal_dequantizing_the_whole_cache():
     # Any slot range, not only aligned blocks: start mid-group, size not a multiple of G.
     keys, values = view.read(3, 10)
     chex.assert_trees_all_close((keys, values), (view.keys[:, :, 3:13], view.values[:, :, 3:13]), atol=0)
+
+
+@pytest.mark.parametrize("capacity", [32, 16])
+def test_decode_step_reads_the_store_in_blocks_and_the_residual_once(capacity):
+    """A batch-1 decode step (one query: one product per K/V head over the dequantized blocks,
+    then the residual as the view's tail) equals attention over the view's merged keys and
+    values as plain arrays (one product per query head); past the capacity too (under jit,
+    where the tokens that do not fit are dropped as in ``StaticLayer``)."""
+    layer = QuantizedLayer.create(1, 2, HEAD_DIM, KIVI, max_length=capacity)
+    rng = np.random.default_rng(2)
+    k, v = (jnp.asarray(rng.normal(size=(1, 2, 20, HEAD_DIM)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(1, 4, 1, HEAD_DIM)), jnp.float32)
+
+    @jax.jit
+    def step(layer, k, v, position):
+        layer, view = layer.update(k, v, position)
+        merged = KVView.of(view.keys, view.values, view.mask_info.replace(slots_used=None))
+        return layer, (attention(q, view, position, block_size=8), attention(q, merged, position))
+
+    fill = min(20, capacity - 2)  # a capacity of 16: the last two steps land past it
+    layer = jax.jit(feed)(layer, k[:, :, :fill], [fill])
+    for position in range(fill, fill + 4):
+        layer, (blocked, whole) = step(layer, k[:, :, position % 20][:, :, None], v[:, :, :1], jnp.asarray([[position]]))
+        chex.assert_trees_all_close(blocked, whole, atol=1e-6)
 
 
 def feed(layer, x, lengths):

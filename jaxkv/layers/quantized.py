@@ -144,7 +144,7 @@ class QuantizedView(struct.PyTreeNode):
 
         zeros = None if scales.zeros is None else take(scales.zeros)
         block = decode_codes(block_codes, take(scales.scales), zeros, self.spec).astype(residual.dtype)
-        if residual.shape[2] == 0:
+        if self.spec.residual_length == 0 or residual.shape[2] == 0:  # all quantized, or split_tail's body
             return block
         slot_positions = start + jnp.arange(size)[None, :]  # [B, size]
         offset = slot_positions - self.residual_start[:, None]  # residual slot
@@ -172,8 +172,8 @@ class QuantizedView(struct.PyTreeNode):
 
     def split_tail(self) -> tuple[QuantizedView, KVView | None]:
         """Blocked attention's split: a body holding only the quantized slots (no residual
-        to merge into each block) and the residual as a tail, slot r at position Q + r."""
-        if self.residual_keys.shape[2] == 0:
+        to merge into each block) and the residual as a tail, slot i at ``residual_start + i``."""
+        if self.spec.residual_length == 0:
             return self, None
         batch, heads, capacity, dim = self.shape
         slot_index = jnp.arange(capacity, dtype=jnp.int32)[None, :]
@@ -187,7 +187,8 @@ class QuantizedView(struct.PyTreeNode):
         # A residual slot is visible where the merged view shows it: not quantized, inside the row and the buffer.
         width = self.residual_keys.shape[2]
         tail_positions = self.residual_start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
-        visible = (tail_positions >= self.quantized[:, None]) & (tail_positions < jnp.minimum(self.lengths, capacity)[:, None])
+        end = jnp.minimum(self.lengths, capacity)[:, None]
+        visible = (tail_positions >= self.quantized[:, None]) & (tail_positions < end)
         tail_info = self.mask_info.replace(kv_positions=jnp.where(visible, tail_positions, -1), slots_used=None)
         tail = KVView.of(self.residual_keys, self.residual_values, tail_info)
         return body, tail
