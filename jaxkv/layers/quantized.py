@@ -239,8 +239,9 @@ class Staging(NamedTuple):
         Why so: XLA's CPU backend copies the whole residual stack (twice, every layer of every
         step) when an update both reads the old entry and writes the stack in a way that does not
         depend on that read, or when anything reads the stack after the write. Here only the
-        kept tokens are written, taken from the staging buffer (so after its read), and the
-        view attends over the staging buffer, not the written stack."""
+        kept tokens are written, taken from the staging buffer (so after its read; the update
+        builds that buffer once), and the view attends over the staging buffer, not the
+        written stack."""
         new = jnp.take_along_axis(staged, self.slots[:, None, :, None], axis=2, mode="clip")
         return write_slots(residual_stack, index, new, self.residual_slots)
 
@@ -399,6 +400,10 @@ class QuantizedLayer(BatchMajorLayer):
         plan = self.staging(entry(self.lengths, index), positions)
         staged_keys = plan.stage(entry(self.residual_keys, index), keys)
         staged_values = plan.stage(entry(self.residual_values, index), values)
+        # Built once: XLA would otherwise duplicate the staging fusion into its consumers, one of
+        # them scheduled after the residual write, and copy the whole residual stack (twice per
+        # layer per step) to keep the old entry for it.
+        staged_keys, staged_values = jax.lax.optimization_barrier((staged_keys, staged_values))
         # The whole staging buffer is quantized; only the blocks that filled are kept.
         quantized_keys = quantize(staged_keys, spec, spec.axis_key)
         quantized_values = quantize(staged_values, spec, spec.axis_value)
