@@ -88,7 +88,7 @@ class Queries:
         """
         _, num_kv_heads, group, _, _ = self.grouped.shape
         if self.per_kv_head:
-            parts = [product(rows[h * group:(h + 1) * group, 0], kv_block[0, h]) for h in range(num_kv_heads)]
+            parts = [product(rows[h * group : (h + 1) * group, 0], kv_block[0, h]) for h in range(num_kv_heads)]
         else:
             parts = [product(rows[h], kv_block[0, h // group]) for h in range(num_kv_heads * group)]
         return jnp.stack(parts).reshape(1, num_kv_heads, group, 1, -1)
@@ -97,7 +97,7 @@ class Queries:
         """Masked logits ``[B, H_kv, G, T, S]`` (float32) over keys ``[B, H_kv, S, D]`` holding
         ``positions_block`` ``[B, S]``; -inf where the mask refuses."""
         if self.one_query:
-            product = lambda q, k: jnp.matmul(q, k.T, preferred_element_type=jnp.float32)  # noqa: E731
+            product = lambda q, k: jnp.matmul(q, k.T, preferred_element_type=jnp.float32)
             logits = self.per_head(product, self.queries[0], k_block) * self.scale
         else:
             logits = jnp.einsum("bhgtd,bhsd->bhgts", self.grouped, k_block, preferred_element_type=jnp.float32)
@@ -111,7 +111,7 @@ class Queries:
     def weighted(self, weights: jax.Array, v_block: jax.Array) -> jax.Array:
         """``weights`` ``[B, H_kv, G, T, S]`` times values ``[B, H_kv, S, D]``: ``[B, H_kv, G, T, D]`` float32."""
         if self.one_query:
-            product = lambda w, v: jnp.matmul(w.astype(v.dtype), v, preferred_element_type=jnp.float32)  # noqa: E731
+            product = lambda w, v: jnp.matmul(w.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return self.per_head(product, weights.reshape(self.queries.shape[1], 1, -1), v_block)
         weights = weights.astype(v_block.dtype)
         return jnp.einsum("bhgts,bhsd->bhgtd", weights, v_block, preferred_element_type=jnp.float32)

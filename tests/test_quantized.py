@@ -206,7 +206,8 @@ def test_decode_step_reads_the_store_in_blocks_and_the_residual_once(capacity):
     fill = min(20, capacity - 2)  # a capacity of 16: the last two steps land past it
     layer = jax.jit(feed)(layer, k[:, :, :fill], [fill])
     for position in range(fill, fill + 4):
-        layer, (blocked, whole) = step(layer, k[:, :, position % 20][:, :, None], v[:, :, :1], jnp.asarray([[position]]))
+        token = k[:, :, position % 20][:, :, None]
+        layer, (blocked, whole) = step(layer, token, token, jnp.asarray([[position]]))
         chex.assert_trees_all_close(blocked, whole, atol=1e-6)
 
 

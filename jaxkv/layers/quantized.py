@@ -111,7 +111,7 @@ class QuantizedView(struct.PyTreeNode):
         """The view of entry ``index`` of a layer's stacked store ``keys``/``values`` (leaves ``[L, B, ...]``)."""
 
         def scales_of(store: QuantizedTensor) -> QuantizedTensor:
-            widen = lambda x: None if x is None else entry(x, index).astype(jnp.float32)  # noqa: E731
+            widen = lambda x: None if x is None else entry(x, index).astype(jnp.float32)
             return QuantizedTensor(None, widen(store.scales), widen(store.zeros))
 
         return cls(keys.codes, values.codes, scales_of(keys), scales_of(values), index=index, **fields)
