@@ -163,8 +163,9 @@ def read_blocked(q: Queries, kv: KVView, block_size: int) -> tuple[jax.Array, ja
     body, tail = kv.split_tail()
     mask_info = body.mask_info
 
-    def fold(q, carry, k_block, v_block, positions):
-        return softmax_step(carry, q.scores(k_block, positions), lambda weights: q.weighted(weights, v_block))
+    def fold(reader: Queries, carry, k_block, v_block, positions):
+        scores = reader.scores(k_block, positions)
+        return softmax_step(carry, scores, lambda weights: reader.weighted(weights, v_block))
 
     def step(block, carry):
         start = block * block_size

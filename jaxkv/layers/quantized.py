@@ -153,22 +153,24 @@ class QuantizedView(struct.PyTreeNode):
         )
         return jnp.where((slot_positions >= self.quantized[:, None])[:, None, :, None], from_residual, block)
 
+    def _read_keys(self, start, size: int) -> jax.Array:
+        return self._read_one(self.key_codes, self.key_scales, self.residual_keys, self.spec.axis_key, start, size)
+
+    def _read_values(self, start, size: int) -> jax.Array:
+        spec = self.spec
+        return self._read_one(self.value_codes, self.value_scales, self.residual_values, spec.axis_value, start, size)
+
     def read(self, start, size: int) -> tuple[jax.Array, jax.Array]:
         """Keys and values ``[B, H_kv, size, D]`` of slots ``[start, start + size)``, dequantized."""
-        return (
-            self._read_one(self.key_codes, self.key_scales, self.residual_keys, self.spec.axis_key, start, size),
-            self._read_one(self.value_codes, self.value_scales, self.residual_values, self.spec.axis_value, start,
-                           size),
-        )  # fmt: skip
+        return self._read_keys(start, size), self._read_values(start, size)
 
     @property
     def keys(self) -> jax.Array:
-        return self._read_one(self.key_codes, self.key_scales, self.residual_keys, self.spec.axis_key, 0, self.shape[2])
+        return self._read_keys(0, self.shape[2])
 
     @property
     def values(self) -> jax.Array:
-        spec, size = self.spec, self.shape[2]
-        return self._read_one(self.value_codes, self.value_scales, self.residual_values, spec.axis_value, 0, size)
+        return self._read_values(0, self.shape[2])
 
     def split_tail(self) -> tuple[QuantizedView, KVView | None]:
         """Blocked attention's split: a body holding only the quantized slots (no residual
@@ -242,6 +244,8 @@ class Staging(NamedTuple):
         kept tokens are written, taken from the staging buffer (so after its read; the update
         builds that buffer once), and the view attends over the staging buffer, not the
         written stack."""
+        if self.spec.residual_length == 0:  # every token is quantized on arrival
+            return residual_stack
         new = jnp.take_along_axis(staged, self.slots[:, None, :, None], axis=2, mode="clip")
         return write_slots(residual_stack, index, new, self.residual_slots)
 
@@ -446,7 +450,7 @@ class QuantizedLayer(BatchMajorLayer):
             slots=jnp.where(positions >= 0, positions - old_quantized[:, None], width),
             positions=staging_positions,
             store_slots=jnp.where(jnp.arange(width)[None, :] < flushed[:, None], store_slots, slots_total),
-            residual_slots=jnp.where(
+            residual_slots=jnp.where(  # (unused with R = 0: nothing stays in full precision)
                 positions >= new_quantized[:, None], positions % max(spec.residual_length, 1), spec.residual_length
             ),
         )
