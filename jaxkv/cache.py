@@ -656,6 +656,19 @@ class Cache:
         n = functools.reduce(jnp.minimum, [limit_rollback(group, num_tokens, self.lengths) for group in self.groups])
         return self._map_layers(lambda layer: layer.rollback(n))
 
+    def evict(self, spec: EvictionSpec) -> Cache:
+        """Every evicting layer cut to ``spec``'s budget by the scores it stored
+        (``EvictingLayer.evict_to``); the other layers (Gemma 3's sliding rings) unchanged. One
+        prefill into an ``EvictionSpec.observer`` cache then serves every budget of a sweep."""
+        num_layers = len(self.layer_types)
+        groups = tuple(
+            group.evict_to(spec, list(range(g, num_layers, self.period)), num_layers)
+            for g, group in enumerate(self.groups)
+        )
+        if all(new is old for new, old in zip(groups, self.groups)):
+            raise ValueError("Cache.evict: this cache has no evicting layers; build it with eviction=EvictionSpec(...)")
+        return self.replace(groups=groups).constrained()
+
     def reset(self) -> Cache:
         """Empty every layer, keeping shapes (and so the compiled steps)."""
         return self._map_layers(lambda layer: layer.reset())

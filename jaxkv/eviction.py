@@ -24,6 +24,11 @@ Policies (scores: higher is kept):
 ``budget`` counts slots; ``compression_ratio`` r instead keeps ``max(1, int(max_length * (1 - r)))``
 (kvpress's count, of the cache's ``max_length``), and r = 0 builds the uncompressed layer:
 exactly the full cache's outputs.
+
+A sweep of budgets needs one prefill per policy, not one per budget: prefill with ``observer``
+(a budget that holds every token, scored as the policy scores), then ``Cache.evict(spec)`` cuts the
+held slots to each budget by the stored scores, which is the cache that prefilling at that budget
+in one update gives.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ POLICIES = ("streaming_llm", "snapkv", "pyramidkv", "h2o", "key_norm")
 # Policies whose scores come from attention weights (the layer asks attention for slot mass).
 ATTENTION_SCORED = ("snapkv", "pyramidkv", "h2o")
 DEFAULT_WINDOW = 64  # SnapKV's observation window (kvpress's default)
+# What each policy's stored scores measure; PyramidKV ranks by SnapKV's scores.
+SCORES = {
+    "streaming_llm": "position", "snapkv": "window attention", "pyramidkv": "window attention",
+    "h2o": "accumulated attention", "key_norm": "key norm",
+}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +138,21 @@ class EvictionSpec:
             return [self.budget] * num_layers
         step = (2 * self.budget - 2 * low) / (num_layers - 1)
         return [max(1, round(2 * self.budget - low - i * step)) for i in range(num_layers)]
+
+    def scoring(self) -> tuple:
+        """What the scores a layer stores under this spec depend on: SnapKV's (and PyramidKV's)
+        on the observation window and the pooling kernel, the others on the policy alone. A layer
+        can be evicted to any spec of equal scoring (``EvictingLayer.evict_to``)."""
+        if SCORES[self.policy] == "window attention":
+            return SCORES[self.policy], DEFAULT_WINDOW if self.window is None else self.window, self.kernel_size
+        return (SCORES[self.policy],)
+
+    def observer(self, slots: int) -> EvictionSpec:
+        """A spec keeping ``slots`` slots in every layer and scoring as this one does: prefilled with
+        at most ``slots`` tokens it evicts nothing, and ``Cache.evict(self)`` then cuts it to this
+        spec's budget. PyramidKV's observer is SnapKV's (same scores, one budget for all layers)."""
+        policy = "snapkv" if self.policy == "pyramidkv" else self.policy
+        return dataclasses.replace(self, policy=policy, budget=slots, compression_ratio=None)
 
     def check_budget(self, budget: int) -> None:
         """The sinks and the window must leave room in ``budget`` slots (they are always kept)."""

@@ -250,6 +250,11 @@ class CacheLayer(abc.ABC):
         """The layer with room for ``capacity`` tokens; a layer that does not grow is unchanged."""
         return self
 
+    def evict_to(self, spec, layer_indices: list[int], num_layers: int) -> Self:
+        """This stack cut to ``spec``'s budget (an ``EvictionSpec``; see ``EvictingLayer.evict_to``);
+        a layer that does not evict keeps all its K/V and is unchanged."""
+        return self
+
     @property
     def nbytes(self) -> int:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))

@@ -1,4 +1,7 @@
+import copy
+import functools
 import os
+from pathlib import Path
 
 import jax
 import pytest
@@ -12,6 +15,38 @@ jax.config.update("jax_num_cpu_devices", 8)
 settings.register_profile("ci", derandomize=True, deadline=None, max_examples=12, print_blob=True)
 settings.register_profile("dev", deadline=None, max_examples=12)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def parse_each_gguf_once() -> None:
+    """transformers, the parity oracle, parses a GGUF's whole metadata (Gemma 3's 262k-token
+    vocabulary included: 15-20 s here) for a model's config, again for its weights and again for
+    its tokenizer's config. Each test process keeps one ``gguf.GGUFReader`` and one parsed
+    metadata per file instead (both read-only), keyed by path, size and modification time so a
+    rewritten file is read again."""
+    try:
+        import gguf
+        import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:  # without the parity extra there is no oracle to speed up
+        return
+
+    def file_key(path) -> tuple:
+        stat = Path(path).stat()
+        return str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns
+
+    readers = functools.lru_cache(maxsize=8)(lambda key, mode: uncached_reader(key[0], mode))
+    uncached_reader, uncached_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    metadata = functools.lru_cache(maxsize=8)(lambda key: uncached_load(key[0], return_tensors=False))
+    gguf.GGUFReader = lambda path, mode="r": readers(file_key(path), mode)
+
+    def load_gguf_checkpoint(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return uncached_load(path, return_tensors=return_tensors, **kwargs)
+        return copy.deepcopy(metadata(file_key(path)))  # callers edit what they get
+
+    hf_gguf.load_gguf_checkpoint = load_gguf_checkpoint
+
+
+parse_each_gguf_once()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -348,3 +348,55 @@ def test_gemma3_evicts_its_full_layers_and_keeps_its_sliding_rings():
         linear = dict(conv_width=2, conv_channels=4, state_shapes=((2, 2),))
         Cache.from_layer_types(["hybrid"], batch_size=1, num_kv_heads=1, head_dim=8, max_length=8, **linear,
                                eviction=EvictionSpec("h2o", budget=4))  # fmt: skip
+
+
+# --- one prefill, many budgets (Cache.evict) ---------------------------------------------------
+SWEEP_SPECS = {
+    "streaming_llm": EvictionSpec("streaming_llm", budget=8, sinks=2),
+    "snapkv": EvictionSpec("snapkv", budget=8, window=3, kernel_size=3),
+    "pyramidkv": EvictionSpec("pyramidkv", budget=8, window=2, kernel_size=3, beta=2),
+    "h2o": EvictionSpec("h2o", budget=8, window=3),
+    "key_norm": EvictionSpec("key_norm", budget=8),
+}
+SWEEP_PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2], [35, 8, 9, 7, 9, 3, 23, 8, 4, 6, 26, 4, 3]]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_evicting_an_observed_prefill_equals_prefilling_at_the_budget(model, policy):
+    """Ragged prompts prefilled once into the policy's observer (32 slots, nothing evicted), then
+    cut to 8 slots (PyramidKV: 12 down to 4 by depth) by ``Cache.evict``, eagerly and under jit:
+    every layer holds the positions a prefill at that budget keeps, with its K/V and scores, and
+    greedy decoding from both gives the same tokens."""
+    from jaxkv.decoding.generate import prefill_prefix
+
+    spec = SWEEP_SPECS[policy]
+    direct = prefill_prefix(model, SWEEP_PROMPTS, max_length=32, eviction=spec)
+    observed = prefill_prefix(model, SWEEP_PROMPTS, max_length=32, eviction=spec.observer(32))
+    assert np.all(np.asarray(observed.layer(0).slot_positions >= 0).sum(-1).T == [20, 13])  # all held
+    for evicted in (observed.evict(spec), jax.jit(lambda c: c.evict(spec))(observed)):
+        chex.assert_trees_all_equal_shapes_and_dtypes(evicted, direct)
+        for got, want in zip(evicted.layers, direct.layers):
+            np.testing.assert_array_equal(got.slot_positions, want.slot_positions)
+            np.testing.assert_array_equal(got.budget, want.budget)
+            chex.assert_trees_all_close((got.keys, got.values, got.scores, got.lengths),
+                                        (want.keys, want.values, want.scores, want.lengths), atol=1e-6)  # fmt: skip
+    questions = [[4, 5, 6], [7, 8]]
+    want = generate(model, questions, max_new_tokens=6, cache=direct).tokens
+    np.testing.assert_array_equal(generate(model, questions, max_new_tokens=6, cache=observed.evict(spec)).tokens, want)
+
+
+def test_evict_keeps_sliding_rings_and_names_what_it_cannot_do(model):
+    """Gemma 3's sliding ring is left as it is; a policy scoring otherwise, more slots than held,
+    and a cache without evicting layers are errors naming the fix."""
+    gemma = Gemma3(Gemma3Config(**TINY_GEMMA), seed=0)
+    spec = EvictionSpec("h2o", budget=6, window=2)
+    observed = gemma.init_cache(1, 32, eviction=spec.observer(32))
+    evicted = observed.evict(spec)
+    assert evicted.groups[0] is observed.groups[0] and evicted.layer(1).keys.shape[2] == 6
+    with pytest.raises(ValueError, match="prefill with 'snapkv''s EvictionSpec.observer"):
+        observed.evict(EvictionSpec("snapkv", budget=6, window=2))
+    with pytest.raises(ValueError, match="cannot evict to 40 slots: this layer holds 32"):
+        observed.evict(EvictionSpec("h2o", budget=40))
+    with pytest.raises(ValueError, match="no evicting layers"):
+        model.init_cache(1, 32).evict(spec)
+    assert EvictionSpec("pyramidkv", budget=8).observer(32) == EvictionSpec("snapkv", budget=32)

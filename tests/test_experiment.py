@@ -15,6 +15,7 @@ from jaxkv.app.config import ConfigError, load_config
 from jaxkv.app.experiment import Cell, ExperimentConfig, grid
 from jaxkv.app.tasks import (
     PASSKEY,
+    ContextPrefills,
     Haystack,
     KVRetrievalTask,
     PasskeyTask,
@@ -124,6 +125,19 @@ def test_dry_run_lists_the_cells(capsys, tmp_path):
     assert "todo  smollm2 perplexity 256 snapkv@0.25 seed 0" in out
     assert out.strip().endswith(f"12 cells, 12 to run, results in {tmp_path / 'smoke'}")
     assert not (tmp_path / "smoke").exists()  # nothing run, nothing written
+
+
+def test_one_command_takes_several_grids_and_validates_them_all_first(capsys, tmp_path):
+    """``jaxkv experiment A.yaml B.yaml`` lists (or runs) both grids; a config error in the last one
+    stops the command before the first grid runs a cell."""
+    smoke, passkey = str(EXPERIMENTS / "smoke.yaml"), str(EXPERIMENTS / "passkey.yaml")
+    assert main(["experiment", smoke, passkey, "--dry-run", "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"results in {tmp_path / 'smoke'}" in out and f"results in {tmp_path / 'passkey'}" in out
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(json.dumps(GRID | {"seed": [0]}))
+    assert main(["experiment", smoke, str(bad), "--output-dir", str(tmp_path)]) == 2
+    assert "seed" in capsys.readouterr().err and not (tmp_path / "smoke").exists()
 
 
 def test_a_cell_whose_settings_changed_runs_again(tmp_path):
@@ -284,6 +298,34 @@ def test_mqar_cells_run_on_their_checkpoint(tmp_path):
 def test_mqar_without_a_checkpoint_names_the_training_command(tmp_path):
     with pytest.raises(ValueError, match="jaxkv train-mqar"):
         ExperimentConfig.model_validate(GRID | {"tasks": [{"kind": "mqar", "checkpoint": str(tmp_path / "none")}]})
+
+
+def test_an_eviction_policys_budgets_share_one_context_prefill(monkeypatch):
+    """A policy's cells prefill each batch once (into its observer) and cut it to their budget: the
+    caches equal prefilling at each budget; another policy, seed or batch prefills again."""
+    from jaxkv.models.llama import Llama, LlamaConfig
+
+    import jaxkv.decoding.generate
+    from jaxkv.eviction import EvictionSpec
+    from tests.cases import TINY_LLAMA
+
+    model, contexts = Llama(LlamaConfig(**TINY_LLAMA), seed=0), [[3, 14, 15, 9, 2, 6, 5, 3, 5, 8], [35, 8, 9]]
+    direct = jaxkv.decoding.generate.prefill_prefix
+    calls = []
+    monkeypatch.setattr(jaxkv.decoding.generate, "prefill_prefix", lambda *a, **k: calls.append(k) or direct(*a, **k))
+    prefills = ContextPrefills()
+    for budget in (8, 6, 4):
+        spec = EvictionSpec("h2o", budget=budget, window=2)
+        got = prefills.cache(model, contexts, 16, (0, 0), {"eviction": spec})
+        want = direct(model, contexts, max_length=16, eviction=spec)
+        for a, b in zip(got.layers, want.layers):
+            np.testing.assert_array_equal(a.slot_positions, b.slot_positions)
+            np.testing.assert_allclose(a.keys, b.keys, atol=1e-6)
+    assert [k["eviction"] for k in calls] == [EvictionSpec("h2o", budget=16, window=2)]
+    prefills.cache(model, contexts, 16, (1, 0), {"eviction": spec})  # another seed
+    prefills.cache(model, contexts, 16, (0, 0), {"eviction": EvictionSpec("key_norm", budget=4)})
+    prefills.cache(model, contexts, 16, (0, 0), {})  # the plain cache: its own prefill
+    assert len(calls) == 4 and calls[-1] == {"max_length": 16}
 
 
 def test_readme_config_example_validates():

@@ -8,7 +8,7 @@
     jaxkv launch --num-processes 2 --devices-per-process 4 -- generate --mesh data=2,model=4 ...
     jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
     jaxkv bench serving --quick        (jaxkv bench decode|serving: the benchmarks, --help lists their options)
-    jaxkv experiment configs/experiments/smoke.yaml [--dry-run]   (a grid of model x task x cache x budget)
+    jaxkv experiment configs/experiments/smoke.yaml [...] [--dry-run]   (grids of model x task x cache x budget)
 
 The decode benchmark is a script of the source checkout: ``python scripts/bench_decode.py``.
 """
@@ -571,13 +571,15 @@ def run_train_mqar(args) -> int:
 
 def _experiment_parser(sub) -> None:
     parser = sub.add_parser("experiment", help="run a grid of model x task x K/V cache x budget x seed")
-    parser.add_argument("config", type=Path, help="YAML grid, e.g. configs/experiments/smoke.yaml")
+    parser.add_argument(
+        "config", type=Path, nargs="+", help="YAML grid(s), e.g. configs/experiments/smoke.yaml; several run in turn"
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the cells (done or to run) and exit")
     parser.add_argument("--output-dir", type=Path, default=Path("results"), help="results go to OUTPUT_DIR/NAME/")
 
 
 def run_experiment(args) -> int:
-    """``jaxkv experiment CONFIG``: the grid's unfinished cells, then its summary and plot
+    """``jaxkv experiment CONFIG...``: each grid's unfinished cells, then its summary and plot
     (``jaxkv.app.experiment``, imported only for this command)."""
     from jaxkv.app.experiment import run_command
 

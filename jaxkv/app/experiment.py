@@ -3,6 +3,7 @@ the memory it saves, as a grid of model x task (x its context lengths) x cache x
 
     jaxkv experiment configs/experiments/smoke.yaml --dry-run     # list the cells
     jaxkv experiment configs/experiments/passkey.yaml             # run what is not done yet
+    jaxkv experiment configs/experiments/{passkey,retrieval,mqar}.yaml   # several grids in turn
 
 A config (YAML, validated: an unknown key or a wrong type names the key and the file)::
 
@@ -22,7 +23,9 @@ Cells: the plain and quantized caches run once per model, task context and seed;
 runs once per budget below 1.0, keeping ``max(1, int(budget * context))`` slots per row, K/V head and layer
 (``jaxkv.eviction.EvictionSpec``). Budget 1.0 of any policy is the uncompressed cache, so it is the
 plain cache's cell, not one per policy. Cells run model by model (each model loads once), then task,
-context and cache, so the seeds of one cache reuse its compiled functions.
+context and cache, so the seeds of one cache reuse its compiled functions. A retrieval task prefills
+each context once per eviction policy and cuts it to every budget (``jaxkv.app.tasks.ContextPrefills``),
+so a policy's first cell carries that prefill's seconds.
 
 Outputs under ``OUTPUT_DIR/NAME/`` (NAME: the config file's stem): ``results.jsonl``, one line per
 finished cell (its key, metrics, K/V bytes per row as ``cache.nbytes`` reports them, seconds),
@@ -336,15 +339,16 @@ def list_cells(config: ExperimentConfig, output: Path) -> str:
     return "\n".join(lines + [f"{len(cells)} cells, {todo} to run, results in {output}"])
 
 
-def run_command(path: Path, output_dir: Path, *, dry_run: bool = False) -> int:
-    """``jaxkv experiment PATH``: the grid's cells not yet finished (into ``output_dir``/NAME), then
-    the summary and plot; ``dry_run``: list the cells."""
-    config = load_config(path, ExperimentConfig)
-    output = output_dir / path.stem
-    if dry_run:
-        print(list_cells(config, output))
-        return 0
-    rows = run_experiment(config, output)
-    print(markdown(rows))
-    print(f"wrote {output / 'results.jsonl'}, {output / 'summary.csv'} and {output / (output.name + '.png')}")
+def run_command(paths: list[Path], output_dir: Path, *, dry_run: bool = False) -> int:
+    """``jaxkv experiment PATH...``: each grid's cells not yet finished (into ``output_dir``/NAME),
+    then its summary and plot; ``dry_run``: list the cells. Every config is validated before the
+    first cell runs, so a typo in the last grid fails at once, not after the others."""
+    configs = [(load_config(path, ExperimentConfig), output_dir / path.stem) for path in paths]
+    for config, output in configs:
+        if dry_run:
+            print(list_cells(config, output))
+            continue
+        rows = run_experiment(config, output)
+        print(markdown(rows))
+        print(f"wrote {output / 'results.jsonl'}, {output / 'summary.csv'} and {output / (output.name + '.png')}")
     return 0

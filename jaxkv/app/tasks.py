@@ -42,6 +42,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from jaxkv.app.config import Strict, load_config
 from jaxkv.app.corpus import corpus_text
+from jaxkv.eviction import EvictionSpec
 
 Depth = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -103,15 +104,15 @@ class RetrievalTask(Task):
     def build_examples(self, tokenizer, chat: bool, haystack: Haystack, context: int, seed: int):
         """The cell's prompts and answers (``chat``: in the model's chat template)."""
 
-    def prepare(self, tokenizer) -> Haystack:
-        return Haystack.build(tokenizer)
+    def prepare(self, tokenizer) -> RetrievalData:
+        return RetrievalData(Haystack.build(tokenizer), ContextPrefills())
 
-    def run(self, model, tokenizer, haystack: Haystack, context: int, seed: int, cache_options: dict):
+    def run(self, model, tokenizer, data: RetrievalData, context: int, seed: int, cache_options: dict):
         """The cell's metrics and the K/V bytes per row (see ``retrieval_metrics``)."""
-        examples = self.build_examples(tokenizer, tokenizer.chat_template is not None, haystack, context, seed)
+        examples = self.build_examples(tokenizer, tokenizer.chat_template is not None, data.haystack, context, seed)
         return retrieval_metrics(
             model, tokenizer, examples, context=context, max_new_tokens=self.max_new_tokens,
-            batch_size=self.batch_size, cache_options=cache_options,
+            batch_size=self.batch_size, cache_options=cache_options, prefills=data.prefills, seed=seed,
         )  # fmt: skip
 
 
@@ -243,6 +244,42 @@ class Haystack:
             if index < count:
                 pieces.append(chosen[index])
         return Filled(" ".join(pieces), tuple(float(boundaries[slot] / total) for slot in slots))
+
+
+@dataclasses.dataclass
+class ContextPrefills:
+    """The context prefills of a retrieval task's cells on one model. An eviction policy's budgets
+    share one: each batch of contexts is prefilled once into the policy's observer (a budget of
+    the whole context: every token held and scored, ``EvictionSpec.observer``) and cut to each
+    cell's budget by ``Cache.evict``, which is the cache a prefill at that budget gives (the
+    context is one update). Only the latest policy's prefills are kept (cells run policy by
+    policy); plain and quantized caches are prefilled for their one cell."""
+
+    observer: EvictionSpec | None = None
+    caches: dict = dataclasses.field(default_factory=dict)  # (context, seed, first example) -> Cache
+
+    def cache(self, model, contexts: list[list[int]], context: int, key: tuple, cache_options: dict):
+        """The cache of ``contexts`` (one row each, ``context`` slots) under ``cache_options``."""
+        from jaxkv.decoding.generate import prefill_prefix
+
+        eviction = cache_options.get("eviction")
+        if eviction is None:
+            return prefill_prefix(model, contexts, max_length=context, **cache_options)
+        observer = eviction.observer(context)
+        if observer != self.observer:
+            self.observer, self.caches = observer, {}
+        if (context, *key) not in self.caches:
+            options = cache_options | {"eviction": observer}
+            self.caches[(context, *key)] = prefill_prefix(model, contexts, max_length=context, **options)
+        return self.caches[(context, *key)].evict(eviction)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalData:
+    """What a retrieval task prepares once per model: the haystack and the shared prefills."""
+
+    haystack: Haystack
+    prefills: ContextPrefills
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,23 +415,25 @@ def parse_number(text: str) -> str | None:
 
 def retrieval_metrics(
     model, tokenizer, examples: Sequence[RetrievalExample], *, context: int, max_new_tokens: int,
-    batch_size: int, cache_options: dict,
+    batch_size: int, cache_options: dict, prefills: ContextPrefills | None = None, seed: int = 0,
 ) -> tuple[dict, float]:  # fmt: skip
     """Greedy answers of ``examples`` through caches built with ``cache_options`` (a capacity of
-    ``context`` tokens): per batch of ``batch_size`` rows the contexts are prefilled into one cache,
-    then the questions are decoded from it. A short last batch is padded with copies of its first
+    ``context`` tokens): per batch of ``batch_size`` rows the contexts are prefilled into one cache
+    (by ``prefills``, shared across an eviction policy's budgets; ``seed`` names the examples
+    there), then the questions are decoded from it. A short last batch is padded with copies of its first
     example (every batch has one shape: one compile), whose answers are dropped.
 
     Returns the metrics (accuracy overall and per requested depth, the answers, the generated
     texts and the numbers parsed from them) and the K/V bytes the cache holds per row
     (``cache.nbytes`` / rows)."""
-    from jaxkv.decoding.generate import generate, prefill_prefix
+    from jaxkv.decoding.generate import generate
 
+    prefills = prefills or ContextPrefills()
     texts, row_bytes = [], None
     for first in range(0, len(examples), batch_size):
         batch = list(examples[first : first + batch_size])
         rows = batch + [batch[0]] * (batch_size - len(batch))
-        cache = prefill_prefix(model, [e.context for e in rows], max_length=context, **cache_options)
+        cache = prefills.cache(model, [e.context for e in rows], context, (seed, first), cache_options)
         out = generate(
             model, [e.question for e in rows], max_new_tokens=max_new_tokens, cache=cache,
             stop_tokens=tokenizer.eos_token_ids,

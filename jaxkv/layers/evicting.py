@@ -183,6 +183,33 @@ class EvictingLayer(BatchMajorLayer):
             lengths=lengths,
         )
 
+    def evict_to(self, spec: EvictionSpec, layer_indices: list[int], num_layers: int) -> EvictingLayer:
+        """This stack (leaves ``[L, ...]``, entry j model layer ``layer_indices[j]``) cut to ``spec``'s
+        budgets: each layer keeps the best of the slots it holds by their stored scores (sinks and
+        ``spec``'s window always), in new arrays of ``max(spec.layer_budgets(num_layers))`` slots.
+        ``spec`` must score as this layer's spec does (``EvictionSpec.scoring``) and not keep more
+        slots than the layer has. From a layer that evicted nothing yet (``EvictionSpec.observer``),
+        this is the layer that one update of the same tokens at ``spec``'s budget leaves; from one
+        that did evict, it evicts again from what is left."""
+        if spec.scoring() != self.spec.scoring():
+            raise ValueError(
+                f"cannot evict a cache scored as {self.spec.scoring()} to {spec.policy!r}, which scores as "
+                f"{spec.scoring()}: prefill with {spec.policy!r}'s EvictionSpec.observer(slots) first"
+            )
+        held = self.keys.shape[-2]
+        spec = spec.resolved(held)
+        budgets = spec.layer_budgets(num_layers)
+        if max(budgets) > held:
+            raise ValueError(f"cannot evict to {max(budgets)} slots: this layer holds {held}; give a smaller budget")
+        batch, heads, _, head_dim = self.keys.shape[1:]
+        empty = EvictingLayer.create(batch, heads, head_dim, spec, max(budgets), self.keys.dtype)
+        target = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (len(layer_indices), *leaf.shape)), empty)
+        target = target.for_layers(layer_indices, num_layers)
+        held_slots = Candidates(self.keys, self.values, self.slot_positions, self.scores)
+        return jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(
+            target, held_slots, self.lengths
+        )
+
     # --- edits, capacity -------------------------------------------------------------------
     def logical_axes(self):
         return self.replace(
@@ -239,6 +266,9 @@ class PackedEvictingLayer(PackedRowsLayer):
 
     def update_entry(self, index, keys, values, positions):
         return self.slots.update_entry(index, keys, values, positions)  # raises: use cached_attention
+
+    def evict_to(self, spec, layer_indices, num_layers):
+        raise TypeError("Cache.evict cuts the rows of a cache built for generate; the engine's rows are not cut")
 
     def attend_entry(self, index, queries, keys, values, positions, read: Read):
         """``EvictingLayer.attend_entry`` of packed ``[1, H, N, D]`` tokens at ``positions`` ``[1, N]``;
