@@ -193,6 +193,7 @@ def finished(config: ExperimentConfig, results: Path) -> dict[tuple, dict]:
 def run_experiment(config: ExperimentConfig, output: Path, *, progress: bool = True) -> list[dict]:
     """Run the cells of ``config`` not yet in ``output``/results.jsonl, appending each as it ends;
     then write the summary CSV and the plot. Returns the summary rows."""
+    import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
@@ -210,6 +211,10 @@ def run_experiment(config: ExperimentConfig, output: Path, *, progress: bool = T
         bar.set_postfix_str(str(cell))
         task, cache = tasks[cell.task], caches[cell.cache]
         if cell.model != loaded_name:  # cells are ordered by model: each loads once
+            # The last model's executables are of no more use; XLA's CPU backend maps memory for
+            # each, and a process holding those of ~100 cells ran out of mappings (LLVM "Cannot
+            # allocate memory", then a crash).
+            jax.clear_caches()
             if isinstance(task, MQARTask):
                 model, tokenizer = task.load()
             else:

@@ -271,7 +271,11 @@ class ContextPrefills:
         if (context, *key) not in self.caches:
             options = cache_options | {"eviction": observer}
             self.caches[(context, *key)] = prefill_prefix(model, contexts, max_length=context, **options)
-        return self.caches[(context, *key)].evict(eviction)
+        return evict(self.caches[(context, *key)], eviction)
+
+
+# One compile per spec and cache shape: evicting eagerly would compile each of its ops apart.
+evict = jax.jit(lambda cache, spec: cache.evict(spec), static_argnums=1)
 
 
 @dataclasses.dataclass(frozen=True)
