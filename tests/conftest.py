@@ -33,8 +33,8 @@ def parse_each_gguf_once() -> None:
         stat = Path(path).stat()
         return str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns
 
-    readers = functools.lru_cache(maxsize=8)(lambda key, mode: uncached_reader(key[0], mode))
     uncached_reader, uncached_load = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
+    readers = functools.lru_cache(maxsize=8)(lambda key, mode: uncached_reader(key[0], mode))
     metadata = functools.lru_cache(maxsize=8)(lambda key: uncached_load(key[0], return_tensors=False))
     gguf.GGUFReader = lambda path, mode="r": readers(file_key(path), mode)
 
