@@ -31,7 +31,7 @@ from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
-from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback
+from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, stacked
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
 
@@ -289,9 +289,8 @@ def build_groups(layer_types: Sequence[str], spec: LayerSpec, period: int) -> tu
     """Group g: layer type ``layer_types[g]`` built once and repeated for layers g, g + period, ..."""
     groups = []
     for g in range(period):
-        layer, indices = LAYER_TYPES[layer_types[g]].build(spec), list(range(g, len(layer_types), period))
-        stack = jax.tree.map(lambda leaf, n=len(indices): jnp.broadcast_to(leaf, (n, *leaf.shape)), layer)
-        groups.append(stack.for_layers(indices, len(layer_types)))
+        indices = list(range(g, len(layer_types), period))
+        groups.append(stacked(LAYER_TYPES[layer_types[g]].build(spec), indices, len(layer_types)))
     return tuple(groups)
 
 

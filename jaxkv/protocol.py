@@ -466,6 +466,14 @@ def lengths_after(lengths: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.maximum(lengths, jnp.max(positions, axis=1).astype(jnp.int32) + 1)
 
 
+def stacked(layer: CacheLayer, layer_indices: list[int], num_layers: int) -> CacheLayer:
+    """``layer`` repeated as a stack (every leaf ``[L, ...]``), entry j model layer ``layer_indices[j]``
+    of ``num_layers`` (``CacheLayer.for_layers`` sets what differs by depth)."""
+    count = len(layer_indices)
+    repeated = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (count, *leaf.shape)), layer)
+    return repeated.for_layers(layer_indices, num_layers)
+
+
 def entry(stack: jax.Array, index) -> jax.Array:
     """Entry ``index`` (int or traced scalar) of a stacked leaf ``[L, ...]``."""
     return jax.lax.dynamic_index_in_dim(stack, index, axis=0, keepdims=False)

@@ -26,7 +26,7 @@ from flax import struct
 
 from jaxkv.eviction import EvictionSpec, key_norm_scores, pooled_window_mass
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
-from jaxkv.protocol import PackedRowsLayer, limit_rollback
+from jaxkv.protocol import PackedRowsLayer, limit_rollback, stacked
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 # read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
@@ -188,7 +188,8 @@ class EvictingLayer(BatchMajorLayer):
         budgets: each layer keeps the best of the slots it holds by their stored scores (sinks and
         ``spec``'s window always), in new arrays of ``max(spec.layer_budgets(num_layers))`` slots.
         ``spec`` must score as this layer's spec does (``EvictionSpec.scoring``) and not keep more
-        slots than the layer has. From a layer that evicted nothing yet (``EvictionSpec.observer``),
+        slots than the layer has; a ``compression_ratio`` resolves against the slots held (the
+        observer's ``max_length``), not the tokens seen. From a layer that evicted nothing yet (``EvictionSpec.observer``),
         this is the layer that one update of the same tokens at ``spec``'s budget leaves; from one
         that did evict, it evicts again from what is left."""
         if spec.scoring() != self.spec.scoring():
@@ -203,8 +204,7 @@ class EvictingLayer(BatchMajorLayer):
             raise ValueError(f"cannot evict to {max(budgets)} slots: this layer holds {held}; give a smaller budget")
         batch, heads, _, head_dim = self.keys.shape[1:]
         empty = EvictingLayer.create(batch, heads, head_dim, spec, max(budgets), self.keys.dtype)
-        target = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (len(layer_indices), *leaf.shape)), empty)
-        target = target.for_layers(layer_indices, num_layers)
+        target = stacked(empty, layer_indices, num_layers)
         held_slots = Candidates(self.keys, self.values, self.slot_positions, self.scores)
         return jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(
             target, held_slots, self.lengths
