@@ -329,6 +329,8 @@ def plot(rows: list[dict], path: Path) -> None:
             metric = here[0]["metric"]
             axis.set(title=f"{model}, {task}, {context} tokens", xlabel="K/V MiB per sequence", ylabel=metric)
             axis.set_xscale("log")
+            if metric == "accuracy":  # one scale on every panel, so panels compare at a glance
+                axis.set_ylim(-0.05, 1.05)
             axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
