@@ -31,7 +31,7 @@ from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
-from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, stacked
+from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, stacked_for_layers
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
 
@@ -290,7 +290,7 @@ def build_groups(layer_types: Sequence[str], spec: LayerSpec, period: int) -> tu
     groups = []
     for g in range(period):
         indices = list(range(g, len(layer_types), period))
-        groups.append(stacked(LAYER_TYPES[layer_types[g]].build(spec), indices, len(layer_types)))
+        groups.append(stacked_for_layers(LAYER_TYPES[layer_types[g]].build(spec), indices, len(layer_types)))
     return tuple(groups)
 
 

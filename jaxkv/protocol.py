@@ -466,7 +466,7 @@ def lengths_after(lengths: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.maximum(lengths, jnp.max(positions, axis=1).astype(jnp.int32) + 1)
 
 
-def stacked(layer: CacheLayer, layer_indices: list[int], num_layers: int) -> CacheLayer:
+def stacked_for_layers(layer: CacheLayer, layer_indices: list[int], num_layers: int) -> CacheLayer:
     """``layer`` repeated as a stack (every leaf ``[L, ...]``), entry j model layer ``layer_indices[j]``
     of ``num_layers`` (``CacheLayer.for_layers`` sets what differs by depth)."""
     count = len(layer_indices)

@@ -26,7 +26,7 @@ from flax import struct
 
 from jaxkv.eviction import EvictionSpec, key_norm_scores, pooled_window_mass
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
-from jaxkv.protocol import PackedRowsLayer, limit_rollback, stacked
+from jaxkv.protocol import PackedRowsLayer, limit_rollback, stacked_for_layers
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 # read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
@@ -189,9 +189,9 @@ class EvictingLayer(BatchMajorLayer):
         ``spec``'s window always), in new arrays of ``max(spec.layer_budgets(num_layers))`` slots.
         ``spec`` must score as this layer's spec does (``EvictionSpec.scoring``) and not keep more
         slots than the layer has; a ``compression_ratio`` resolves against the slots held (the
-        observer's ``max_length``), not the tokens seen. From a layer that evicted nothing yet (``EvictionSpec.observer``),
-        this is the layer that one update of the same tokens at ``spec``'s budget leaves; from one
-        that did evict, it evicts again from what is left."""
+        observer's ``max_length``), not the tokens seen. From a layer that evicted nothing yet
+        (``EvictionSpec.observer``), this is the layer that one update of the same tokens at
+        ``spec``'s budget leaves; from one that did evict, it evicts again from what is left."""
         if spec.scoring() != self.spec.scoring():
             raise ValueError(
                 f"cannot evict a cache scored as {self.spec.scoring()} to {spec.policy!r}, which scores as "
@@ -204,7 +204,7 @@ class EvictingLayer(BatchMajorLayer):
             raise ValueError(f"cannot evict to {max(budgets)} slots: this layer holds {held}; give a smaller budget")
         batch, heads, _, head_dim = self.keys.shape[1:]
         empty = EvictingLayer.create(batch, heads, head_dim, spec, max(budgets), self.keys.dtype)
-        target = stacked(empty, layer_indices, num_layers)
+        target = stacked_for_layers(empty, layer_indices, num_layers)
         held_slots = Candidates(self.keys, self.values, self.slot_positions, self.scores)
         return jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(
             target, held_slots, self.lengths
