@@ -513,7 +513,7 @@ class Cache:
     def layer(self, layer_idx: int) -> CacheLayer:
         """Layer ``layer_idx`` as a single (unstacked) layer, for inspection."""
         group, index = self.locate(layer_idx)
-        return jax.tree.map(lambda leaf: leaf[index], self.groups[group])
+        return self.groups[group].unstacked(index)
 
     @property
     def layers(self) -> tuple[CacheLayer, ...]:

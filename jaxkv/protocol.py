@@ -173,6 +173,20 @@ class CacheLayer(abc.ABC):
         out, _ = read(queries, view, positions, None)
         return stack, out
 
+    def entry_view(self, index) -> Self:
+        """Entry ``index`` (int or traced) of this stack as one layer, as an update reads it. A stack
+        whose entries share storage (``EvictingLayer``'s paired budgets) gives each entry its slots."""
+        return jax.tree.map(lambda leaf: entry(leaf, index), self)
+
+    def store_entry(self, index, layer: Self) -> Self:
+        """This stack with entry ``index`` replaced by ``layer`` (an ``entry_view`` updated), in place."""
+        return jax.tree.map(lambda stack, new: stack.at[index].set(new), self, layer)
+
+    def unstacked(self, index: int) -> Self:
+        """Entry ``index`` (an int) as a single layer holding only its own slots, for inspection
+        (``Cache.layer``); a copy, not for hot loops."""
+        return jax.tree.map(lambda leaf: leaf[index], self)
+
     def as_entry_zero(self, entry_method: Callable, *args) -> tuple[Self, Any]:
         """``entry_method(stack, 0, *args)`` on this layer as a stack of one; returns the layer and the result."""
         stack, result = entry_method(jax.tree.map(lambda leaf: leaf[None], self), 0, *args)
@@ -417,14 +431,14 @@ class PackedRowsLayer(CacheLayer):
         """``slots`` with entry ``index``'s rows that get position 0 in this update emptied, and
         where the update's packed tokens (``positions`` ``[N]``) go in ``[R, T]``."""
         rows = entry(self.token_rows, index)
-        current = jax.tree.map(lambda leaf: entry(leaf, index), self.slots)
+        current = self.slots.entry_view(index)
         fresh = jnp.zeros(self.lengths.shape[1], bool).at[rows].max(positions == 0)
 
         def emptied(now: jax.Array, empty: jax.Array) -> jax.Array:
             return jnp.where(fresh.reshape(-1, *[1] * (now.ndim - 1)), empty, now)
 
         current = jax.tree.map(emptied, current, current.reset())
-        slots = jax.tree.map(lambda stack, new: stack.at[index].set(new), self.slots, current)
+        slots = self.slots.store_entry(index, current)
         return slots, RowPacking.of(rows, positions, current.lengths, self.tokens_per_row)
 
     def rollback(self, num_tokens) -> Self:

@@ -281,19 +281,24 @@ def chunked_greedy(model, prompt, eviction, chunk: int, new_tokens: int = NEW_TO
     return tokens[len(prompt) :]
 
 
-# One policy per model: an attention-scored one accumulated while decoding (H2O) on Llama, one
-# scored at each update's end (SnapKV) on Gemma 3, whose sliding layers keep their pages.
-EVICTION = {"llama": EvictionSpec("h2o", budget=10, window=4), "gemma3": EvictionSpec("snapkv", budget=10, window=4)}
+# An attention-scored policy accumulated while decoding (H2O) on Llama, one scored at each
+# update's end (SnapKV) on Gemma 3, whose sliding layers keep their pages, and PyramidKV's
+# budgets by depth (15, 10, 5: entries paired, 10 slots each) on Llama.
+EVICTION = {
+    "llama": ("llama", EvictionSpec("h2o", budget=10, window=4)),
+    "gemma3": ("gemma3", EvictionSpec("snapkv", budget=10, window=4)),
+    "llama-pyramidkv": ("llama", EvictionSpec("pyramidkv", budget=10, window=4, beta=2)),
+}
 
 
-@pytest.mark.parametrize("kind", EVICTION)
-def test_evicted_rows_equal_generate_with_the_same_policy(kind):
+@pytest.mark.parametrize("case", EVICTION)
+def test_evicted_rows_equal_generate_with_the_same_policy(case):
     """Evicted full-attention layers keep a budget of slots per engine row, beside the pages
     (Gemma's sliding layers) or instead of them (Llama): prompts of one chunk arriving at
     different steps, rows taken over by new requests, give ``generate``'s tokens with the
     same policy; a prompt chunked over many steps gives what a cache fed the same chunks
     gives. No prefix caching (with a warning), no pages for evicted layers."""
-    spec = EVICTION[kind]
+    kind, spec = EVICTION[case]
     model = Llama(LlamaConfig(**LLAMA)) if kind == "llama" else Gemma3(Gemma3Config(**GEMMA))
     prompts = prompts_of(21, 7, longest=16)
     with pytest.warns(UserWarning, match="without prefix caching"):

@@ -9,6 +9,7 @@ and the most recent tokens at any chunking. kvpress itself is the oracle of
 ``tests/test_eviction_parity.py``.
 """
 
+import dataclasses
 import functools
 
 import chex
@@ -239,18 +240,40 @@ def test_key_norm_scores_and_keeps_the_lowest_norm_keys():
     np.testing.assert_allclose(cache.layer(0).scores, -np.take_along_axis(norms, want, axis=-1), rtol=1e-6)
 
 
-def test_pyramidkv_budgets_fall_with_depth_and_average_the_budget():
-    spec = EvictionSpec("pyramidkv", budget=40, window=2, beta=4)
-    cache = layer_cache(spec, num_layers=5)
-    budgets = [int(cache.layer(i).budget[0]) for i in range(5)]
+@pytest.mark.parametrize("num_layers", [5, 4])  # odd: the middle entry is paired with itself
+def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(num_layers):
+    """PyramidKV's budgets fall with depth and average the budget. The stack pairs entries j and
+    L-1-j, so it holds the mean budget per layer (what SnapKV at that budget holds), not the first
+    layer's. Fed different K/V per layer in random chunks, ragged rows, under jit, each layer gives
+    the outputs, and keeps the positions, K/V and scores, of a one-layer SnapKV cache at its budget."""
+    spec = EvictionSpec("pyramidkv", budget=40, window=2, beta=4, kernel_size=3)
+    budgets = spec.layer_budgets(num_layers)
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > 40 > budgets[-1]
     assert abs(np.mean(budgets) - 40) <= 1
-    assert cache.layer(0).keys.shape[2] == budgets[0]  # allocated for the largest
-    q, k, v = random_kv(9, 80)  # more than any layer keeps
-    positions = ragged_positions(80, (80, 80))
-    for i in range(5):
-        cache, _ = attend(cache, i, q, k, v, positions)
-        assert int(np.sum(np.asarray(cache.layer(i).slot_positions[0, 0]) >= 0)) == budgets[i]
+    cache = layer_cache(spec, num_layers=num_layers)
+    snapkv = dataclasses.replace(spec, policy="snapkv")
+    assert cache.groups[0].keys.shape[3] == 40 and cache.nbytes == layer_cache(snapkv, num_layers=num_layers).nbytes
+    references = [layer_cache(dataclasses.replace(snapkv, budget=budget)) for budget in budgets]
+    row_lengths = (90, 71)
+    for start, end in chunks(max(row_lengths), seed=num_layers):
+        t = jnp.arange(start, end)[None, :]
+        positions = jnp.where(t < jnp.asarray(row_lengths)[:, None], t, -1).astype(jnp.int32)
+        for i in range(num_layers):
+            q, k, v = random_kv(100 * i + start, end - start)
+            cache, out = attend(cache, i, q, k, v, positions)
+            references[i], want = attend(references[i], 0, q, k, v, positions)
+            np.testing.assert_allclose(out, want, atol=1e-5)
+    for i, reference in enumerate(references):
+        got, want = cache.layer(i), reference.layer(0)
+        assert got.keys.shape[2] == budgets[i]
+        np.testing.assert_array_equal(got.slot_positions, want.slot_positions)
+        held = np.asarray(want.slot_positions >= 0)
+        assert held[0].sum(-1).tolist() == [budgets[i]] * H_KV
+        for name in ("keys", "values", "scores"):
+            np.testing.assert_allclose(
+                np.asarray(getattr(got, name))[held], np.asarray(getattr(want, name))[held], atol=1e-5
+            )
+        np.testing.assert_array_equal(got.lengths, row_lengths)
 
 
 # --- decoding strategies ---------------------------------------------------------------------
@@ -358,7 +381,10 @@ SWEEP_SPECS = {
     "h2o": EvictionSpec("h2o", budget=8, window=3),
     "key_norm": EvictionSpec("key_norm", budget=8),
 }
-SWEEP_PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2], [35, 8, 9, 7, 9, 3, 23, 8, 4, 6, 26, 4, 3]]
+SWEEP_PROMPTS = [
+    [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2],
+    [35, 8, 9, 7, 9, 3, 23, 8, 4, 6, 26, 4, 3],
+]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -10,6 +10,13 @@ from this update's queries, which the attention call returns with its output (``
 ``read``): no second pass over the keys. The layer therefore takes ``attend_entry`` (model code
 calls ``jaxkv.attention.cached_attention``), not a bare ``update``.
 
+PyramidKV's budgets differ by depth, but a stack of layers shares one shape. Its linear schedule
+makes the budgets of entries j and L-1-j sum to twice the mean, so the stack pairs them
+(``paired``): each entry holds ``E`` = that mean (rounded up) slots, a layer over its share takes
+the rest of its slots from its partner's entry, and the stack holds what the layers keep, not
+``L`` times the first layer's budget. An update reads both entries (``entry_view``: ``2E`` slots,
+the partner's at position -1) and writes back only the slots the layer owns (``store_entry``).
+
 What cannot be undone: evicted K/V are gone. ``max_rollback`` is 0, so ``rollback`` of any
 token is an error eagerly and a no-op under jit, and speculative decoding (which rolls back
 rejected drafts) refuses an evicting cache. Beam search and batch edits gather whole rows and
@@ -33,6 +40,31 @@ from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 #   -> (attention output [B, H_q, T, D], slot mass [B, H_kv, S] or None)
 Read = Callable[[jax.Array, KVView, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array | None]]
 HEAD_SLOT_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS)  # [B, H_kv, N]
+SLOT_LEAVES = ("keys", "values", "slot_positions", "scores")  # the leaves with a slot axis (axis 2 of an entry)
+
+
+def paired_slots(budgets: list[int]) -> int:
+    """Slots per entry of a stack whose entries keep ``budgets``: entries j and L-1-j share theirs,
+    so each holds their mean, rounded up (the largest budget when every budget is equal)."""
+    return max(-(-(budgets[j] + budgets[-1 - j]) // 2) for j in range(len(budgets)))
+
+
+def along_slots(mask: jax.Array, leaf: jax.Array) -> jax.Array:
+    """``mask`` ``[B, S]`` shaped to broadcast over a slot leaf ``[B, H_kv, S]`` or ``[B, H_kv, S, D]``."""
+    return mask.reshape(mask.shape[0], 1, mask.shape[1], *[1] * (leaf.ndim - 3))
+
+
+def rotate(x: jax.Array, shift: jax.Array, axis: int) -> jax.Array:
+    """``x`` (rows first) with each row r's slots (``axis``) rotated: slot s becomes slot ``(s - shift[r]) mod S``."""
+    num_slots = x.shape[axis]
+    source = (jnp.arange(num_slots) + shift[:, None]) % num_slots  # [B, S]
+    index = source.reshape(source.shape[0], *[1] * (axis - 1), num_slots, *[1] * (x.ndim - axis - 1))
+    return jnp.take_along_axis(x, index, axis=axis)
+
+
+def slot_leaves(layer, fn) -> dict[str, jax.Array]:
+    """``fn(name, leaf)`` of each slot leaf of ``layer``, by name (for ``layer.replace``)."""
+    return {name: fn(name, getattr(layer, name)) for name in SLOT_LEAVES}
 
 
 @struct.dataclass
@@ -56,6 +88,8 @@ class EvictingLayer(BatchMajorLayer):
     lengths: jax.Array  # [B] int32: tokens seen, not slots filled
     budget: jax.Array  # [B] int32: slots this layer keeps (<= N; PyramidKV's differ per layer)
     spec: EvictionSpec = struct.field(pytree_node=False)
+    # Entries j and L-1-j share their 2N slots (PyramidKV's budgets; see the module docstring).
+    paired: bool = struct.field(pytree_node=False, default=False)
 
     MEMORY_FORMULA = "2·B·N·H_kv·D·bytes + 8·B·N·H_kv + 8·B"
 
@@ -82,13 +116,111 @@ class EvictingLayer(BatchMajorLayer):
         return kv + 8 * batch_size * slots * num_kv_heads + 8 * batch_size
 
     def for_layers(self, layer_indices: list[int], num_layers: int) -> EvictingLayer:
-        """This stack (leaves ``[L, ...]``), entry j keeping model layer ``layer_indices[j]``'s
-        budget of ``EvictionSpec.layer_budgets`` (PyramidKV's differ by depth)."""
-        budgets = self.spec.layer_budgets(num_layers)
-        for budget in budgets:
+        """This stack (leaves ``[L, ...]``, as created: empty, ``max`` budget slots), entry j keeping
+        model layer ``layer_indices[j]``'s budget of ``EvictionSpec.layer_budgets``. Budgets that differ
+        by depth (PyramidKV's) pair the entries and cut every entry to its pair's mean."""
+        all_budgets = self.spec.layer_budgets(num_layers)
+        for budget in all_budgets:
             self.spec.check_budget(budget)
-        per_layer = jnp.asarray([budgets[i] for i in layer_indices], jnp.int32)[:, None]
-        return self.replace(budget=jnp.broadcast_to(per_layer, self.budget.shape))
+        budgets = [all_budgets[i] for i in layer_indices]
+        per_layer = jnp.asarray(budgets, jnp.int32)[:, None]
+        stack = self.replace(budget=jnp.broadcast_to(per_layer, self.budget.shape))
+        size = paired_slots(budgets)
+        if size == self.keys.shape[-2]:
+            return stack
+        return stack.replace(paired=True, **slot_leaves(stack, lambda _, leaf: leaf[:, :, :, :size]))
+
+    # --- entries and the slots they own -------------------------------------------------------
+    # Paired, a layer of budget b <= E owns the first b slots of its entry; one of b > E owns its
+    # whole entry and the last b - E slots of its partner's (which keeps at most 2E - b). In the
+    # concatenation [own entry, partner entry] that is a cyclic run of b slots from slot 0 or 3E - b.
+    # The view rotates the run to the end, so the layer's slots sit where a b-slot layer's would:
+    # right before the new tokens it is updated with (SnapKV pools scores over neighbouring slots).
+    def entry_view(self, index) -> EvictingLayer:
+        """Entry ``index`` as one layer; paired, ``2E`` slots (``[B, H_kv, 2E, ...]``) of its own and its
+        partner's entries, those it owns last, the others at position -1."""
+        if not self.paired:
+            return super().entry_view(index)
+        return self.shared_slots(index).with_owned_positions()
+
+    def store_entry(self, index, layer: EvictingLayer) -> EvictingLayer:
+        """Entry ``index`` replaced by ``layer`` (an updated ``entry_view``); paired, only the slots it owns."""
+        if not self.paired:
+            return super().store_entry(index, layer)
+        shared, owned = self.shared_slots(index), layer.owned()
+
+        def updated(name: str, new: jax.Array) -> jax.Array:  # the layer's slots; its partner's as they were
+            return jnp.where(along_slots(owned, new), new, getattr(shared, name))
+
+        merged = layer.replace(**slot_leaves(layer, updated)).rotated(-layer.rotation())
+        size, partner = self.keys.shape[-2], self.keys.shape[0] - 1 - index
+
+        # The partner's half first: an entry paired with itself (the middle one) then keeps its own.
+        def with_partner_half(name: str, stack: jax.Array) -> jax.Array:
+            return stack.at[partner].set(getattr(merged, name)[:, :, size:])
+
+        stack = self.replace(**slot_leaves(self, with_partner_half))
+        own = merged.replace(**slot_leaves(merged, lambda _, leaf: leaf[:, :, :size]))
+        return super(EvictingLayer, stack).store_entry(index, own)
+
+    def shared_slots(self, index) -> EvictingLayer:
+        """Entry ``index``'s ``entry_view`` with every slot's position as stored."""
+        partner = self.keys.shape[0] - 1 - index
+        layer = jax.tree.map(lambda leaf: entry(leaf, index), self)
+        layer = layer.replace(
+            **slot_leaves(layer, lambda name, own: jnp.concatenate([own, entry(getattr(self, name), partner)], axis=2))
+        )
+        return layer.rotated(layer.rotation())
+
+    def rotation(self) -> jax.Array:
+        """``[B]``: how far a paired view is rotated from ``[own entry, partner entry]``."""
+        return jnp.minimum(self.budget, self.keys.shape[-2] // 2)
+
+    def rotated(self, shift: jax.Array) -> EvictingLayer:
+        """This (single) layer's slots rotated by ``shift`` ``[B]`` (``rotate``)."""
+        return self.replace(**slot_leaves(self, lambda _, leaf: rotate(leaf, shift, axis=2)))
+
+    def owned(self) -> jax.Array:
+        """``[B, 2E]`` bool of a paired ``entry_view``: its last ``budget`` slots."""
+        return jnp.arange(self.keys.shape[-2]) >= self.keys.shape[-2] - self.budget[:, None]
+
+    def with_owned_positions(self) -> EvictingLayer:
+        """This ``entry_view`` with the slots it does not own at position -1."""
+        return self.replace(slot_positions=jnp.where(self.owned()[:, None], self.slot_positions, -1))
+
+    def entry_views(self) -> EvictingLayer:
+        """Every entry's ``entry_view`` at once (leaves ``[L, ...]``; this stack when not paired)."""
+        if not self.paired:
+            return self
+        shared = self.replace(**slot_leaves(self, lambda _, leaf: jnp.concatenate([leaf, leaf[::-1]], axis=3)))
+        return jax.vmap(lambda layer: layer.rotated(layer.rotation()).with_owned_positions())(shared)
+
+    def from_entry_views(self, views: EvictingLayer) -> EvictingLayer:
+        """The stack whose ``entry_views`` are ``views`` (each slot from the view of the layer owning it)."""
+        if not self.paired:
+            return views
+        size = self.keys.shape[-2]
+
+        def unrotated(view: EvictingLayer) -> tuple[EvictingLayer, jax.Array]:  # as stored, and the owned [B, 2E]
+            shift = -view.rotation()
+            return view.rotated(shift), rotate(view.owned(), shift, axis=1)
+
+        def stored(view: EvictingLayer, partner: EvictingLayer) -> EvictingLayer:
+            (view, owned), (partner, _) = unrotated(view), unrotated(partner)
+            mine = owned[:, :size]
+            return view.replace(**slot_leaves(view, lambda name, leaf: jnp.where(
+                along_slots(mine, leaf), leaf[:, :, :size], getattr(partner, name)[:, :, size:]
+            )))  # fmt: skip
+
+        return jax.vmap(stored)(views, jax.tree.map(lambda leaf: leaf[::-1], views))
+
+    def unstacked(self, index: int) -> EvictingLayer:
+        """Entry ``index`` as a layer of exactly its budget of slots (paired: gathered from both entries)."""
+        if not self.paired:
+            return super().unstacked(index)
+        layer = self.entry_view(index)
+        count = int(jnp.max(layer.budget))
+        return layer.replace(paired=False, **slot_leaves(layer, lambda _, leaf: leaf[:, :, -count:]))
 
     # --- the update -----------------------------------------------------------------------
     def update_entry(self, index, keys, values, positions):
@@ -102,7 +234,7 @@ class EvictingLayer(BatchMajorLayer):
         ``keys``/``values`` ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``, then keep the best
         ``budget`` of them. Returns the stack and the attention output ``[B, H_q, T, D]``."""
         positions = check_update_inputs(self, index, keys, values, positions)
-        layer = jax.tree.map(lambda leaf: entry(leaf, index), self)
+        layer = self.entry_view(index)
         lengths = lengths_after(layer.lengths, positions)
         candidates = layer.candidates(keys, values, positions)
         weights = self.query_weights(positions, lengths) if self.spec.uses_attention else None
@@ -110,9 +242,7 @@ class EvictingLayer(BatchMajorLayer):
         out, mass = read(queries, view, positions, weights)
         group = queries.shape[1] // keys.shape[1]
         scores = self.candidate_scores(candidates, keys, mass, positions, lengths, group)
-        kept = layer.keep(candidates, scores, lengths)
-        stack = jax.tree.map(lambda leaf, new: leaf.at[index].set(new), self, kept)
-        return stack, out
+        return self.store_entry(index, layer.keep(candidates, scores, lengths)), out
 
     def candidates(self, keys, values, positions) -> Candidates:
         """This (single) layer's slots followed by the new tokens, padding zeroed (a masked slot
@@ -172,6 +302,11 @@ class EvictingLayer(BatchMajorLayer):
         # Sorting the chosen candidate indices (the rest after them) restores position order.
         order = jnp.sort(jnp.where(chosen, best, num_candidates + best), axis=-1)
         held = order < num_candidates
+        if self.paired:  # the chosen, in order, into the slots this layer owns (its last budget)
+            first = num_slots - self.budget[:, None, None]
+            rank = jnp.maximum(jnp.arange(num_slots) - first, 0)
+            order = jnp.take_along_axis(order, rank, axis=-1)
+            held = jnp.take_along_axis(held, rank, axis=-1) & (jnp.arange(num_slots) >= first)
         order = order % num_candidates
         take = lambda x: jnp.take_along_axis(x, order, axis=2)  # noqa: E731
         take_rows = lambda x: jnp.take_along_axis(x, order[..., None], axis=2)  # noqa: E731
@@ -205,10 +340,12 @@ class EvictingLayer(BatchMajorLayer):
         batch, heads, _, head_dim = self.keys.shape[1:]
         empty = EvictingLayer.create(batch, heads, head_dim, spec, max(budgets), self.keys.dtype)
         target = stacked_for_layers(empty, layer_indices, num_layers)
-        held_slots = Candidates(self.keys, self.values, self.slot_positions, self.scores)
-        return jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(
-            target, held_slots, self.lengths
+        held = self.entry_views()
+        held_slots = Candidates(held.keys, held.values, held.slot_positions, held.scores)
+        kept = jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(
+            target.entry_views(), held_slots, held.lengths
         )
+        return target.from_entry_views(kept)
 
     # --- edits, capacity -------------------------------------------------------------------
     def logical_axes(self):
@@ -240,7 +377,7 @@ class EvictingLayer(BatchMajorLayer):
         return empty.replace(slot_positions=jnp.full_like(self.slot_positions, -1), budget=self.budget)
 
     def describe(self) -> str:
-        return f"{self.spec.policy} N={self.keys.shape[-2]}"
+        return f"{self.spec.policy} N={self.keys.shape[-2]}{' paired' if self.paired else ''}"
 
 
 @struct.dataclass
