@@ -253,6 +253,11 @@ def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(n
     cache = layer_cache(spec, num_layers=num_layers)
     snapkv = dataclasses.replace(spec, policy="snapkv")
     assert cache.groups[0].keys.shape[3] == 40 and cache.nbytes == layer_cache(snapkv, num_layers=num_layers).nbytes
+    unstacked = Cache.from_layer_types(
+        ["full_attention"] * num_layers, batch_size=B, num_kv_heads=H_KV, head_dim=D, max_length=64, eviction=spec
+    )  # one group per layer: each holds exactly its budget, unpaired
+    assert [group.keys.shape[3] for group in unstacked.groups] == budgets
+    assert not any(group.paired for group in unstacked.groups)
     references = [layer_cache(dataclasses.replace(snapkv, budget=budget)) for budget in budgets]
     row_lengths = (90, 71)
     for start, end in chunks(max(row_lengths), seed=num_layers):

@@ -118,7 +118,8 @@ class EvictingLayer(BatchMajorLayer):
     def for_layers(self, layer_indices: list[int], num_layers: int) -> EvictingLayer:
         """This stack (leaves ``[L, ...]``, as created: empty, ``max`` budget slots), entry j keeping
         model layer ``layer_indices[j]``'s budget of ``EvictionSpec.layer_budgets``. Budgets that differ
-        by depth (PyramidKV's) pair the entries and cut every entry to its pair's mean."""
+        by depth (PyramidKV's) pair the entries and cut every entry to its pair's mean; a stack of one
+        budget below the largest (a layer of its own, ``Cache(stacked=False)``) is cut to it."""
         all_budgets = self.spec.layer_budgets(num_layers)
         for budget in all_budgets:
             self.spec.check_budget(budget)
@@ -128,7 +129,9 @@ class EvictingLayer(BatchMajorLayer):
         size = paired_slots(budgets)
         if size == self.keys.shape[-2]:
             return stack
-        return stack.replace(paired=True, **slot_leaves(stack, lambda _, leaf: leaf[:, :, :, :size]))
+        cut = slot_leaves(stack, lambda _, leaf: leaf[:, :, :, :size])
+        # Entries of one budget (an unstacked cache's single entry) need no partner: cut to it.
+        return stack.replace(paired=len(set(budgets)) > 1, **cut)
 
     # --- entries and the slots they own -------------------------------------------------------
     # Paired, a layer of budget b <= E owns the first b slots of its entry; one of b > E owns its
