@@ -244,8 +244,9 @@ def test_key_norm_scores_and_keeps_the_lowest_norm_keys():
 def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(num_layers):
     """PyramidKV's budgets fall with depth and average the budget. The stack pairs entries j and
     L-1-j, so it holds the mean budget per layer (what SnapKV at that budget holds), not the first
-    layer's. Fed different K/V per layer in random chunks, ragged rows, under jit, each layer gives
-    the outputs, and keeps the positions, K/V and scores, of a one-layer SnapKV cache at its budget."""
+    layer's. Fed different K/V per layer, a prefill then random short chunks, ragged rows, under jit
+    (the layer index traced, as a scanned model passes it), each layer gives the outputs, and keeps
+    the positions, K/V and scores, of a one-layer SnapKV cache at its budget."""
     spec = EvictionSpec("pyramidkv", budget=40, window=2, beta=4, kernel_size=3)
     budgets = spec.layer_budgets(num_layers)
     assert budgets == sorted(budgets, reverse=True) and budgets[0] > 40 > budgets[-1]
@@ -260,13 +261,19 @@ def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(n
     assert not any(group.paired for group in unstacked.groups)
     references = [layer_cache(dataclasses.replace(snapkv, budget=budget)) for budget in budgets]
     row_lengths = (90, 71)
-    for start, end in chunks(max(row_lengths), seed=num_layers):
+    # A prefill (more than SnapKV's window: every slot rescored), then updates of random short
+    # lengths; the layer index traced, so one compile per length and cache shape.
+    bounds, rng = [0, 50], np.random.default_rng(num_layers)
+    while bounds[-1] < max(row_lengths):
+        bounds.append(min(max(row_lengths), bounds[-1] + int(rng.choice([1, 3]))))
+    attend_at = jax.jit(cached_attention)
+    for start, end in zip(bounds, bounds[1:]):
         t = jnp.arange(start, end)[None, :]
         positions = jnp.where(t < jnp.asarray(row_lengths)[:, None], t, -1).astype(jnp.int32)
         for i in range(num_layers):
             q, k, v = random_kv(100 * i + start, end - start)
-            cache, out = attend(cache, i, q, k, v, positions)
-            references[i], want = attend(references[i], 0, q, k, v, positions)
+            cache, out = attend_at(cache, jnp.int32(i), q, k, v, positions)
+            references[i], want = attend_at(references[i], jnp.int32(0), q, k, v, positions)
             np.testing.assert_allclose(out, want, atol=1e-5)
     for i, reference in enumerate(references):
         got, want = cache.layer(i), reference.layer(0)
