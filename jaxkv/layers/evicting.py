@@ -144,36 +144,33 @@ class EvictingLayer(BatchMajorLayer):
         partner's entries, those it owns last, the others at position -1."""
         if not self.paired:
             return super().entry_view(index)
-        return self.shared_slots(index).with_owned_positions()
-
-    def store_entry(self, index, layer: EvictingLayer) -> EvictingLayer:
-        """Entry ``index`` replaced by ``layer`` (an updated ``entry_view``); paired, only the slots it owns."""
-        if not self.paired:
-            return super().store_entry(index, layer)
-        shared, owned = self.shared_slots(index), layer.owned()
-
-        def updated(name: str, new: jax.Array) -> jax.Array:  # the layer's slots; its partner's as they were
-            return jnp.where(along_slots(owned, new), new, getattr(shared, name))
-
-        merged = layer.replace(**slot_leaves(layer, updated)).rotated(-layer.rotation())
-        size, partner = self.keys.shape[-2], self.keys.shape[0] - 1 - index
-
-        # The partner's half first: an entry paired with itself (the middle one) then keeps its own.
-        def with_partner_half(name: str, stack: jax.Array) -> jax.Array:
-            return stack.at[partner].set(getattr(merged, name)[:, :, size:])
-
-        stack = self.replace(**slot_leaves(self, with_partner_half))
-        own = merged.replace(**slot_leaves(merged, lambda _, leaf: leaf[:, :, :size]))
-        return super(EvictingLayer, stack).store_entry(index, own)
-
-    def shared_slots(self, index) -> EvictingLayer:
-        """Entry ``index``'s ``entry_view`` with every slot's position as stored."""
         partner = self.keys.shape[0] - 1 - index
         layer = jax.tree.map(lambda leaf: entry(leaf, index), self)
         layer = layer.replace(
             **slot_leaves(layer, lambda name, own: jnp.concatenate([own, entry(getattr(self, name), partner)], axis=2))
         )
-        return layer.rotated(layer.rotation())
+        return layer.rotated(layer.rotation()).with_owned_positions()
+
+    def store_entry(self, index, layer: EvictingLayer) -> EvictingLayer:
+        """Entry ``index`` replaced by ``layer`` (an updated ``entry_view``); paired, only the slots it owns."""
+        if not self.paired:
+            return super().store_entry(index, layer)
+        # Each slot the layer owns goes back where its view read it from; the others are dropped,
+        # so the partner's slots are neither read again nor rewritten.
+        size, partner = self.keys.shape[-2], self.keys.shape[0] - 1 - index
+        stored = (jnp.arange(2 * size) + layer.rotation()[:, None]) % (2 * size)  # [B, 2E] in [own, partner]
+        entries = jnp.where(stored < size, index, partner)
+        slots = jnp.where(layer.owned(), stored % size, size)  # size: out of range, dropped
+        rows = jnp.arange(self.keys.shape[1])[:, None]
+
+        def written(name: str, stack: jax.Array) -> jax.Array:
+            return stack.at[entries, rows, :, slots].set(jnp.swapaxes(getattr(layer, name), 1, 2), mode="drop")
+
+        return self.replace(
+            **slot_leaves(self, written),
+            lengths=self.lengths.at[index].set(layer.lengths),
+            budget=self.budget.at[index].set(layer.budget),
+        )
 
     def rotation(self) -> jax.Array:
         """``[B]``: how far a paired view is rotated from ``[own entry, partner entry]``."""
