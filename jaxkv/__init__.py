@@ -3,9 +3,9 @@
 from jaxkv.attention import attention, attention_mask, cached_attention
 from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, LayerType, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
-from jaxkv.eviction import EvictionSpec
+from jaxkv.eviction import EvictionSpec, Observer
 from jaxkv.layers.dynamic import DynamicLayer
-from jaxkv.layers.evicting import EvictingLayer
+from jaxkv.layers.evicting import EvictingLayer, ObserverLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
@@ -31,6 +31,8 @@ __all__ = [
     "LayerType",
     "LinearAttentionLayer",
     "MaskInfo",
+    "Observer",
+    "ObserverLayer",
     "QuantSpec",
     "QuantizedLayer",
     "SlidingWindowLayer",

@@ -122,7 +122,8 @@ def read_whole(q: Queries, kv: KVView, query_weights: jax.Array | None = None):
     ``[B, H_kv, G, T, D]`` and the weight totals ``[B, H_kv, G, T, 1]``; with ``query_weights``
     ``[B, T]``, also the slot mass ``[B, H_kv, S]``: each slot's attention probability summed
     over the query heads of its K/V head and over the queries, query t weighted by
-    ``query_weights[:, t]`` (what an evicting layer's policy scores by)."""
+    ``query_weights[:, t]`` (what an evicting layer's policy scores by). Weights ``[B, T, K]``
+    give K masses ``[B, H_kv, S, K]`` from the one softmax (``ObserverLayer``'s two scorings)."""
     q = q.for_view(kv)
     logits = q.scores(kv.keys, kv.mask_info.kv_positions)
     peak = jnp.max(logits, axis=-1, keepdims=True)
@@ -131,7 +132,7 @@ def read_whole(q: Queries, kv: KVView, query_weights: jax.Array | None = None):
     if query_weights is None:
         return q.weighted(weights, kv.values), total
     probabilities = weights / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
-    mass = jnp.einsum("bhgts,bt->bhs", probabilities, query_weights.astype(jnp.float32))
+    mass = jnp.einsum("bhgts,bt...->bhs...", probabilities, query_weights.astype(jnp.float32))
     return q.weighted(weights, kv.values), total, mass
 
 
@@ -260,7 +261,8 @@ def attention(
     ``h // (H_q / H_kv)``. ``scale`` defaults to ``D ** -0.5``; ``logit_softcap`` applies
     ``c * tanh(logits / c)`` (Gemma 2). Logits and softmax run in float32. A query that
     may see no slot (padding) gets zeros, not NaN. Returns ``[B, H_q, T, D]``; with
-    ``query_weights`` ``[B, T]``, ``(output, slot mass [B, H_kv, S])`` (see ``read_whole``),
+    ``query_weights`` ``[B, T]`` (or ``[B, T, K]``), ``(output, slot mass [B, H_kv, S]``
+    (``[B, H_kv, S, K]``)``)`` (see ``read_whole``),
     from the same softmax: the scores an evicting layer ranks its slots by.
 
     When the layer says how many leading slots are in use (``mask_info.slots_used``) and

@@ -269,6 +269,24 @@ class CacheLayer(abc.ABC):
         a layer that does not evict keeps all its K/V and is unchanged."""
         return self
 
+    def held_entry(self, index) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Entry ``index``'s stored tokens in position order, to fill another cache with
+        (``filled_from``): keys, values ``[B, H_kv, S, D]`` and positions ``[B, S]`` (-1: empty)."""
+        raise TypeError(
+            f"{type(self).__name__} cannot hand its tokens to another cache (Cache.refilled); refill from a cache "
+            f"whose layers hold every token: an Observer prefill (Cache.from_config(observer=Observer(...)))"
+        )
+
+    def filled_from(self, source: Self, layer_indices: list[int], num_layers: int) -> Self:
+        """This (empty) stack holding what ``source`` (the same model layers, from another cache)
+        holds: each entry fed its source entry's tokens in one update (``held_entry``), so the
+        K/V are stored as this layer stores them (quantized, in a ring). An evicting layer cuts
+        them from an observer's scores instead (``EvictingLayer.filled_from``)."""
+        stack = self
+        for index in range(self.lengths.shape[0]):
+            stack, _ = stack.update_entry(index, *source.held_entry(index))
+        return stack
+
     @property
     def nbytes(self) -> int:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
@@ -324,6 +342,11 @@ class PositionalLayer(BatchMajorLayer):
 
     def logical_axes(self):
         return self.replace(keys=KV_AXES, values=KV_AXES, lengths=Axes(BATCH))
+
+    def held_entry(self, index):
+        lengths = entry(self.lengths, index)
+        slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
+        return entry(self.keys, index), entry(self.values, index), jnp.where(slot_index < lengths[:, None], slot_index, -1)
 
     def write(self, index, keys, values, positions):
         """Write tokens at slot = position in entry ``index``; return its whole buffer.

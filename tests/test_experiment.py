@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import chex
 import numpy as np
 import pytest
 
@@ -300,13 +301,15 @@ def test_mqar_without_a_checkpoint_names_the_training_command(tmp_path):
         ExperimentConfig.model_validate(GRID | {"tasks": [{"kind": "mqar", "checkpoint": str(tmp_path / "none")}]})
 
 
-def test_an_eviction_policys_budgets_share_one_context_prefill(monkeypatch):
-    """A policy's cells prefill each batch once (into its observer) and cut it to their budget: the
-    caches equal prefilling at each budget; another policy, seed or batch prefills again."""
+def test_every_cache_of_a_context_shares_one_prefill(monkeypatch):
+    """Each batch of contexts is prefilled once, into an Observer cache, and every cell's cache is
+    refilled from it: each policy at each budget equals prefilling at that budget, the plain cache
+    equals the plain prefill; another seed, context or SnapKV window prefills again."""
     from jaxkv.models.llama import Llama, LlamaConfig
 
     import jaxkv.decoding.generate
-    from jaxkv.eviction import EvictionSpec
+    from jaxkv.eviction import EvictionSpec, Observer
+    from jaxkv.quantization import QuantSpec
     from tests.cases import TINY_LLAMA
 
     model, contexts = Llama(LlamaConfig(**TINY_LLAMA), seed=0), [[3, 14, 15, 9, 2, 6, 5, 3, 5, 8], [35, 8, 9]]
@@ -314,18 +317,21 @@ def test_an_eviction_policys_budgets_share_one_context_prefill(monkeypatch):
     calls = []
     monkeypatch.setattr(jaxkv.decoding.generate, "prefill_prefix", lambda *a, **k: calls.append(k) or direct(*a, **k))
     prefills = ContextPrefills()
-    for budget in (8, 6, 4):
-        spec = EvictionSpec("h2o", budget=budget, window=2)
+    plain = prefills.cache(model, contexts, 16, (0, 0), {})
+    chex.assert_trees_all_close(plain, direct(model, contexts, max_length=16), atol=1e-6)
+    quantized = prefills.cache(model, contexts, 16, (0, 0), {"quantization": QuantSpec(nbits=8, q_group_size=8)})
+    assert type(quantized.layer(0)).__name__ == "QuantizedLayer"
+    for spec in [EvictionSpec("h2o", budget=b, window=2) for b in (8, 6, 4)] + [EvictionSpec("key_norm", budget=4)]:
         got = prefills.cache(model, contexts, 16, (0, 0), {"eviction": spec})
         want = direct(model, contexts, max_length=16, eviction=spec)
         for a, b in zip(got.layers, want.layers):
             np.testing.assert_array_equal(a.slot_positions, b.slot_positions)
             np.testing.assert_allclose(a.keys, b.keys, atol=1e-6)
-    assert [k["eviction"] for k in calls] == [EvictionSpec("h2o", budget=16, window=2)]
-    prefills.cache(model, contexts, 16, (1, 0), {"eviction": spec})  # another seed
-    prefills.cache(model, contexts, 16, (0, 0), {"eviction": EvictionSpec("key_norm", budget=4)})
-    prefills.cache(model, contexts, 16, (0, 0), {})  # the plain cache: its own prefill
-    assert len(calls) == 4 and calls[-1] == {"max_length": 16}
+    assert calls == [{"max_length": 16, "observer": Observer()}]
+    prefills.cache(model, contexts, 16, (1, 0), {})  # another seed
+    prefills.cache(model, contexts, 12, (1, 0), {})  # another context
+    prefills.cache(model, contexts, 12, (1, 0), {"eviction": EvictionSpec("snapkv", budget=4, window=3)})
+    assert [k["observer"] for k in calls[1:]] == [Observer(), Observer(), Observer(3)]
 
 
 def test_readme_config_example_validates():

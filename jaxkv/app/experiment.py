@@ -24,8 +24,8 @@ runs once per budget below 1.0, keeping ``max(1, int(budget * context))`` slots 
 (``jaxkv.eviction.EvictionSpec``). Budget 1.0 of any policy is the uncompressed cache, so it is the
 plain cache's cell, not one per policy. Cells run model by model (each model loads once), then task,
 context and cache, so the seeds of one cache reuse its compiled functions. A retrieval task prefills
-each context once per eviction policy and cuts it to every budget (``jaxkv.app.tasks.ContextPrefills``),
-so a policy's first cell carries that prefill's seconds.
+each batch of contexts once and refills every cache of the context from it
+(``jaxkv.app.tasks.ContextPrefills``), so a context's first cell carries that prefill's seconds.
 
 Outputs under ``OUTPUT_DIR/NAME/`` (NAME: the config file's stem): ``results.jsonl``, one line per
 finished cell (its key, metrics, K/V bytes per row as ``cache.nbytes`` reports them, seconds),

@@ -17,7 +17,9 @@ The retrieval prompts are split as kvpress evaluates its presses: the context (i
 haystack, inside the chat template where the model has one) is prefilled first, which is where an
 evicting cache compresses it, and the question with the start of the answer ("The pass key is:") is
 fed afterwards through what was kept. The question cannot steer what is kept (query-agnostic
-compression), which is the harder and the published setting.
+compression), which is the harder and the published setting. Each batch of contexts is prefilled
+once for every cache of its cells (``ContextPrefills``): the plain cache, each quantized format and
+each policy at each budget compress the same prefill.
 
 Examples depend on the task, the tokenizer, the context length and the seed only, so every cache
 of a grid answers the same prompts.
@@ -42,7 +44,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from jaxkv.app.config import Strict, load_config
 from jaxkv.app.corpus import corpus_text
-from jaxkv.eviction import EvictionSpec
+from jaxkv.eviction import SCORES, EvictionSpec, Observer
 
 Depth = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -248,34 +250,41 @@ class Haystack:
 
 @dataclasses.dataclass
 class ContextPrefills:
-    """The context prefills of a retrieval task's cells on one model. An eviction policy's budgets
-    share one: each batch of contexts is prefilled once into the policy's observer (a budget of
-    the whole context: every token held and scored, ``EvictionSpec.observer``) and cut to each
-    cell's budget by ``Cache.evict``, which is the cache a prefill at that budget gives (the
-    context is one update). Only the latest policy's prefills are kept (cells run policy by
-    policy); plain and quantized caches are prefilled for their one cell."""
+    """The context prefills of a retrieval task's cells on one model: each batch of contexts is
+    prefilled once, into an ``Observer`` cache (every token held, with what each eviction policy
+    ranks by), and every cell's cache is refilled from it (``Cache.refilled``): the plain cache,
+    each quantized format and each policy at each budget. An evicting cache so refilled is the
+    one a prefill at its budget gives (the context is one update); a quantized one stores the
+    prefill's K/V as its own update would, the context's own attention having read them in full
+    precision (kvpress's protocol: the press compresses after the context's forward pass). Only
+    the latest context and observer window are kept (cells run context by context); a policy
+    with another SnapKV window prefills again."""
 
-    observer: EvictionSpec | None = None
-    caches: dict = dataclasses.field(default_factory=dict)  # (context, seed, first example) -> Cache
+    observer: Observer | None = None
+    context: int | None = None
+    caches: dict = dataclasses.field(default_factory=dict)  # (seed, first example) -> Cache
 
     def cache(self, model, contexts: list[list[int]], context: int, key: tuple, cache_options: dict):
         """The cache of ``contexts`` (one row each, ``context`` slots) under ``cache_options``."""
         from jaxkv.decoding.generate import prefill_prefix
 
-        eviction = cache_options.get("eviction")
-        if eviction is None:
-            return prefill_prefix(model, contexts, max_length=context, **cache_options)
-        observer = eviction.observer(context)
-        if observer != self.observer:
-            self.observer, self.caches = observer, {}
-        if (context, *key) not in self.caches:
-            options = cache_options | {"eviction": observer}
-            self.caches[(context, *key)] = prefill_prefix(model, contexts, max_length=context, **options)
-        return evict(self.caches[(context, *key)], eviction)
+        observer = self.observer_for(cache_options.get("eviction"))
+        if (observer, context) != (self.observer, self.context):
+            self.observer, self.context, self.caches = observer, context, {}
+        if key not in self.caches:
+            self.caches[key] = prefill_prefix(model, contexts, max_length=context, observer=observer)
+        return refill(self.caches[key], model.init_cache(len(contexts), context, **cache_options))
+
+    def observer_for(self, eviction: EvictionSpec | None) -> Observer:
+        """The observer that serves ``eviction``: one of its SnapKV window for a window-scored policy,
+        else the current one (any window serves the other caches)."""
+        if eviction is not None and SCORES[eviction.policy] == "window attention":
+            return Observer(eviction.scoring()[1])
+        return self.observer or Observer()
 
 
-# One compile per spec and cache shape: evicting eagerly would compile each of its ops apart.
-evict = jax.jit(lambda cache, spec: cache.evict(spec), static_argnums=1)
+# One compile per target cache shape: refilling eagerly would compile each of its ops apart.
+refill = jax.jit(lambda source, target: source.refilled(target))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,9 +431,9 @@ def retrieval_metrics(
     batch_size: int, cache_options: dict, prefills: ContextPrefills | None = None, seed: int = 0,
 ) -> tuple[dict, float]:  # fmt: skip
     """Greedy answers of ``examples`` through caches built with ``cache_options`` (a capacity of
-    ``context`` tokens): per batch of ``batch_size`` rows the contexts are prefilled into one cache
-    (by ``prefills``, shared across an eviction policy's budgets; ``seed`` names the examples
-    there), then the questions are decoded from it. A short last batch is padded with copies of its first
+    ``context`` tokens): per batch of ``batch_size`` rows the contexts are prefilled once (by
+    ``prefills``, shared by every cache of the grid; ``seed`` names the examples there) and
+    refilled into the cell's cache, then the questions are decoded from it. A short last batch is padded with copies of its first
     example (every batch has one shape: one compile), whose answers are dropped.
 
     Returns the metrics (accuracy overall and per requested depth, the answers, the generated

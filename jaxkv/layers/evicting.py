@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.eviction import EvictionSpec, key_norm_scores, pooled_window_mass
+from jaxkv.eviction import DEFAULT_WINDOW, SCORES, EvictionSpec, key_norm_scores, pooled_window_mass
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
-from jaxkv.protocol import PackedRowsLayer, limit_rollback, stacked_for_layers
+from jaxkv.protocol import PackedRowsLayer, PositionalLayer, check_capacity, limit_rollback, stacked_for_layers
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 # read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
@@ -332,20 +332,20 @@ class EvictingLayer(BatchMajorLayer):
                 f"cannot evict a cache scored as {self.spec.scoring()} to {spec.policy!r}, which scores as "
                 f"{spec.scoring()}: prefill with {spec.policy!r}'s EvictionSpec.observer(slots) first"
             )
-        held = self.keys.shape[-2]
-        spec = spec.resolved(held)
-        budgets = spec.layer_budgets(num_layers)
-        if max(budgets) > held:
-            raise ValueError(f"cannot evict to {max(budgets)} slots: this layer holds {held}; give a smaller budget")
-        batch, heads, _, head_dim = self.keys.shape[1:]
-        empty = EvictingLayer.create(batch, heads, head_dim, spec, max(budgets), self.keys.dtype)
-        target = stacked_for_layers(empty, layer_indices, num_layers)
         held = self.entry_views()
-        held_slots = Candidates(held.keys, held.values, held.slot_positions, held.scores)
-        kept = jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(
-            target.entry_views(), held_slots, held.lengths
-        )
-        return target.from_entry_views(kept)
+        slots = Candidates(held.keys, held.values, held.slot_positions, held.scores)
+        return kept_stack(spec, self.keys.shape[-2], slots, held.lengths, layer_indices, num_layers)
+
+    def filled_from(self, source, layer_indices: list[int], num_layers: int) -> EvictingLayer:
+        """This (empty) stack's spec cut from ``source``'s scores (``source.evict_to``): an
+        ``ObserverLayer`` (or an evicting layer of the same scoring) holding the tokens."""
+        kept = source.evict_to(self.spec, layer_indices, num_layers)
+        if not isinstance(kept, EvictingLayer):
+            raise TypeError(
+                f"an evicting layer cannot be filled from a {type(source).__name__}: it needs the attention its "
+                f"policy ranks by; prefill into an Observer cache (Cache.from_config(observer=Observer(...)))"
+            )
+        return kept
 
     # --- edits, capacity -------------------------------------------------------------------
     def logical_axes(self):
@@ -378,6 +378,144 @@ class EvictingLayer(BatchMajorLayer):
 
     def describe(self) -> str:
         return f"{self.spec.policy} N={self.keys.shape[-2]}{' paired' if self.paired else ''}"
+
+
+def kept_stack(
+    spec: EvictionSpec, held_slots: int, held: Candidates, lengths: jax.Array, layer_indices: list[int], num_layers: int
+) -> EvictingLayer:
+    """A stack (entry j model layer ``layer_indices[j]``) of ``spec``'s budgets, each layer keeping
+    the best of its ``held`` slots (leaves ``[L, ...]``, ranked by ``held.old_scores``; sinks and
+    ``spec``'s window always) in new arrays of ``max(spec.layer_budgets(num_layers))`` slots. A
+    ``compression_ratio`` resolves against ``held_slots``, the slots of the layer cut."""
+    spec = spec.resolved(held_slots)
+    budgets = spec.layer_budgets(num_layers)
+    if max(budgets) > held_slots:
+        raise ValueError(f"cannot evict to {max(budgets)} slots: this layer holds {held_slots}; give a smaller budget")
+    batch, heads, _, head_dim = held.keys.shape[1:]
+    empty = EvictingLayer.create(batch, heads, head_dim, spec, max(budgets), held.keys.dtype)
+    target = stacked_for_layers(empty, layer_indices, num_layers)
+    kept = jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(target.entry_views(), held, lengths)
+    return target.from_entry_views(kept)
+
+
+@struct.dataclass
+class ObserverLayer(PositionalLayer):
+    """Full attention over every token, slot ``p`` holding position ``p`` (as ``StaticLayer``),
+    recording what each eviction policy ranks tokens by, so that one prefill serves every policy
+    and budget (``evict_to``; ``jaxkv.eviction.Observer``): ``[B, H_kv, S, D]``.
+
+    Per slot: ``window_mass``, the attention the observation window (a row's last ``window``
+    positions) of the latest update gave it, averaged over those queries and over the query heads
+    of its K/V head (SnapKV's score before pooling); ``accumulated_mass``, the attention every
+    query gave it, summed (H2O's); ``rescored`` ``[B]``: whether that update brought the row a
+    whole window (SnapKV then leaves the window's own slots unscored). Both come from the one
+    softmax attention computes (``read`` with two query weightings). Cut from a layer filled in one
+    update (a prefill), ``evict_to(spec)`` is the layer a prefill at ``spec``'s budget leaves; an
+    update that brings less than a window (decoding) adds its queries' mass to its new slots only.
+    """
+
+    keys: jax.Array  # [B, H_kv, S, D]
+    values: jax.Array  # [B, H_kv, S, D]
+    lengths: jax.Array  # [B] int32
+    window_mass: jax.Array  # [B, H_kv, S] float32
+    accumulated_mass: jax.Array  # [B, H_kv, S] float32
+    rescored: jax.Array  # [B] bool
+    window: int = struct.field(pytree_node=False, default=DEFAULT_WINDOW)
+
+    @classmethod
+    def create(cls, batch_size, num_kv_heads, head_dim, max_length: int, window: int, dtype=jnp.float32):
+        if max_length <= 0:
+            raise ValueError(f"ObserverLayer: max_length must be positive, got {max_length}")
+        shape = (batch_size, num_kv_heads, max_length)
+        return cls(
+            keys=jnp.zeros((*shape, head_dim), dtype),
+            values=jnp.zeros((*shape, head_dim), dtype),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+            window_mass=jnp.zeros(shape, jnp.float32),
+            accumulated_mass=jnp.zeros(shape, jnp.float32),
+            rescored=jnp.zeros((batch_size,), bool),
+            window=window,
+        )
+
+    def logical_axes(self):
+        return super().logical_axes().replace(
+            window_mass=HEAD_SLOT_AXES, accumulated_mass=HEAD_SLOT_AXES, rescored=Axes(BATCH)
+        )
+
+    def update_entry(self, index, keys, values, positions):
+        raise TypeError(
+            "ObserverLayer records the attention each token receives: store and attend in one call with "
+            "jaxkv.attention.cached_attention(cache, layer_idx, queries, keys, values, positions), not Cache.update"
+        )
+
+    def attend_entry(self, index, queries, keys, values, positions, read: Read):
+        """Store ``keys``/``values`` ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``, attend ``queries``
+        ``[B, H_q, T, D]`` over every held slot and record both masses; returns the stack and the output."""
+        positions = check_update_inputs(self, index, keys, values, positions)
+        check_capacity(self, positions, self.capacity)
+        before = entry(self.lengths, index)
+        layer, view = self.write(index, keys, values, positions)
+        lengths = entry(layer.lengths, index)
+        real = positions >= 0
+        observing = real & (positions >= (lengths - self.window)[:, None])
+        window_weights = observing / jnp.maximum(jnp.sum(observing, axis=1, keepdims=True), 1)
+        out, mass = read(queries, view, positions, jnp.stack([window_weights, real.astype(jnp.float32)], axis=-1))
+        window_new = mass[..., 0] / (queries.shape[1] // keys.shape[1])  # the mean over the query heads
+        rescored = jnp.sum(real, axis=1) >= self.window
+        fresh = view.mask_info.kv_positions >= before[:, None]  # [B, S]: the slots this update wrote
+        old = entry(self.window_mass, index)
+        window_mass = jnp.where(
+            rescored[:, None, None], window_new, old + jnp.where(fresh[:, None], window_new, 0.0)
+        )  # fmt: skip
+        layer = layer.replace(
+            window_mass=layer.window_mass.at[index].set(window_mass),
+            accumulated_mass=layer.accumulated_mass.at[index].add(mass[..., 1]),
+            rescored=layer.rescored.at[index].set(rescored | entry(self.rescored, index)),
+        )
+        return layer, out
+
+    def policy_scores(self, spec: EvictionSpec, positions: jax.Array) -> jax.Array:
+        """``[L, B, H_kv, S]`` float32: every held slot's score under ``spec``'s policy (higher is
+        kept), as a prefill into ``spec``'s layer would have scored it; ``positions`` ``[L, B, H_kv, S]``."""
+        if spec.policy == "streaming_llm":
+            return positions.astype(jnp.float32)
+        if spec.policy == "key_norm":
+            return key_norm_scores(self.keys)
+        if spec.policy == "h2o":
+            return self.accumulated_mass
+        in_window = positions >= (self.lengths - self.window)[..., None, None]
+        unscored = self.rescored[..., None, None] & in_window
+        pooled = jax.vmap(lambda mass: pooled_window_mass(mass, spec.kernel_size, 1))
+        return pooled(jnp.where(unscored, 0.0, self.window_mass))
+
+    def evict_to(self, spec: EvictionSpec, layer_indices: list[int], num_layers: int) -> EvictingLayer:
+        """This stack (leaves ``[L, ...]``) cut to ``spec``'s budgets by ``spec``'s policy: an
+        ``EvictingLayer`` stack (see ``kept_stack``). SnapKV's and PyramidKV's window must be the
+        observer's."""
+        if SCORES[spec.policy] == "window attention" and spec.scoring()[1] != self.window:
+            raise ValueError(
+                f"an observer of window {self.window} cannot score {spec.policy!r} with window {spec.scoring()[1]}: "
+                f"prefill with Observer(window={spec.scoring()[1]})"
+            )
+        slot = jnp.arange(self.capacity, dtype=jnp.int32)
+        positions = jnp.where(slot < self.lengths[..., None], slot, -1)[:, :, None]  # [L, B, 1, S]
+        positions = jnp.broadcast_to(positions, self.window_mass.shape)
+        held = Candidates(self.keys, self.values, positions, self.policy_scores(spec, positions))
+        return kept_stack(spec, self.capacity, held, self.lengths, layer_indices, num_layers)
+
+    @property
+    def max_length(self) -> int:
+        return self.capacity
+
+    @property
+    def max_rollback(self) -> int:
+        return 0
+
+    def rollback_hint(self, num_tokens: int) -> str:
+        return "an observer cannot undo the attention it recorded; refill a cache from it (Cache.refilled) first"
+
+    def describe(self) -> str:
+        return f"observer window={self.window}"
 
 
 @struct.dataclass

@@ -79,6 +79,13 @@ class RingBufferLayer(BatchMajorLayer):
     def describe(self) -> str:
         return describe_extent(self.rollback_slots, **{self.SPAN_NAME: self.span})
 
+    def held_entry(self, index):
+        """The ring's tokens sorted by position (empty slots last)."""
+        positions = entry(self.slot_positions, index)  # [B, S]
+        order = jnp.argsort(jnp.where(positions < 0, jnp.iinfo(jnp.int32).max, positions), axis=-1)
+        take = lambda x: jnp.take_along_axis(entry(x, index), order[:, None, :, None], axis=2)  # noqa: E731
+        return take(self.keys), take(self.values), jnp.take_along_axis(positions, order, axis=-1)
+
     def logical_axes(self):
         return self.replace(keys=KV_AXES, values=KV_AXES, slot_positions=Axes(BATCH, KV_SLOTS), lengths=Axes(BATCH))
 
