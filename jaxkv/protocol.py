@@ -282,10 +282,9 @@ class CacheLayer(abc.ABC):
         holds: each entry fed its source entry's tokens in one update (``held_entry``), so the
         K/V are stored as this layer stores them (quantized, in a ring). An evicting layer cuts
         them from an observer's scores instead (``EvictingLayer.filled_from``)."""
-        stack = self
-        for index in range(self.lengths.shape[0]):
-            stack, _ = stack.update_entry(index, *source.held_entry(index))
-        return stack
+        # Mapped over the entries, not looped: one layer's update compiles once, whatever the depth.
+        held = jax.vmap(lambda layer: jax.tree.map(lambda leaf: leaf[None], layer).held_entry(0))(source)
+        return jax.vmap(lambda empty, tokens: empty.update(*tokens)[0])(self, held)
 
     @property
     def nbytes(self) -> int:
