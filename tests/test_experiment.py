@@ -341,3 +341,21 @@ def test_readme_config_example_validates():
     example = re.search(r"## Experiments.*?```yaml\n(.*?)```", readme, re.S).group(1)
     config = ExperimentConfig.model_validate(yaml.safe_load(example))
     assert {c.kind for c in config.caches} == {"full", "quantized", "eviction"}
+
+
+def test_compile_cache_sets_jaxs_persistent_cache_for_the_run(monkeypatch, tmp_path):
+    """``--compile-cache DIR`` points JAX's persistent compilation cache there before the grids
+    run (not for a dry run, and not without the flag); the grids get the same arguments."""
+    import jax
+
+    import jaxkv.app.experiment
+
+    updates, runs = [], []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+    monkeypatch.setattr(jaxkv.app.experiment, "run_command", lambda *a, **k: runs.append((a, k)) or 0)
+    smoke = str(EXPERIMENTS / "smoke.yaml")
+    assert main(["experiment", smoke, "--compile-cache", str(tmp_path / "cc"), "--output-dir", str(tmp_path)]) == 0
+    assert updates == [("jax_compilation_cache_dir", str(tmp_path / "cc"))]
+    assert main(["experiment", smoke, "--compile-cache", str(tmp_path / "cc"), "--dry-run"]) == 0
+    assert main(["experiment", smoke]) == 0
+    assert len(updates) == 1 and [k["dry_run"] for _, k in runs] == [False, True, False]

@@ -576,6 +576,11 @@ def _experiment_parser(sub) -> None:
     )
     parser.add_argument("--dry-run", action="store_true", help="list the cells (done or to run) and exit")
     parser.add_argument("--output-dir", type=Path, default=Path("results"), help="results go to OUTPUT_DIR/NAME/")
+    parser.add_argument(
+        "--compile-cache", type=Path, default=None,
+        help="keep compiled programs in this directory (JAX's persistent compilation cache): cells of equal shapes "
+        "in later grids, and reruns, skip their compile",
+    )  # fmt: skip
 
 
 def run_experiment(args) -> int:
@@ -583,6 +588,12 @@ def run_experiment(args) -> int:
     (``jaxkv.app.experiment``, imported only for this command)."""
     from jaxkv.app.experiment import run_command
 
+    if args.compile_cache is not None and not args.dry_run:
+        # Most of a cell after a context's prefill is compiling its cache's refill and decode; the
+        # grids of one command repeat those shapes (passkey and retrieval at 2k, ...).
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
     return run_command(args.config, args.output_dir, dry_run=args.dry_run)
 
 

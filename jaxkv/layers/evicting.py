@@ -17,6 +17,11 @@ the rest of its slots from its partner's entry, and the stack holds what the lay
 ``L`` times the first layer's budget. An update reads both entries (``entry_view``: ``2E`` slots,
 the partner's at position -1) and writes back only the slots the layer owns (``store_entry``).
 
+``ObserverLayer`` is what a sweep of policies prefills into: every token held, slot = position,
+with both attention scorings recorded from the one softmax; ``evict_to`` then builds any policy's
+``EvictingLayer`` at any budget from it (``Cache.refilled``), each the layer a prefill at that
+budget leaves.
+
 What cannot be undone: evicted K/V are gone. ``max_rollback`` is 0, so ``rollback`` of any
 token is an error eagerly and a no-op under jit, and speculative decoding (which rolls back
 rejected drafts) refuses an evicting cache. Beam search and batch edits gather whole rows and
