@@ -687,10 +687,7 @@ class Cache:
         (``EvictingLayer.evict_to``); the other layers (Gemma 3's sliding rings) unchanged. One
         prefill into an ``EvictionSpec.observer`` cache then serves every budget of a sweep."""
         num_layers = len(self.layer_types)
-        groups = tuple(
-            group.evict_to(spec, list(range(g, num_layers, self.period)), num_layers)
-            for g, group in enumerate(self.groups)
-        )
+        groups = tuple(group.evict_to(spec, self.group_layers(g), num_layers) for g, group in enumerate(self.groups))
         if all(new is old for new, old in zip(groups, self.groups)):
             raise ValueError("Cache.evict: this cache has no evicting layers; build it with eviction=EvictionSpec(...)")
         return self.replace(groups=groups).constrained()
@@ -710,10 +707,14 @@ class Cache:
             )
         num_layers = len(self.layer_types)
         groups = tuple(
-            empty.filled_from(source, list(range(g, num_layers, self.period)), num_layers)
+            empty.filled_from(source, self.group_layers(g), num_layers)
             for g, (source, empty) in enumerate(zip(self.groups, target.groups))
         )
         return target.replace(groups=groups).constrained()
+
+    def group_layers(self, group: int) -> list[int]:
+        """The model layers group ``group`` stores, its entries in order."""
+        return list(range(group, len(self.layer_types), self.period))
 
     def reset(self) -> Cache:
         """Empty every layer, keeping shapes (and so the compiled steps)."""

@@ -143,12 +143,20 @@ class EvictionSpec:
         step = (2 * self.budget - 2 * low) / (num_layers - 1)
         return [max(1, round(2 * self.budget - low - i * step)) for i in range(num_layers)]
 
+    @property
+    def observation_window(self) -> int | None:
+        """SnapKV's (and PyramidKV's) observation window: the queries its scores come from; None
+        for the policies that score otherwise."""
+        if SCORES[self.policy] != "window attention":
+            return None
+        return DEFAULT_WINDOW if self.window is None else self.window
+
     def scoring(self) -> tuple:
         """What the scores a layer stores under this spec depend on: SnapKV's (and PyramidKV's)
         on the observation window and the pooling kernel, the others on the policy alone. A layer
         can be evicted to any spec of equal scoring (``EvictingLayer.evict_to``)."""
-        if SCORES[self.policy] == "window attention":
-            return SCORES[self.policy], DEFAULT_WINDOW if self.window is None else self.window, self.kernel_size
+        if self.observation_window is not None:
+            return SCORES[self.policy], self.observation_window, self.kernel_size
         return (SCORES[self.policy],)
 
     def observer(self, slots: int) -> EvictionSpec:
@@ -181,6 +189,25 @@ class Observer:
     def __post_init__(self):
         if self.window < 1:
             raise ValueError(f"Observer: window must be at least 1 query, got {self.window}")
+
+
+def window_query_weights(positions: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
+    """``[B, T]``: SnapKV's observation window, each row's queries among its last ``window``
+    positions (of ``lengths`` after the update) weighted equally, summing to 1 (0 for a row
+    without one); ``positions`` ``[B, T]``, negative for padding."""
+    observing = (positions >= 0) & (positions >= (lengths - window)[:, None])
+    return observing / jnp.maximum(jnp.sum(observing, axis=1, keepdims=True), 1)
+
+
+def window_scores(
+    mass: jax.Array, positions: jax.Array, lengths: jax.Array, window: int, rescored: jax.Array, kernel_size: int,
+    group: int,
+) -> jax.Array:  # fmt: skip
+    """SnapKV's scores ``[B, H_kv, S]`` of slots at ``positions`` ``[B, H_kv, S]`` from their window
+    ``mass`` (``pooled_window_mass``): a row the update ``rescored`` (it brought a whole window)
+    leaves the window's own slots unscored, as kvpress does."""
+    in_window = positions >= (lengths - window)[:, None, None]
+    return pooled_window_mass(jnp.where(rescored[:, None, None] & in_window, 0.0, mass), kernel_size, group)
 
 
 def pooled_window_mass(mass: jax.Array, kernel_size: int, group: int) -> jax.Array:

@@ -431,7 +431,7 @@ def test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget(mod
     from jaxkv.decoding.generate import prefill_prefix
 
     spec = SWEEP_SPECS[policy]
-    window = spec.scoring()[1] if spec.uses_attention and policy != "h2o" else 5  # any window serves the others
+    window = spec.observation_window or 5  # any window serves the other policies
     direct = prefill_prefix(model, SWEEP_PROMPTS, max_length=32, eviction=spec)
     observed = prefill_prefix(model, SWEEP_PROMPTS, max_length=32, observer=Observer(window))
     refilled = jax.jit(lambda source, target: source.refilled(target))(observed, model.init_cache(2, 32, eviction=spec))

@@ -44,7 +44,7 @@ from pydantic import Field, PositiveInt, model_validator
 
 from jaxkv.app.config import Strict, load_config
 from jaxkv.app.corpus import corpus_text
-from jaxkv.eviction import SCORES, EvictionSpec, Observer
+from jaxkv.eviction import EvictionSpec, Observer
 
 Depth = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -278,8 +278,8 @@ class ContextPrefills:
     def observer_for(self, eviction: EvictionSpec | None) -> Observer:
         """The observer that serves ``eviction``: one of its SnapKV window for a window-scored policy,
         else the current one (any window serves the other caches)."""
-        if eviction is not None and SCORES[eviction.policy] == "window attention":
-            return Observer(eviction.scoring()[1])
+        if eviction is not None and eviction.observation_window is not None:
+            return Observer(eviction.observation_window)
         return self.observer or Observer()
 
 

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.eviction import DEFAULT_WINDOW, SCORES, EvictionSpec, key_norm_scores, pooled_window_mass
+from jaxkv.eviction import DEFAULT_WINDOW, EvictionSpec, key_norm_scores, window_query_weights, window_scores
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
 from jaxkv.protocol import PackedRowsLayer, PositionalLayer, check_capacity, limit_rollback, stacked_for_layers
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
@@ -265,11 +265,9 @@ class EvictingLayer(BatchMajorLayer):
     def query_weights(self, positions: jax.Array, lengths: jax.Array) -> jax.Array:
         """``[B, T]`` weight of each query in the attention mass the policy scores by: H2O sums
         every query; SnapKV averages the observation window's (the row's last ``window``)."""
-        real = positions >= 0
         if self.spec.policy == "h2o":
-            return real.astype(jnp.float32)
-        observing = real & (positions >= (lengths - self.window)[:, None])
-        return observing / jnp.maximum(jnp.sum(observing, axis=1, keepdims=True), 1)
+            return (positions >= 0).astype(jnp.float32)
+        return window_query_weights(positions, lengths, self.window)
 
     @property
     def window(self) -> int:
@@ -288,10 +286,7 @@ class EvictingLayer(BatchMajorLayer):
         # candidate, the window's own columns left out as kvpress leaves them out; a shorter
         # update scores its new tokens by its own queries and keeps the stored scores.
         rescored = jnp.sum(positions >= 0, axis=1) >= self.window
-        in_window = candidates.positions >= (lengths - self.window)[:, None, None]
-        pooled = pooled_window_mass(
-            jnp.where(rescored[:, None, None] & in_window, 0.0, mass), self.spec.kernel_size, group
-        )
+        pooled = window_scores(mass, candidates.positions, lengths, self.window, rescored, self.spec.kernel_size, group)
         kept_scores = jnp.concatenate([candidates.old_scores, pooled[..., -num_new:]], axis=2)
         return jnp.where(rescored[:, None, None], pooled, kept_scores)
 
@@ -462,8 +457,7 @@ class ObserverLayer(PositionalLayer):
         layer, view = self.write(index, keys, values, positions)
         lengths = entry(layer.lengths, index)
         real = positions >= 0
-        observing = real & (positions >= (lengths - self.window)[:, None])
-        window_weights = observing / jnp.maximum(jnp.sum(observing, axis=1, keepdims=True), 1)
+        window_weights = window_query_weights(positions, lengths, self.window)
         out, mass = read(queries, view, positions, jnp.stack([window_weights, real.astype(jnp.float32)], axis=-1))
         window_new = mass[..., 0] / (queries.shape[1] // keys.shape[1])  # the mean over the query heads
         rescored = jnp.sum(real, axis=1) >= self.window
@@ -488,19 +482,19 @@ class ObserverLayer(PositionalLayer):
             return key_norm_scores(self.keys)
         if spec.policy == "h2o":
             return self.accumulated_mass
-        in_window = positions >= (self.lengths - self.window)[..., None, None]
-        unscored = self.rescored[..., None, None] & in_window
-        pooled = jax.vmap(lambda mass: pooled_window_mass(mass, spec.kernel_size, 1))
-        return pooled(jnp.where(unscored, 0.0, self.window_mass))
+        scores = lambda mass, positions, lengths, rescored: window_scores(  # noqa: E731
+            mass, positions, lengths, self.window, rescored, spec.kernel_size, 1
+        )  # the mass is already the mean over the query heads
+        return jax.vmap(scores)(self.window_mass, positions, self.lengths, self.rescored)
 
     def evict_to(self, spec: EvictionSpec, layer_indices: list[int], num_layers: int) -> EvictingLayer:
         """This stack (leaves ``[L, ...]``) cut to ``spec``'s budgets by ``spec``'s policy: an
         ``EvictingLayer`` stack (see ``kept_stack``). SnapKV's and PyramidKV's window must be the
         observer's."""
-        if SCORES[spec.policy] == "window attention" and spec.scoring()[1] != self.window:
+        if spec.observation_window not in (None, self.window):
             raise ValueError(
-                f"an observer of window {self.window} cannot score {spec.policy!r} with window {spec.scoring()[1]}: "
-                f"prefill with Observer(window={spec.scoring()[1]})"
+                f"an observer of window {self.window} cannot score {spec.policy!r} with window "
+                f"{spec.observation_window}: prefill with Observer(window={spec.observation_window})"
             )
         slot = jnp.arange(self.capacity, dtype=jnp.int32)
         positions = jnp.where(slot < self.lengths[..., None], slot, -1)[:, :, None]  # [L, B, 1, S]
