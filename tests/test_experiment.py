@@ -105,6 +105,29 @@ def test_grid_runs_budget_one_once_and_orders_cells_by_model():
     assert {c.model for c in cells[: len(cells) // 2]} == {"smollm2"}
 
 
+def test_a_run_orders_cells_by_cache_shape_across_grids(tmp_path):
+    """A run goes model by model, then cache by cache (one setting in two grids is one cache), each
+    by capacity: cells of one compiled shape run in a row, whatever their grid, task or context."""
+    from jaxkv.app.experiment import shape_order
+
+    caches = [GRID["caches"][0], {"name": "int8", "quantization": {"nbits": 8}}, GRID["caches"][1]]
+    short = validate(models=["smollm2", "gemma3"], budgets=[1.0, 0.5, 0.25], caches=caches,
+                     tasks=[{"kind": "passkey", "contexts": [1024]}])  # fmt: skip
+    long = validate(budgets=[1.0, 0.5, 0.25], caches=caches, tasks=[{"kind": "kv_retrieval", "contexts": [2048]}])
+    grids = [(short, tmp_path / "short"), (long, tmp_path / "long")]
+    cells = [(index, cell) for index, (config, _) in enumerate(grids) for cell in grid(config)]
+    ordered = [(index, cell.model, cell.cache, cell.context, cell.budget) for index, cell in shape_order(grids, cells)]
+    assert ordered == [
+        (0, "smollm2", "full", 1024, 1.0), (1, "smollm2", "full", 2048, 1.0),
+        (0, "smollm2", "int8", 1024, 1.0), (1, "smollm2", "int8", 2048, 1.0),
+        (0, "smollm2", "snapkv", 1024, 0.25),  # 256 slots
+        (0, "smollm2", "snapkv", 1024, 0.5), (1, "smollm2", "snapkv", 2048, 0.25),  # 512 slots
+        (1, "smollm2", "snapkv", 2048, 0.5),  # 1024 slots
+        (0, "gemma3", "full", 1024, 1.0), (0, "gemma3", "int8", 1024, 1.0),
+        (0, "gemma3", "snapkv", 1024, 0.25), (0, "gemma3", "snapkv", 1024, 0.5),
+    ]  # fmt: skip
+
+
 def test_budget_fractions_become_slots():
     snapkv = validate().caches[1]
     assert snapkv.options(0.5, 1024)["eviction"].budget == 512
@@ -304,7 +327,8 @@ def test_mqar_without_a_checkpoint_names_the_training_command(tmp_path):
 def test_every_cache_of_a_context_shares_one_prefill(monkeypatch):
     """Each batch of contexts is prefilled once, into an Observer cache, and every cell's cache is
     refilled from it: each policy at each budget equals prefilling at that budget, the plain cache
-    equals the plain prefill; another seed, context or SnapKV window prefills again."""
+    equals the plain prefill; another seed, context or SnapKV window prefills again, an earlier
+    one does not."""
     from jaxkv.models.llama import Llama, LlamaConfig
 
     import jaxkv.decoding.generate
@@ -332,6 +356,8 @@ def test_every_cache_of_a_context_shares_one_prefill(monkeypatch):
     prefills.cache(model, contexts, 12, (1, 0), {})  # another context
     prefills.cache(model, contexts, 12, (1, 0), {"eviction": EvictionSpec("snapkv", budget=4, window=3)})
     assert [k["observer"] for k in calls[1:]] == [Observer(), Observer(), Observer(3)]
+    prefills.cache(model, contexts, 16, (0, 0), {"quantization": QuantSpec(nbits=4, q_group_size=8)})
+    assert len(calls) == 4  # every context's prefill is kept: an earlier context prefills no more
 
 
 def test_readme_config_example_validates():

@@ -3,7 +3,7 @@ the memory it saves, as a grid of model x task (x its context lengths) x cache x
 
     jaxkv experiment configs/experiments/smoke.yaml --dry-run     # list the cells
     jaxkv experiment configs/experiments/passkey.yaml             # run what is not done yet
-    jaxkv experiment configs/experiments/{passkey,retrieval,mqar}.yaml   # several grids in turn
+    jaxkv experiment configs/experiments/{passkey,retrieval,mqar}.yaml   # several grids in one run
 
 A config (YAML, validated: an unknown key or a wrong type names the key and the file)::
 
@@ -22,10 +22,11 @@ A config (YAML, validated: an unknown key or a wrong type names the key and the 
 Cells: the plain and quantized caches run once per model, task context and seed; an eviction cache
 runs once per budget below 1.0, keeping ``max(1, int(budget * context))`` slots per row, K/V head and layer
 (``jaxkv.eviction.EvictionSpec``). Budget 1.0 of any policy is the uncompressed cache, so it is the
-plain cache's cell, not one per policy. Cells run model by model (each model loads once), then task,
-context and cache, so the seeds of one cache reuse its compiled functions. A retrieval task prefills
-each batch of contexts once and refills every cache of the context from it
-(``jaxkv.app.tasks.ContextPrefills``), so a context's first cell carries that prefill's seconds.
+plain cache's cell, not one per policy. Cells run model by model (each model loads once), then cache
+by cache, each by capacity, across every grid of the command (``shape_order``): the cells of one
+compiled shape run in a row and compile once. A retrieval task prefills each batch of contexts once
+and refills every cache of the context from it (``jaxkv.app.tasks.ContextPrefills``), so a
+context's first cell (its plain cache's) carries that prefill's seconds.
 
 Outputs under ``OUTPUT_DIR/NAME/`` (NAME: the config file's stem): ``results.jsonl``, one line per
 finished cell (its key, metrics, K/V bytes per row as ``cache.nbytes`` reports them, seconds),
@@ -148,7 +149,7 @@ class Cell:
 
 
 def grid(config: ExperimentConfig) -> list[Cell]:
-    """Every cell, ordered model, task, context, cache, budget, seed (see the module docstring)."""
+    """Every cell, listed model, task, context, cache, budget, seed (a run orders them by ``shape_order``)."""
     cells = []
     for model, task in model_tasks(config):
         for context in task.contexts:
@@ -169,9 +170,7 @@ def model_tasks(config: ExperimentConfig) -> list[tuple[str, TaskConfig]]:
 
 def cell_settings(config: ExperimentConfig, cell: Cell) -> dict:
     """What a cell's result depends on beyond its key: the dtype and its task's and cache's settings."""
-    task = next(task for task in config.tasks if task.label == cell.task)
-    cache = next(cache for cache in config.caches if cache.name == cell.cache)
-    return {"dtype": config.dtype, "task": task.model_dump(), "cache": cache.model_dump()}
+    return {"dtype": config.dtype, "task": task_of(config, cell).model_dump(), "cache": cache_of(config, cell).model_dump()}
 
 
 def finished(config: ExperimentConfig, results: Path) -> dict[tuple, dict]:
@@ -191,25 +190,32 @@ def finished(config: ExperimentConfig, results: Path) -> dict[tuple, dict]:
 
 
 def run_experiment(config: ExperimentConfig, output: Path, *, progress: bool = True) -> list[dict]:
-    """Run the cells of ``config`` not yet in ``output``/results.jsonl, appending each as it ends;
-    then write the summary CSV and the plot. Returns the summary rows."""
+    """Run the cells of ``config`` not yet in ``output``/results.jsonl (``run_grids``); returns the
+    summary rows."""
+    return run_grids([(config, output)], progress=progress)[0]
+
+
+def run_grids(grids: list[tuple[ExperimentConfig, Path]], *, progress: bool = True) -> list[list[dict]]:
+    """Run the cells of each grid (a config and its output directory) not yet in its results.jsonl,
+    appending each as it ends, in ``shape_order`` across the grids; then write each grid's summary CSV
+    and plot. Returns each grid's summary rows."""
     import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
     from jaxkv.models.load import load_pretrained
 
-    output.mkdir(parents=True, exist_ok=True)
-    results = output / "results.jsonl"
-    done = finished(config, results)
-    pending = [cell for cell in grid(config) if cell.key() not in done]
-    tasks = {task.label: task for task in config.tasks}
-    caches = {cache.name: cache for cache in config.caches}
+    pending = []
+    for index, (config, output) in enumerate(grids):
+        output.mkdir(parents=True, exist_ok=True)
+        done = finished(config, output / "results.jsonl")
+        pending += [(index, cell) for cell in grid(config) if cell.key() not in done]
     loaded_name, model, tokenizer, prepared = None, None, None, {}
-    bar = tqdm(pending, desc=output.name, unit="cell", disable=not progress, file=sys.stderr)
-    for cell in bar:
+    bar = tqdm(shape_order(grids, pending), desc="cells", unit="cell", disable=not progress, file=sys.stderr)
+    for index, cell in bar:
         bar.set_postfix_str(str(cell))
-        task, cache = tasks[cell.task], caches[cell.cache]
+        config, output = grids[index]
+        task, cache = task_of(config, cell), cache_of(config, cell)
         if cell.model != loaded_name:  # cells are ordered by model: each loads once
             # The last model's executables are of no more use; XLA's CPU backend maps memory for
             # each, and a process holding those of ~100 cells ran out of mappings (LLVM "Cannot
@@ -220,19 +226,49 @@ def run_experiment(config: ExperimentConfig, output: Path, *, progress: bool = T
             else:
                 model, tokenizer = load_pretrained(cell.model, dtype=jnp.dtype(config.dtype))
             loaded_name, prepared = cell.model, {}
-        if cell.task not in prepared:
-            prepared[cell.task] = task.prepare(tokenizer)
+        if (index, cell.task) not in prepared:  # tasks of two grids may share a name
+            prepared[index, cell.task] = task.prepare(tokenizer)
         start = time.perf_counter()
         options = cache.options(cell.budget, cell.context)
-        metrics, kv_bytes = task.run(model, tokenizer, prepared[cell.task], cell.context, cell.seed, options)
+        metrics, kv_bytes = task.run(model, tokenizer, prepared[index, cell.task], cell.context, cell.seed, options)
         line = dataclasses.asdict(cell) | {
             "kind": cache.kind, "policy": cache.eviction.policy if cache.eviction else None,
             "metric": task.metric, "value": metrics[task.metric], "kv_bytes": kv_bytes,
             "seconds": time.perf_counter() - start, "metrics": metrics, "settings": cell_settings(config, cell),
         }  # fmt: skip
-        with results.open("a") as file:
+        with (output / "results.jsonl").open("a") as file:
             file.write(json.dumps(line) + "\n")
-    rows = summarize(list(finished(config, results).values()))
+    return [write_summary(config, output) for config, output in grids]
+
+
+def shape_order(grids: list[tuple[ExperimentConfig, Path]], cells: list[tuple[int, Cell]]) -> list[tuple[int, Cell]]:
+    """``cells`` (grid index, cell) model by model (each model loads once, in the order the grids
+    name them), and within a model cache by cache (in order of first appearance; one setting in
+    two grids is one cache), each by its capacity (an eviction cache's slots, else the context).
+    Cells of one compiled shape then run in a row, whatever their grid, task or context, and reuse
+    the executables of the first (the driver keeps the last few): the passkey and retrieval tasks
+    at 2k tokens, or SnapKV at half of 1k and a quarter of 2k, compile once. Python's sort is
+    stable: otherwise the grids' own order."""
+    models, caches, keys = {}, {}, []
+    for index, cell in cells:
+        cache = cache_of(grids[index][0], cell)
+        setting = json.dumps(cache.model_dump(exclude={"name"}), sort_keys=True)
+        capacity = slots(cell.budget, cell.context) if cache.eviction and cell.budget < 1.0 else cell.context
+        keys.append((models.setdefault(cell.model, len(models)), caches.setdefault(setting, len(caches)), capacity))
+    return [item for _, item in sorted(zip(keys, cells), key=lambda pair: pair[0])]
+
+
+def task_of(config: ExperimentConfig, cell: Cell) -> TaskConfig:
+    return next(task for task in config.tasks if task.label == cell.task)
+
+
+def cache_of(config: ExperimentConfig, cell: Cell) -> CacheChoice:
+    return next(cache for cache in config.caches if cache.name == cell.cache)
+
+
+def write_summary(config: ExperimentConfig, output: Path) -> list[dict]:
+    """Summarize ``output``/results.jsonl into summary.csv and the plot; returns the summary rows."""
+    rows = summarize(list(finished(config, output / "results.jsonl").values()))
     write_csv(rows, output / "summary.csv")
     if rows:
         plot(rows, output / f"{output.name}.png")
@@ -347,15 +383,15 @@ def list_cells(config: ExperimentConfig, output: Path) -> str:
 
 
 def run_command(paths: list[Path], output_dir: Path, *, dry_run: bool = False) -> int:
-    """``jaxkv experiment PATH...``: each grid's cells not yet finished (into ``output_dir``/NAME),
-    then its summary and plot; ``dry_run``: list the cells. Every config is validated before the
+    """``jaxkv experiment PATH...``: the grids' cells not yet finished (each grid's into
+    ``output_dir``/NAME, in one ``run_grids``), then each grid's summary and plot; ``dry_run``:
+    list the cells. Every config is validated before the
     first cell runs, so a typo in the last grid fails at once, not after the others."""
-    configs = [(load_config(path, ExperimentConfig), output_dir / path.stem) for path in paths]
-    for config, output in configs:
-        if dry_run:
-            print(list_cells(config, output))
-            continue
-        rows = run_experiment(config, output)
+    grids = [(load_config(path, ExperimentConfig), output_dir / path.stem) for path in paths]
+    if dry_run:
+        print("\n".join(list_cells(config, output) for config, output in grids))
+        return 0
+    for (config, output), rows in zip(grids, run_grids(grids)):
         print(markdown(rows))
         print(f"wrote {output / 'results.jsonl'}, {output / 'summary.csv'} and {output / (output.name + '.png')}")
     return 0

@@ -256,31 +256,30 @@ class ContextPrefills:
     each quantized format and each policy at each budget. An evicting cache so refilled is the
     one a prefill at its budget gives (the context is one update); a quantized one stores the
     prefill's K/V as its own update would, the context's own attention having read them in full
-    precision (kvpress's protocol: the press compresses after the context's forward pass). Only
-    the latest context and observer window are kept (cells run context by context); a policy
-    with another SnapKV window prefills again."""
+    precision (kvpress's protocol: the press compresses after the context's forward pass). Every
+    context's prefill is kept while the model is loaded, so the runner can order cells by cache
+    shape (one compile per shape, whatever the context) rather than by context; a policy with
+    another SnapKV window prefills again."""
 
-    observer: Observer | None = None
-    context: int | None = None
-    caches: dict = dataclasses.field(default_factory=dict)  # (seed, first example) -> Cache
+    caches: dict = dataclasses.field(default_factory=dict)  # (context, seed, first example) -> {Observer: Cache}
 
     def cache(self, model, contexts: list[list[int]], context: int, key: tuple, cache_options: dict):
         """The cache of ``contexts`` (one row each, ``context`` slots) under ``cache_options``."""
         from jaxkv.decoding.generate import prefill_prefix
 
-        observer = self.observer_for(cache_options.get("eviction"))
-        if (observer, context) != (self.observer, self.context):
-            self.observer, self.context, self.caches = observer, context, {}
-        if key not in self.caches:
-            self.caches[key] = prefill_prefix(model, contexts, max_length=context, observer=observer)
-        return refill(self.caches[key], model.init_cache(len(contexts), context, **cache_options))
+        observed = self.caches.setdefault((context, *key), {})
+        observer = observer_for(cache_options.get("eviction"), observed)
+        if observer not in observed:
+            observed[observer] = prefill_prefix(model, contexts, max_length=context, observer=observer)
+        return refill(observed[observer], model.init_cache(len(contexts), context, **cache_options))
 
-    def observer_for(self, eviction: EvictionSpec | None) -> Observer:
-        """The observer that serves ``eviction``: one of its SnapKV window for a window-scored policy,
-        else the current one (any window serves the other caches)."""
-        if eviction is not None and eviction.observation_window is not None:
-            return Observer(eviction.observation_window)
-        return self.observer or Observer()
+
+def observer_for(eviction: EvictionSpec | None, observed: dict) -> Observer:
+    """The observer that serves ``eviction``: one of its SnapKV window for a window-scored policy,
+    else any already ``observed`` (any window serves the other caches), else the default one."""
+    if eviction is not None and eviction.observation_window is not None:
+        return Observer(eviction.observation_window)
+    return next(iter(observed), Observer())
 
 
 # One compile per target cache shape: refilling eagerly would compile each of its ops apart.

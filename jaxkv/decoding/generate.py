@@ -24,6 +24,7 @@ from jaxkv.decoding.driver import Loop, Prefilled, Request, Strategy, drive, emi
 from jaxkv.decoding.model import DecoderModel
 from jaxkv.decoding.sampling import sample
 from jaxkv.sharding import to_host
+from jaxkv.sizing import bucket
 
 
 class Finish(enum.IntEnum):
@@ -40,7 +41,7 @@ class Limits(NamedTuple):
     when the cache's ``capacity`` (None: unbounded) cannot take its next token."""
 
     stop_tokens: jax.Array
-    max_new_tokens: int
+    max_new_tokens: int | jax.Array
     capacity: int | None
 
     def finish(self, token: jax.Array, num_generated, cache_lengths: jax.Array) -> jax.Array:
@@ -83,21 +84,26 @@ class DecodeCarry(struct.PyTreeNode):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "sampling", "max_new_tokens", "stream"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("graphdef", "sampling", "token_slots", "stream"), donate_argnames=("cache",)
 )
-def decode(graphdef, state, cache, first_logits, key, stop_tokens, *, sampling, max_new_tokens, stream=None):
+def decode(
+    graphdef, state, cache, first_logits, key, stop_tokens, max_new_tokens, *, sampling, token_slots, stream=None
+):
     """Draw each row's first token from ``first_logits`` ``[B, V]``, then decode until every
-    row has stopped; returns the final ``DecodeCarry``.
+    row has stopped; returns the final ``DecodeCarry``, its ``tokens`` ``[B, token_slots]``.
 
-    A stopped row feeds padding (position -1), so its cache no longer changes. ``stream``,
-    if given, is called on the host with each step's tokens ``[B]`` (-1 for stopped rows).
+    ``max_new_tokens`` is traced and ``token_slots`` (at least it) a bucket, so runs asking
+    for different numbers of tokens share one executable (an experiment's tasks answer in 8
+    and 10 tokens). A stopped row feeds padding (position -1), so its cache no longer
+    changes. ``stream``, if given, is called on the host with each step's tokens ``[B]``
+    (-1 for stopped rows).
     """
     model = nnx.merge(graphdef, state)
     limits = Limits(stop_tokens, max_new_tokens, cache.max_length)
     first_key, key = jax.random.split(key)
     first = sample(first_logits, first_key, sampling)
     emit(stream, first)
-    tokens = jnp.full((first.shape[0], max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+    tokens = jnp.full((first.shape[0], token_slots), -1, jnp.int32).at[:, 0].set(first)
     carry = DecodeCarry(cache, tokens, first, jnp.int32(1), limits.finish(first, 1, cache.lengths), key)
 
     def step(carry: DecodeCarry) -> DecodeCarry:
@@ -121,11 +127,12 @@ class PlainDecoding(Strategy):
 
     def loop(self, run: Prefilled, started: None) -> Loop:
         request = self.request
-        static = {"sampling": request.sampling, "max_new_tokens": request.max_new_tokens, "stream": request.stream}
-        return Loop(decode, static, (run.state, run.cache, run.logits, request.key, request.stop_array))
+        static = {"sampling": request.sampling, "token_slots": bucket(request.max_new_tokens), "stream": request.stream}
+        limit = jnp.int32(request.max_new_tokens)
+        return Loop(decode, static, (run.state, run.cache, run.logits, request.key, request.stop_array, limit))
 
     def result(self, carry: DecodeCarry, run: Prefilled) -> Generation:
-        tokens = to_host(carry.tokens)
+        tokens = to_host(carry.tokens)[:, : self.request.max_new_tokens]
         finish = [Finish(int(r)) for r in to_host(carry.finish)]
         num_generated = np.sum(tokens >= 0, axis=1).astype(np.int32)
         timings = run.timings
