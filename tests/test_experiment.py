@@ -179,8 +179,16 @@ def test_a_cell_whose_settings_changed_runs_again(tmp_path):
 
 def test_smoke_grid_end_to_end_and_resumes(capsys, tmp_path, monkeypatch):
     """The CI grid: results.jsonl (one line per cell), summary.csv and the PNG; K/V bytes follow the
-    budgets; a second run finds every cell done and loads no model."""
+    budgets; the executables of a cache setting are dropped when the next setting's cells start (a
+    process keeping every cell's ran out of memory mappings); a second run finds every cell done
+    and loads no model."""
+    import jax
+
+    clears = []
+    clear_caches = jax.clear_caches
+    monkeypatch.setattr(jax, "clear_caches", lambda: clears.append(1) or clear_caches())
     assert main(["experiment", str(EXPERIMENTS / "smoke.yaml"), "--output-dir", str(tmp_path)]) == 0
+    assert len(clears) == 4  # one model, four cache settings
     out = tmp_path / "smoke"
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 12

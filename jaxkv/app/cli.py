@@ -572,7 +572,7 @@ def run_train_mqar(args) -> int:
 def _experiment_parser(sub) -> None:
     parser = sub.add_parser("experiment", help="run a grid of model x task x K/V cache x budget x seed")
     parser.add_argument(
-        "config", type=Path, nargs="+", help="YAML grid(s), e.g. configs/experiments/smoke.yaml; several run in turn"
+        "config", type=Path, nargs="+", help="YAML grid(s), e.g. configs/experiments/smoke.yaml; several run as one, cells ordered by cache shape"
     )
     parser.add_argument("--dry-run", action="store_true", help="list the cells (done or to run) and exit")
     parser.add_argument("--output-dir", type=Path, default=Path("results"), help="results go to OUTPUT_DIR/NAME/")

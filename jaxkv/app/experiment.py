@@ -210,17 +210,20 @@ def run_grids(grids: list[tuple[ExperimentConfig, Path]], *, progress: bool = Tr
         output.mkdir(parents=True, exist_ok=True)
         done = finished(config, output / "results.jsonl")
         pending += [(index, cell) for cell in grid(config) if cell.key() not in done]
-    loaded_name, model, tokenizer, prepared = None, None, None, {}
+    loaded_name, loaded_setting, model, tokenizer, prepared = None, None, None, None, {}
     bar = tqdm(shape_order(grids, pending), desc="cells", unit="cell", disable=not progress, file=sys.stderr)
     for index, cell in bar:
         bar.set_postfix_str(str(cell))
         config, output = grids[index]
         task, cache = task_of(config, cell), cache_of(config, cell)
-        if cell.model != loaded_name:  # cells are ordered by model: each loads once
-            # The last model's executables are of no more use; XLA's CPU backend maps memory for
-            # each, and a process holding those of ~100 cells ran out of mappings (LLVM "Cannot
-            # allocate memory", then a crash).
+        if (cell.model, cache_setting(config, cell)) != (loaded_name, loaded_setting):
+            # Cells are ordered by model and cache: no executable of the last cache setting is of
+            # use again. XLA's CPU backend keeps ~1200 memory mappings per compiled cache shape
+            # until its executable is dropped; a run holding every cell's ran out of the kernel's
+            # 65530 (LLVM "Cannot allocate memory", then a crash, after ~200 cells).
             jax.clear_caches()
+            loaded_setting = cache_setting(config, cell)
+        if cell.model != loaded_name:  # cells are ordered by model: each loads once
             if isinstance(task, MQARTask):
                 model, tokenizer = task.load()
             else:
@@ -251,8 +254,7 @@ def shape_order(grids: list[tuple[ExperimentConfig, Path]], cells: list[tuple[in
     stable: otherwise the grids' own order."""
     models, caches, keys = {}, {}, []
     for index, cell in cells:
-        cache = cache_of(grids[index][0], cell)
-        setting = json.dumps(cache.model_dump(exclude={"name"}), sort_keys=True)
+        cache, setting = cache_of(grids[index][0], cell), cache_setting(grids[index][0], cell)
         capacity = slots(cell.budget, cell.context) if cache.eviction and cell.budget < 1.0 else cell.context
         keys.append((models.setdefault(cell.model, len(models)), caches.setdefault(setting, len(caches)), capacity))
     return [item for _, item in sorted(zip(keys, cells), key=lambda pair: pair[0])]
@@ -264,6 +266,11 @@ def task_of(config: ExperimentConfig, cell: Cell) -> TaskConfig:
 
 def cache_of(config: ExperimentConfig, cell: Cell) -> CacheChoice:
     return next(cache for cache in config.caches if cache.name == cell.cache)
+
+
+def cache_setting(config: ExperimentConfig, cell: Cell) -> str:
+    """The cell's cache setting whatever its name: equal in two grids means one cache."""
+    return json.dumps(cache_of(config, cell).model_dump(exclude={"name"}), sort_keys=True)
 
 
 def write_summary(config: ExperimentConfig, output: Path) -> list[dict]:
