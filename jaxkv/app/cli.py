@@ -572,14 +572,15 @@ def run_train_mqar(args) -> int:
 def _experiment_parser(sub) -> None:
     parser = sub.add_parser("experiment", help="run a grid of model x task x K/V cache x budget x seed")
     parser.add_argument(
-        "config", type=Path, nargs="+", help="YAML grid(s), e.g. configs/experiments/smoke.yaml; several run as one, cells ordered by cache shape"
-    )
+        "config", type=Path, nargs="+",
+        help="YAML grid(s), e.g. configs/experiments/smoke.yaml; several run as one, cells ordered by cache shape",
+    )  # fmt: skip
     parser.add_argument("--dry-run", action="store_true", help="list the cells (done or to run) and exit")
     parser.add_argument("--output-dir", type=Path, default=Path("results"), help="results go to OUTPUT_DIR/NAME/")
     parser.add_argument(
         "--compile-cache", type=Path, default=None,
-        help="keep compiled programs in this directory (JAX's persistent compilation cache): cells of equal shapes "
-        "in later grids, and reruns, skip their compile",
+        help="keep compiled programs in this directory (JAX's persistent compilation cache): a rerun, or a run of "
+        "other grids with equal shapes, skips their compile",
     )  # fmt: skip
 
 
