@@ -215,14 +215,14 @@ def run_grids(grids: list[tuple[ExperimentConfig, Path]], *, progress: bool = Tr
     for index, cell in bar:
         bar.set_postfix_str(str(cell))
         config, output = grids[index]
-        task, cache = task_of(config, cell), cache_of(config, cell)
-        if (cell.model, cache_setting(config, cell)) != (loaded_name, loaded_setting):
+        task, cache, setting = task_of(config, cell), cache_of(config, cell), cache_setting(config, cell)
+        if (cell.model, setting) != (loaded_name, loaded_setting):
             # Cells are ordered by model and cache: no executable of the last cache setting is of
             # use again. XLA's CPU backend keeps ~1200 memory mappings per compiled cache shape
             # until its executable is dropped; a run holding every cell's ran out of the kernel's
             # 65530 (LLVM "Cannot allocate memory", then a crash, after ~200 cells).
             jax.clear_caches()
-            loaded_setting = cache_setting(config, cell)
+            loaded_setting = setting
         if cell.model != loaded_name:  # cells are ordered by model: each loads once
             if isinstance(task, MQARTask):
                 model, tokenizer = task.load()
