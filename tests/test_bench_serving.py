@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import jaxkv.app.bench_serving
+import jaxkv.bench.serving
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return jaxkv.app.bench_serving
+    return jaxkv.bench.serving
 
 
 def shape(bench, **changes):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.app.cli import main
+from jaxkv.cli.main import main
 from jaxkv.decoding.generate import generate
 from jaxkv.decoding.sampling import Sampling, sample
 from jaxkv.models.llama import Llama, LlamaConfig

@@ -16,8 +16,8 @@ import tokenizers
 import torch
 import transformers
 
-from jaxkv.app.cli import build_parser, main, resolve_config, resolve_serve_config
-from jaxkv.app.config import ConfigError, MeshConfig
+from jaxkv.cli.main import build_parser, main, resolve_config, resolve_serve_config
+from jaxkv.config import ConfigError, MeshConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORDS = ["[UNK]", "</s>"] + [f"w{i}" for i in range(62)]
@@ -72,7 +72,7 @@ def test_mesh_gives_the_same_tokens_and_warns_once(checkpoint, capsys):
     assert code == 0, err
     assert plain.count("--- prompt") == 2 and "2 prompts" in err
     sharded = subprocess.run(
-        [sys.executable, "-m", "jaxkv.app.cli", *generate_argv(checkpoint, "--mesh", "data=2,model=4")],
+        [sys.executable, "-m", "jaxkv.cli", *generate_argv(checkpoint, "--mesh", "data=2,model=4")],
         capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"}, check=False,
     )  # fmt: skip
     assert sharded.returncode == 0, sharded.stderr

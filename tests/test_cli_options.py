@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxkv.app.cli import build_parser, main, resolve_config, resolve_serve_config, serving_engine
-from jaxkv.app.config import QuantizationConfig
+from jaxkv.cli.main import build_parser, main, resolve_config, resolve_serve_config, serving_engine
+from jaxkv.config import QuantizationConfig
 from jaxkv.eviction import EvictionSpec
 from jaxkv.models.llama import Llama, LlamaConfig
 from tests.cases import TINY_LLAMA

@@ -19,7 +19,7 @@ import kvpress
 import numpy as np
 import pytest
 
-from jaxkv.app.corpus import corpus_text
+from jaxkv.research.corpus import corpus_text
 from jaxkv.eviction import EvictionSpec
 from jaxkv.models.load import load_pretrained
 from tests.kvpress_oracle import capture_prefill, kvpress_kept_positions, kvpress_scores, load_hf_smollm2

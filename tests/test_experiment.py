@@ -11,10 +11,10 @@ import chex
 import numpy as np
 import pytest
 
-from jaxkv.app.cli import main
-from jaxkv.app.config import ConfigError, load_config
-from jaxkv.app.experiment import Cell, ExperimentConfig, grid
-from jaxkv.app.tasks import (
+from jaxkv.cli.main import main
+from jaxkv.config import ConfigError, load_config
+from jaxkv.research.experiment import Cell, ExperimentConfig, grid
+from jaxkv.research.tasks import (
     PASSKEY,
     ContextPrefills,
     Haystack,
@@ -108,7 +108,7 @@ def test_grid_runs_budget_one_once_and_orders_cells_by_model():
 def test_a_run_orders_cells_by_cache_shape_across_grids(tmp_path):
     """A run goes model by model, then cache by cache (one setting in two grids is one cache), each
     by capacity: cells of one compiled shape run in a row, whatever their grid, task or context."""
-    from jaxkv.app.experiment import shape_order
+    from jaxkv.research.experiment import shape_order
 
     caches = [GRID["caches"][0], {"name": "int8", "quantization": {"nbits": 8}}, GRID["caches"][1]]
     short = validate(models=["smollm2", "gemma3"], budgets=[1.0, 0.5, 0.25], caches=caches,
@@ -166,7 +166,7 @@ def test_one_command_takes_several_grids_and_validates_them_all_first(capsys, tm
 
 def test_a_cell_whose_settings_changed_runs_again(tmp_path):
     """A results line counts as done only for the task and cache settings it ran with."""
-    from jaxkv.app.experiment import cell_settings, list_cells
+    from jaxkv.research.experiment import cell_settings, list_cells
 
     config = validate(budgets=[1.0])
     (cell,) = [c for c in grid(config) if c.cache == "full"]
@@ -305,9 +305,9 @@ def test_perplexity_windows_are_seeded_and_batched():
 def test_mqar_cells_run_on_their_checkpoint(tmp_path):
     """An mqar task runs on its checkpoint (not on the grid's models), its budgets are fractions of
     the checkpoint's context, and its cells carry evaluate's error attribution. The model is
-    untrained: this checks the plumbing, jaxkv.app.mqar's tests check recall."""
-    from jaxkv.app.experiment import run_experiment
-    from jaxkv.app.mqar import MQARConfig, RecallModel, build_decoder, save_checkpoint
+    untrained: this checks the plumbing, jaxkv.research.mqar's tests check recall."""
+    from jaxkv.research.experiment import run_experiment
+    from jaxkv.research.mqar import MQARConfig, RecallModel, build_decoder, save_checkpoint
 
     mqar = MQARConfig.model_validate({"data": {"num_pairs": 8, "num_queries": 4, "num_keys": 16, "num_values": 16}})
     save_checkpoint(RecallModel(build_decoder(mqar), mqar), tmp_path / "mqar")
@@ -382,11 +382,11 @@ def test_compile_cache_sets_jaxs_persistent_cache_for_the_run(monkeypatch, tmp_p
     run (not for a dry run, and not without the flag); the grids get the same arguments."""
     import jax
 
-    import jaxkv.app.experiment
+    import jaxkv.research.experiment
 
     updates, runs = [], []
     monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
-    monkeypatch.setattr(jaxkv.app.experiment, "run_command", lambda *a, **k: runs.append((a, k)) or 0)
+    monkeypatch.setattr(jaxkv.research.experiment, "run_command", lambda *a, **k: runs.append((a, k)) or 0)
     smoke = str(EXPERIMENTS / "smoke.yaml")
     assert main(["experiment", smoke, "--compile-cache", str(tmp_path / "cc"), "--output-dir", str(tmp_path)]) == 0
     assert updates == [("jax_compilation_cache_dir", str(tmp_path / "cc"))]

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxkv import Cache
-from jaxkv.app.config import CacheConfig, ConfigError, load_config
+from jaxkv.config import CacheConfig, ConfigError, load_config
 from jaxkv.models.toy import ToyConfig, ToyDecoder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The MQAR testbed (jaxkv.app.mqar): its data layout, training to >= 95% recall with configs/mqar.yaml,
+"""The MQAR testbed (jaxkv.research.mqar): its data layout, training to >= 95% recall with configs/mqar.yaml,
 the checkpoint round trip, and evaluation through quantized and evicting caches with the errors traced.
 
 The trained model is shared by every test (module fixture); training takes about 1-1.5 minutes here."""
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.app.cli import main
-from jaxkv.app.config import load_config
-from jaxkv.app.mqar import (
+from jaxkv.cli.main import main
+from jaxkv.config import load_config
+from jaxkv.research.mqar import (
     CHECKPOINT_FILE, CONFIG_FILE, LOSS_PLOT_FILE, METRICS_FILE, DataConfig, MQARConfig, evaluate, forward,
     load_checkpoint, mqar_batch, train,
 )  # fmt: skip
@@ -119,7 +119,7 @@ def test_cli_trains_the_config_it_is_given(trained, tmp_path, capsys, monkeypatc
         calls.append((config, output))
         return trained
 
-    monkeypatch.setattr("jaxkv.app.mqar.train", fake_train)
+    monkeypatch.setattr("jaxkv.research.mqar.train", fake_train)
     assert main(["train-mqar", str(CONFIG), "--output", str(tmp_path)]) == 0
     assert calls == [(load_config(CONFIG, MQARConfig), tmp_path)]
     assert f"recall {trained.recall:.4f}" in capsys.readouterr().err

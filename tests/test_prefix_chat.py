@@ -23,7 +23,7 @@ import pytest
 import safetensors
 import safetensors.numpy
 
-from jaxkv.app.cli import main
+from jaxkv.cli.main import main
 from jaxkv.decoding.generate import generate, prefill_prefix
 from jaxkv.decoding.session import Session
 from jaxkv.persist import load_cache, save_cache

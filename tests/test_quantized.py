@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import Cache, attention
-from jaxkv.app.cli import resolve_config
-from jaxkv.app.config import CacheConfig
+from jaxkv.cli.main import resolve_config
+from jaxkv.config import CacheConfig
 from jaxkv.decoding.generate import generate
 from jaxkv.memory import cache_bytes, layer_bytes
 from jaxkv.layers.quantized import QuantizedLayer, quantized_lengths
@@ -342,7 +342,7 @@ def test_generate_with_an_int8_cache_equals_full_precision():
 
 
 def test_cli_quantized_options_resolve_to_a_spec(tmp_path):
-    from jaxkv.app.cli import build_parser, main
+    from jaxkv.cli.main import build_parser, main
 
     def resolve(*argv):
         return resolve_config(build_parser().parse_args(["generate", *argv]))
@@ -362,8 +362,8 @@ def test_cli_quantized_options_resolve_to_a_spec(tmp_path):
 def test_perplexity_task_reads_the_corpus_through_the_cache():
     """The shipped text is there; perplexity fed in chunks through the cache equals one
     whole-window forward (float32), and an int8 cache stays within 1% of it."""
-    from jaxkv.app.corpus import corpus_text
-    from jaxkv.app.tasks import perplexity_through_cache
+    from jaxkv.research.corpus import corpus_text
+    from jaxkv.research.tasks import perplexity_through_cache
 
     text = corpus_text()
     assert len(text.split()) > 50_000 and "New South Wales" in text
@@ -378,7 +378,7 @@ def test_perplexity_task_reads_the_corpus_through_the_cache():
 
 
 def test_cli_generates_with_a_quantized_cache(capsys):
-    from jaxkv.app.cli import main
+    from jaxkv.cli.main import main
 
     code = main(["generate", "--model", "smollm2", "--prompt", "What is 2+2?", "--max-new-tokens", "4",
                  "--quantization", "--kv-bits", "4", "--kv-axis-key", "-1"])  # fmt: skip
@@ -392,9 +392,9 @@ def test_shipped_configs_validate():
     (configs/experiments/perplexity.yaml) covers full precision and every quantized format."""
     from pathlib import Path
 
-    from jaxkv.app.cli import GenerateConfig
-    from jaxkv.app.config import load_config
-    from jaxkv.app.experiment import ExperimentConfig
+    from jaxkv.cli.main import GenerateConfig
+    from jaxkv.config import load_config
+    from jaxkv.research.experiment import ExperimentConfig
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     int4 = load_config(configs / "smollm2-int4.yaml", GenerateConfig).cache.quantization_spec()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxkv.app.cli import main
+from jaxkv.cli.main import main
 from jaxkv.models import load
 from jaxkv.models.llama import Llama
 from jaxkv.models.load import Pretrained, load_pretrained

@@ -21,7 +21,7 @@ import pytest
 import torch
 import transformers
 
-from jaxkv.app.cli import main
+from jaxkv.cli.main import main
 from jaxkv.models.bart import Bart, BartConfig, params_from_state_dict
 from jaxkv.models.defaults import DEFAULT_MODELS, resolve_model
 from jaxkv.models.llama import Llama, param_shapes

@@ -49,7 +49,7 @@ from pydantic import PositiveFloat, PositiveInt, model_validator
 from safetensors.numpy import load_file, save_file
 from tqdm.auto import tqdm
 
-from jaxkv.app.config import Strict
+from jaxkv.config import Strict
 from jaxkv.cache import Cache
 from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.models.llama import Llama, LlamaConfig, layer_shapes, param_shapes

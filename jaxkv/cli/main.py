@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import sys
 import time
 import warnings
@@ -26,9 +27,9 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
-from jaxkv.app import launch
-from jaxkv.app.config import BudgetedEvictionConfig, CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
-from jaxkv.app.launch import Distributed
+from jaxkv.cli import launch
+from jaxkv.config import BudgetedEvictionConfig, CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
+from jaxkv.cli.launch import Distributed
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -450,7 +451,7 @@ def run_chat(args) -> int:
     return 0
 
 
-BENCHMARKS = {"decode": "jaxkv.app.bench_decode", "serving": "jaxkv.app.bench_serving"}
+BENCHMARKS = {"decode": "jaxkv.bench.decode", "serving": "jaxkv.bench.serving"}
 
 
 def _bench_parser(sub) -> None:
@@ -534,7 +535,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
 
 def run_serve(args) -> int:
     """Load, build the engine, compile every step shape, then serve until SIGINT/SIGTERM."""
-    from jaxkv.app.server import Server, serve
+    from jaxkv.server.api import Server, serve
     from jaxkv.models.load import load_pretrained
     from jaxkv.serving.runner import EngineRunner
 
@@ -554,14 +555,14 @@ def run_serve(args) -> int:
 
 
 def _train_mqar_parser(sub) -> None:
-    parser = sub.add_parser("train-mqar", help="train the multi-query associative recall model (jaxkv.app.mqar)")
+    parser = sub.add_parser("train-mqar", help="train the multi-query associative recall model (jaxkv.research.mqar)")
     parser.add_argument("config", type=Path, help="YAML file (configs/mqar.yaml)")
     parser.add_argument("--output", type=Path, help="checkpoint directory (default: the config's output)")
 
 
 def run_train_mqar(args) -> int:
     """Train, then save the checkpoint, loss curve and metrics; print where and the recall reached."""
-    from jaxkv.app.mqar import MQARConfig, train  # jax, flax and optax load only for this command
+    from jaxkv.research.mqar import MQARConfig, train  # jax, flax and optax load only for this command
 
     result = train(load_config(args.config, MQARConfig), args.output)
     print(f"[train-mqar] {len(result.losses)} steps in {result.seconds:.1f} s, final loss {result.losses[-1]:.4f}, "
@@ -586,8 +587,8 @@ def _experiment_parser(sub) -> None:
 
 def run_experiment(args) -> int:
     """``jaxkv experiment CONFIG...``: each grid's unfinished cells, then its summary and plot
-    (``jaxkv.app.experiment``, imported only for this command)."""
-    from jaxkv.app.experiment import run_command
+    (``jaxkv.research.experiment``, imported only for this command)."""
+    from jaxkv.research.experiment import run_command
 
     if args.compile_cache is not None and not args.dry_run:
         # Most of a cell after a context's prefill is compiling its cache's refill and decode; the
@@ -618,12 +619,34 @@ COMMANDS = {
 }  # fmt: skip
 
 
+# The modules a command needs beyond the core install, by the extra of pyproject.toml that installs them
+# (tests/test_architecture.py checks these against pyproject).
+EXTRAS = {"serve": ("fastapi", "uvicorn", "prometheus_client"), "research": ("optax", "matplotlib", "gensim")}
+COMMAND_EXTRAS = {"serve": "serve", "experiment": "research", "train-mqar": "research"}
+
+
+class MissingExtra(ImportError):
+    """A command's optional dependencies are not installed; the message names the extra to install."""
+
+
+def _check_extra(command: str) -> None:
+    """Raise ``MissingExtra`` before ``command`` runs (not deep into it) when a module of its extra is missing."""
+    extra = COMMAND_EXTRAS.get(command)
+    missing = [name for name in EXTRAS.get(extra, ()) if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtra(
+            f"jaxkv {command} needs the {extra} extra ({', '.join(missing)} not installed): "
+            f"pip install 'jaxkv[{extra}]'"
+        )
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_extra(args.command)
         with one_line_warnings():
             return COMMANDS[args.command](args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, MissingExtra) as error:
         print(f"jaxkv: error: {error}", file=sys.stderr)
         return 2
 
@@ -639,7 +662,3 @@ def one_line_warnings():
     with warnings.catch_warnings():
         warnings.showwarning = show
         yield
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@
     jaxkv bench decode --long                            # + the 4k vs 32k cache capacity experiment
 
 Every configuration (system x cache x batch) runs in a fresh subprocess (this module again,
-``python -m jaxkv.app.bench_decode`` with a hidden ``--worker JSON`` argument), so its peak RSS
+``python -m jaxkv.bench.decode`` with a hidden ``--worker JSON`` argument), so its peak RSS
 and its compile caches are its own; the worker prints one ``BENCH_RESULT {...}`` line that the parent collects. All
 configurations use the same model file, the same prompt (a fixed English text tokenized by
 the model's tokenizer, cut or repeated to ``--prompt-tokens``, the same for every row) and
@@ -70,7 +70,7 @@ import sys
 import time
 from pathlib import Path
 
-MODULE = "jaxkv.app.bench_decode"  # workers run as `python -m MODULE --worker SPEC`
+MODULE = "jaxkv.bench.decode"  # workers run as `python -m MODULE --worker SPEC`
 
 RESULT_PREFIX = "BENCH_RESULT "
 # name -> (system, cache kind, jaxkv model options); the order is the table's.
@@ -260,7 +260,7 @@ def worker_quantized(spec: dict) -> dict:
     import jax
     import numpy as np
 
-    from jaxkv.app.tasks import perplexity_through_cache
+    from jaxkv.research.tasks import perplexity_through_cache
     from jaxkv.quantization import QuantSpec
 
     model = jaxkv_model(spec)
@@ -923,7 +923,7 @@ def write_outputs(args, report: dict, title: str) -> None:
     try:
         plot(report["rows"], report["long"], png_path, title)
     except ImportError:
-        print(f"\nwrote {json_path}; no chart: matplotlib is not installed (pip install matplotlib)")
+        print(f"\nwrote {json_path}; no chart: matplotlib is not installed (pip install 'jaxkv[bench]')")
     else:
         print(f"\nwrote {json_path} and {png_path}")
 

@@ -148,7 +148,7 @@ def run_launch(args: argparse.Namespace) -> int:
         try:
             for index in range(args.num_processes):
                 flags = ["--coordinator", coordinator, "--num-processes", str(args.num_processes)]
-                process_command = [sys.executable, "-m", "jaxkv.app.cli", *command, *flags, "--process-id", str(index)]
+                process_command = [sys.executable, "-m", "jaxkv.cli", *command, *flags, "--process-id", str(index)]
                 workers.append(Worker.start(index, process_command, env, Path(logs)))
             problem = watch(workers, args.timeout)
         finally:

@@ -1,7 +1,7 @@
-"""The tasks of ``jaxkv experiment`` (``jaxkv.app.experiment``): what one cell of a grid measures on
+"""The tasks of ``jaxkv experiment`` (``jaxkv.research.experiment``): what one cell of a grid measures on
 one model through one cache.
 
-* ``perplexity``: windows of the packaged corpus (``jaxkv.app.corpus``, the Lee news articles) fed
+* ``perplexity``: windows of the packaged corpus (``jaxkv.research.corpus``, the Lee news articles) fed
   through the cache in chunks, so every prediction after the first chunk reads what the cache kept
   (quantized codes, or the slots an eviction policy left).
 * ``passkey``: a haystack of corpus sentences with one sentence stating a random 5-digit pass key
@@ -11,7 +11,7 @@ one model through one cache.
   numbers) at random depths in the same haystack, the asked one at a given depth; exact match of
   the asked number.
 * ``mqar``: multi-query associative recall of a small transformer trained from scratch
-  (``jaxkv.app.mqar``), through the cache.
+  (``jaxkv.research.mqar``), through the cache.
 
 The retrieval prompts are split as kvpress evaluates its presses: the context (instruction and
 haystack, inside the chat template where the model has one) is prefilled first, which is where an
@@ -42,8 +42,8 @@ import numpy as np
 from flax import nnx
 from pydantic import Field, PositiveInt, model_validator
 
-from jaxkv.app.config import Strict, load_config
-from jaxkv.app.corpus import corpus_text
+from jaxkv.config import Strict, load_config
+from jaxkv.research.corpus import corpus_text
 from jaxkv.eviction import EvictionSpec, Observer
 
 Depth = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -156,7 +156,7 @@ class KVRetrievalTask(RetrievalTask):
 
 class MQARTask(Task):
     """Multi-query associative recall of the model trained into ``checkpoint`` (a directory
-    ``jaxkv train-mqar`` wrote; ``jaxkv.app.mqar.evaluate``): ``examples`` fresh examples per seed,
+    ``jaxkv train-mqar`` wrote; ``jaxkv.research.mqar.evaluate``): ``examples`` fresh examples per seed,
     ``batch_size`` per forward. The model is the checkpoint's (the grid's ``models`` do not apply)
     and the context is its ``2 * num_pairs`` tokens: budgets are fractions of it. Besides the
     accuracy, the metrics trace each error to whether its pair's tokens were evicted."""
@@ -173,7 +173,7 @@ class MQARTask(Task):
 
     def training_config(self):
         """The ``MQARConfig`` the checkpoint was (or will be) trained with."""
-        from jaxkv.app.mqar import CONFIG_FILE, MQARConfig
+        from jaxkv.research.mqar import CONFIG_FILE, MQARConfig
 
         config_file = Path(self.checkpoint) / CONFIG_FILE
         if config_file.is_file():
@@ -191,7 +191,7 @@ class MQARTask(Task):
         return [self.training_config().data.context_length]
 
     def load(self):
-        from jaxkv.app.mqar import CONFIG_FILE, load_checkpoint, train
+        from jaxkv.research.mqar import CONFIG_FILE, load_checkpoint, train
 
         if not (Path(self.checkpoint) / CONFIG_FILE).is_file():
             train(self.training_config(), self.checkpoint)
@@ -202,7 +202,7 @@ class MQARTask(Task):
 
     def run(self, model, tokenizer, data: None, context: int, seed: int, cache_options: dict):
         """The cell's metrics (``evaluate``'s) and the K/V bytes per example."""
-        from jaxkv.app.mqar import evaluate
+        from jaxkv.research.mqar import evaluate
 
         metrics = evaluate(model, self.examples, seed, cache_options, batch_size=self.batch_size)
         return metrics, metrics["kv_bytes_per_example"]

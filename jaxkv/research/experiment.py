@@ -16,7 +16,7 @@ A config (YAML, validated: an unknown key or a wrong type names the key and the 
       - {kind: perplexity, contexts: [1024]}
     caches:
       - {name: full}                                             # the uncompressed cache
-      - {name: int4, quantization: {nbits: 4, axis_key: -1}}     # jaxkv.app.config.QuantizationConfig
+      - {name: int4, quantization: {nbits: 4, axis_key: -1}}     # jaxkv.config.QuantizationConfig
       - {name: snapkv, eviction: {policy: snapkv, window: 32}}   # EvictionConfig below
 
 Cells: the plain and quantized caches run once per model, task context and seed; an eviction cache
@@ -25,7 +25,7 @@ runs once per budget below 1.0, keeping ``max(1, int(budget * context))`` slots 
 plain cache's cell, not one per policy. Cells run model by model (each model loads once), then cache
 by cache, each by capacity, across every grid of the command (``shape_order``): the cells of one
 compiled shape run in a row and compile once. A retrieval task prefills each batch of contexts once
-and refills every cache of the context from it (``jaxkv.app.tasks.ContextPrefills``), so a
+and refills every cache of the context from it (``jaxkv.research.tasks.ContextPrefills``), so a
 context's first cell (its plain cache's) carries that prefill's seconds.
 
 Outputs under ``OUTPUT_DIR/NAME/`` (NAME: the config file's stem): ``results.jsonl``, one line per
@@ -53,8 +53,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from jaxkv.app.config import EvictionConfig, QuantizationConfig, Strict, load_config
-from jaxkv.app.tasks import KVRetrievalTask, MQARTask, PasskeyTask, PerplexityTask
+from jaxkv.config import EvictionConfig, QuantizationConfig, Strict, load_config
+from jaxkv.research.tasks import KVRetrievalTask, MQARTask, PasskeyTask, PerplexityTask
 
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
 TaskConfig = Annotated[PerplexityTask | PasskeyTask | KVRetrievalTask | MQARTask, Field(discriminator="kind")]

@@ -81,11 +81,11 @@ from pathlib import Path
 import numpy as np
 
 # Sibling scripts: model loading, sizes and report helpers are bench_decode's, the text perplexity's.
-from jaxkv.app.bench_decode import (
+from jaxkv.bench.decode import (
     TINY, cpu_cores, environment, fmt, hf_model, hf_sizes, jaxkv_model, peak_rss_mib, print_targets, worker_env,
 )  # fmt: skip
 
-MODULE = "jaxkv.app.bench_serving"  # workers run as `python -m MODULE --worker SPEC`
+MODULE = "jaxkv.bench.serving"  # workers run as `python -m MODULE --worker SPEC`
 
 SYSTEMS = {
     "engine": "jaxkv engine",
@@ -214,7 +214,7 @@ def token_source(model: str, vocab_size: int | None = None, seed: int = 0) -> np
     if model == TINY:
         return np.random.default_rng(seed).integers(0, vocab_size, 1 << 16)
     from jaxkv.models.load import Pretrained
-    from jaxkv.app.corpus import corpus_text
+    from jaxkv.research.corpus import corpus_text
 
     tokenizer = Pretrained(model).tokenizer(required=True)
     return np.asarray(tokenizer.encode(corpus_text(), add_special_tokens=False))
@@ -713,7 +713,7 @@ def write_outputs(args: argparse.Namespace, report: dict, kinds: list[str], titl
     png_path = args.out.with_suffix(".png")
     args.out.write_text(json.dumps(report, indent=2))
     if importlib.util.find_spec("matplotlib") is None:
-        print(f"\nwrote {args.out}; no chart: matplotlib is not installed (pip install matplotlib)")
+        print(f"\nwrote {args.out}; no chart: matplotlib is not installed (pip install 'jaxkv[bench]')")
         return
     plot(report["rows"], kinds, png_path, title)
     print(f"\nwrote {args.out} and {png_path}")
@@ -785,7 +785,7 @@ def selected_workloads(args: argparse.Namespace) -> list[str]:
 
 
 def build_workloads(args: argparse.Namespace) -> dict[str, list[ServingRequest]]:
-    from jaxkv.app.bench_decode import TINY_CONFIG
+    from jaxkv.bench.decode import TINY_CONFIG
 
     source = token_source(args.model, TINY_CONFIG["vocab_size"], args.seed)
     shape = WorkloadShape.from_args(args)
