@@ -31,7 +31,7 @@ from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
-from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, stacked_for_layers
+from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, pytree_class, stacked_for_layers
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
 
@@ -333,7 +333,7 @@ def first_entry_shapes(group: CacheLayer) -> CacheLayer:
     return jax.eval_shape(lambda g: jax.tree.map(lambda leaf: leaf[0], g), group)
 
 
-@struct.dataclass
+@pytree_class
 class Cache:
     """One cache layer per model layer, stored as stacks of same-kind layers.
 

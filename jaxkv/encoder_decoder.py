@@ -22,10 +22,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from jaxkv.cache import Cache
-from jaxkv.protocol import KVView, MaskInfo, check_array, flat_group_indices, is_traced
+from jaxkv.protocol import KVView, MaskInfo, check_array, flat_group_indices, is_traced, pytree_class
 from jaxkv.sizing import human_bytes
 
 
@@ -43,7 +42,7 @@ def bidirectional_view(key_stack: jax.Array, value_stack: jax.Array, index, posi
     return KVView(key_stack=key_stack, value_stack=value_stack, index=index, mask_info=MaskInfo(kv_positions))
 
 
-@struct.dataclass
+@pytree_class
 class EncoderDecoderCache:
     """Decoder self-attention ``Cache`` plus the cross-attention K/V of every decoder layer.
 

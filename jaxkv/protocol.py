@@ -41,6 +41,7 @@ layer without the capability (no growth, no overflow, no linear state, ...).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Self
 
@@ -52,7 +53,43 @@ from flax import struct
 from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, TOKENS, Axes
 
 
-class MaskInfo(struct.PyTreeNode):
+def pytree_class(cls: type) -> type:
+    """``cls`` as a frozen dataclass and a pytree whose tree structure names ``cls``: fields as
+    ``flax.struct``'s (``struct.field(pytree_node=False)`` marks a static field, part of the
+    structure), and ``replace``.
+
+    ``flax.struct.dataclass`` registers through ``jax.tree_util.register_dataclass``, whose tree
+    structures compare equal across classes of equal field names and static values (their
+    hashes differ): ``SlidingWindowLayer`` and ``ChunkedLayer``, ``StaticLayer`` and
+    ``DynamicLayer``. ``jax.jit``'s cache, which looks executables up by structure, could hand
+    one class the executable traced for the other (a sliding ring's view masked as a chunk's).
+    A node registered by its flatten functions compares its class too.
+    """
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    static = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+
+    def flatten_with_keys(node):
+        keyed = [(jax.tree_util.GetAttrKey(name), getattr(node, name)) for name in children]
+        return keyed, tuple(getattr(node, name) for name in static)
+
+    def flatten(node):
+        return [getattr(node, name) for name in children], tuple(getattr(node, name) for name in static)
+
+    def unflatten(static_values, child_values):
+        return cls(**dict(zip(children, child_values)), **dict(zip(static, static_values)))
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (field name -> value)."""
+        return dataclasses.replace(self, **changes)
+
+    cls.replace = replace
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+@pytree_class
+class MaskInfo:
     """What attention needs to build its mask for the returned K/V.
 
     ``kv_positions``: ``[B, S]`` int32, the absolute position held by each slot, -1 if the
@@ -69,7 +106,8 @@ class MaskInfo(struct.PyTreeNode):
     slots_used: jax.Array | None = None
 
 
-class KVView(struct.PyTreeNode):
+@pytree_class
+class KVView:
     """What one ``update`` hands to attention: a layer's K/V slots and their ``MaskInfo``.
 
     ``keys``/``values`` are ``[B, H_kv, S, D]``; ``k, v, mask_info = view`` unpacks them.
@@ -381,7 +419,7 @@ class PositionalLayer(BatchMajorLayer):
         return jax.tree.map(jnp.zeros_like, self)
 
 
-@struct.dataclass
+@pytree_class
 class RowPacking:
     """Where the serving engine's packed tokens go in a per-row layout: token i (of engine row
     ``rows[i]``, at ``positions[i]``) is token ``order[i]`` of its row, counted from the row's

@@ -30,11 +30,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jaxkv.decoding.driver import Batch, Loop, Prefilled, Request, Strategy, drive
 from jaxkv.decoding.model import DecoderModel
 from jaxkv.decoding.sampling import GREEDY
+from jaxkv.protocol import pytree_class
 from jaxkv.sharding import to_host
 
 # transformers' "impossible" score: a candidate that must not be chosen gets this added.
@@ -61,7 +62,8 @@ class BeamSettings:
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 
 
-class BeamState(struct.PyTreeNode):
+@pytree_class
+class BeamState:
     """The search between steps, per prompt row ``B`` and beam ``N = num_beams``.
 
     ``running_*``: the beams still extended; ``finished_*``: the best finished hypotheses
@@ -163,7 +165,8 @@ def searching(state: BeamState, settings: BeamSettings) -> jax.Array:
     return jnp.any(state.improvable) & open_beams & ~state.all_stopped
 
 
-class BeamCarry(struct.PyTreeNode):
+@pytree_class
+class BeamCarry:
     """The search loop between steps: the beams and their cache (``B * num_beams`` rows)."""
 
     beams: BeamState

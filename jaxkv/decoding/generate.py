@@ -18,11 +18,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jaxkv.decoding.driver import Loop, Prefilled, Request, Strategy, drive, emit, prefill_batch, prepare_batch
 from jaxkv.decoding.model import DecoderModel
 from jaxkv.decoding.sampling import sample
+from jaxkv.protocol import pytree_class
 from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
@@ -72,7 +73,8 @@ class Generation:
         return self.tokens[i, : self.num_generated[i]].tolist()
 
 
-class DecodeCarry(struct.PyTreeNode):
+@pytree_class
+class DecodeCarry:
     """The decode loop between steps."""
 
     cache: Any

@@ -54,12 +54,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jaxkv.decoding.driver import Batch, CacheSource, Loop, Prefilled, Request, Strategy, drive, emit, prefill
 from jaxkv.decoding.generate import Finish, Generation, Limits
 from jaxkv.decoding.model import DecoderModel, EarlyExitModel, EncoderDecoderModel, check_model
 from jaxkv.decoding.sampling import Sampling, sample, sampling_logits
+from jaxkv.protocol import pytree_class
 from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
@@ -234,7 +235,8 @@ class SelfSpeculation(Drafter):
         return Proposal(drafts, logits, rnd.draft_state, cache)
 
 
-class DraftState(struct.PyTreeNode):
+@pytree_class
+class DraftState:
     """A draft model's carry: its cache and, per row, a kept draft it has not stored yet.
 
     The draft feeds ``x, d_1..d_{k-1}``; when all k drafts are kept, ``d_k`` is in the
@@ -348,7 +350,8 @@ def verify(
     return num_accepted, tokens
 
 
-class SpeculativeCarry(struct.PyTreeNode):
+@pytree_class
+class SpeculativeCarry:
     """The speculative loop between rounds."""
 
     cache: Any  # the target's

@@ -5,14 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxkv.protocol import PositionalLayer, check_update_inputs, is_traced
+from jaxkv.protocol import PositionalLayer, check_update_inputs, is_traced, pytree_class
 from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
 
-@struct.dataclass
+@pytree_class
 class DynamicLayer(PositionalLayer):
     """K/V for full attention in a buffer ``[B, H_kv, N, D]`` whose capacity N grows.
 

@@ -38,7 +38,8 @@ from flax import struct
 
 from jaxkv.eviction import DEFAULT_WINDOW, EvictionSpec, key_norm_scores, window_query_weights, window_scores
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
-from jaxkv.protocol import PackedRowsLayer, PositionalLayer, check_capacity, limit_rollback, stacked_for_layers
+from jaxkv.protocol import PackedRowsLayer, PositionalLayer, check_capacity, limit_rollback, pytree_class
+from jaxkv.protocol import stacked_for_layers
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 # read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
@@ -72,7 +73,7 @@ def slot_leaves(layer, fn) -> dict[str, jax.Array]:
     return {name: fn(name, getattr(layer, name)) for name in SLOT_LEAVES}
 
 
-@struct.dataclass
+@pytree_class
 class Candidates:
     """The kept slots of one layer followed by the T new tokens: ``C = N + T`` candidates per head."""
 
@@ -82,7 +83,7 @@ class Candidates:
     old_scores: jax.Array  # [B, H_kv, N] float32: the kept slots' stored scores
 
 
-@struct.dataclass
+@pytree_class
 class EvictingLayer(BatchMajorLayer):
     """Full-attention K/V in ``N`` slots per row and head, evicted by a policy: ``[B, H_kv, N, D]``."""
 
@@ -398,7 +399,7 @@ def kept_stack(
     return target.from_entry_views(kept)
 
 
-@struct.dataclass
+@pytree_class
 class ObserverLayer(PositionalLayer):
     """Full attention over every token, slot ``p`` holding position ``p`` (as ``StaticLayer``),
     recording what each eviction policy ranks tokens by, so that one prefill serves every policy
@@ -517,7 +518,7 @@ class ObserverLayer(PositionalLayer):
         return f"observer window={self.window}"
 
 
-@struct.dataclass
+@pytree_class
 class PackedEvictingLayer(PackedRowsLayer):
     """Evicting K/V for the serving engine: an ``EvictingLayer`` with one row per engine row
     (``slots``), fed with packed tokens of many rows (``PackedRowsLayer``). Each row holds its

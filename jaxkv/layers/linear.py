@@ -50,7 +50,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.protocol import BatchMajorLayer, CacheLayer, PackedRowsLayer, check_array, check_positions, describe_extent
-from jaxkv.protocol import entry, lengths_after, limit_rollback
+from jaxkv.protocol import entry, lengths_after, limit_rollback, pytree_class
 from jaxkv.sharding import BATCH, STATE, Axes
 
 
@@ -108,7 +108,7 @@ def states_at(rings: tuple, lengths: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(rows_where(lengths > 0, ring[rows, (lengths - 1) % ring.shape[1]], 0.0) for ring in rings)
 
 
-@struct.dataclass
+@pytree_class
 class LinearAttentionLayer(BatchMajorLayer):
     """Linear-attention / SSM state: conv inputs ``[B, C_conv, K-1+R]``, states ``[B, R+1, *S]``.
 
@@ -255,7 +255,7 @@ class LinearAttentionLayer(BatchMajorLayer):
         return jax.tree.map(jnp.zeros_like, self)
 
 
-@struct.dataclass
+@pytree_class
 class HybridLayer(BatchMajorLayer):
     """A linear state and attention K/V in one layer (full, or sliding with ``hybrid_sliding``).
 
@@ -321,7 +321,7 @@ class HybridLayer(BatchMajorLayer):
         return self.replace(linear=self.linear.logical_axes(), attention=self.attention.logical_axes())
 
 
-@struct.dataclass
+@pytree_class
 class PackedStateLayer(PackedRowsLayer):
     """Linear-attention states in one slot per engine row, fed with packed tokens of many rows
     (``PackedRowsLayer``).

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.protocol import CacheLayer, check_array, entry, limit_rollback
+from jaxkv.protocol import CacheLayer, check_array, entry, limit_rollback, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, TABLE, TOKENS, Axes
 
@@ -110,7 +110,7 @@ def pool_shape(pool: Pool) -> tuple[int, ...]:
     return (pool.codes if isinstance(pool, QuantizedTensor) else pool).shape
 
 
-@struct.dataclass
+@pytree_class
 class PagedKVView:
     """What a paged update hands to attention (``jaxkv.attention.paged_attention``): the pools,
     the block table and each query token's row. Attention gathers each token's pages block
@@ -167,7 +167,7 @@ class PagedKVView:
         return jnp.minimum(jnp.maximum(earliest - self.window + 1, 0) // span, end), end
 
 
-@struct.dataclass
+@pytree_class
 class PagedLayer(CacheLayer):
     """Paged K/V: pages ``[P, page_size, H_kv, D]`` shared by all rows, read through a block table ``[B, W]``."""
 

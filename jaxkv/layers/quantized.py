@@ -51,7 +51,7 @@ from jaxkv.quantization import (
 )  # fmt: skip
 from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_capacity, check_update_inputs, describe_extent
 from jaxkv.protocol import entry, lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
-from jaxkv.protocol import KV_AXES
+from jaxkv.protocol import KV_AXES, pytree_class
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 
@@ -79,7 +79,8 @@ def quantized_lengths(lengths: jax.Array, residual_length: int) -> jax.Array:
     return jnp.maximum(residual_length * ((lengths - 1) // residual_length), 0)
 
 
-class QuantizedView(struct.PyTreeNode):
+@pytree_class
+class QuantizedView:
     """What a full-attention ``QuantizedLayer`` hands to attention: slot ``p`` holds position
     ``p``, quantized below the row's ``quantized`` count and from the residual above it.
 
@@ -250,7 +251,7 @@ class Staging(NamedTuple):
         return write_slots(residual_stack, index, new, self.residual_slots)
 
 
-@struct.dataclass
+@pytree_class
 class QuantizedLayer(BatchMajorLayer):
     """Quantized K/V ``[B, H_kv, N, D·bits/8]`` codes + group scales, and an R-token residual.
 

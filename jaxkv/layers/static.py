@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from jaxkv.protocol import PositionalLayer, check_capacity, check_update_inputs
+from jaxkv.protocol import PositionalLayer, check_capacity, check_update_inputs, pytree_class
 
 
-@struct.dataclass
+@pytree_class
 class StaticLayer(PositionalLayer):
     """K/V for full attention in a fixed buffer ``[B, H_kv, S_max, D]``.
 

@@ -22,11 +22,11 @@ from flax import struct
 
 from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_update_inputs, describe_extent, entry
 from jaxkv.protocol import KV_AXES, lengths_after, limit_rollback, ring_rollback_budget, visible_positions
-from jaxkv.protocol import write_slots
+from jaxkv.protocol import pytree_class, write_slots
 from jaxkv.sharding import BATCH, KV_SLOTS, Axes
 
 
-@struct.dataclass
+@pytree_class
 class RingBufferLayer(BatchMajorLayer):
     """The ring shared by the windowed layers: ``[B, H_kv, span + R, D]``, slot ``p % (span + R)``
     holding position p. Subclasses name the span (``SPAN_NAME``, the ``MaskInfo`` field it sets)."""
@@ -141,7 +141,7 @@ class RingBufferLayer(BatchMajorLayer):
         )
 
 
-@struct.dataclass
+@pytree_class
 class SlidingWindowLayer(RingBufferLayer):
     """Sliding-window K/V: a ring ``[B, H_kv, W + R, D]``; a query at q sees ``(q - W, q]``."""
 
@@ -153,7 +153,7 @@ class SlidingWindowLayer(RingBufferLayer):
         return self.span
 
 
-@struct.dataclass
+@pytree_class
 class ChunkedLayer(RingBufferLayer):
     """Chunked-attention K/V: a ring ``[B, H_kv, C + R, D]``; a query sees its own chunk."""
 
