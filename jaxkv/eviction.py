@@ -15,8 +15,11 @@ Policies (scores: higher is kept):
   averaged over the query heads sharing the K/V head (SnapKV, as kvpress computes it). An update
   that brings a row at least ``window`` tokens (a prefill) rescores every kept token; a shorter one
   (a decode step) scores only its new tokens, from its own queries.
-* ``pyramidkv``: SnapKV's scores with per-layer budgets, lower layers keeping more (PyramidKV's
-  linear schedule, steepness ``beta``, kvpress's formula); ``budget`` is the mean over layers.
+* ``pyramidkv``: SnapKV's scores with per-layer budgets, lower layers keeping more: kvpress's
+  ``PyramidKVPress`` schedule (linear in depth, steepness ``beta``, the first layer capped at the
+  prompt's length minus its window), planned for a prompt of ``prompt_length`` tokens (the cache's
+  ``max_length`` unless given); ``budget`` is the mean over layers (a ``compression_ratio``: its
+  fraction of the prompt length, unrounded, as kvpress's).
 * ``h2o``: heavy hitters: each token's attention mass accumulated over every query that has
   seen it (all queries of every update, summed over the query heads of its K/V head) (H2O).
 * ``key_norm``: the negative L2 norm of the key (low-norm keys draw attention).
@@ -63,6 +66,8 @@ class EvictionSpec:
     for ``streaming_llm``, 64 for ``snapkv``/``pyramidkv``, half the budget for ``h2o``, 0 for
     ``key_norm``). ``sinks``: the first positions always kept (StreamingLLM's 4 by default, 0
     for the others). ``kernel_size``: SnapKV's pooling (odd). ``beta``: PyramidKV's steepness.
+    ``prompt_length``: PyramidKV's only, the prompt length its schedule is planned for (kvpress's
+    ``q_len``; None: the cache's ``max_length``, set by ``resolved``).
     """
 
     policy: str
@@ -72,6 +77,7 @@ class EvictionSpec:
     sinks: int | None = None
     kernel_size: int = 5
     beta: float = 20.0
+    prompt_length: int | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -91,6 +97,13 @@ class EvictionSpec:
             raise ValueError(f"EvictionSpec: kernel_size must be a positive odd number, got {self.kernel_size}")
         if self.beta < 1:
             raise ValueError(f"EvictionSpec: beta must be >= 1, got {self.beta}")
+        if self.prompt_length is not None and self.policy != "pyramidkv":
+            raise ValueError(
+                f"EvictionSpec: prompt_length plans PyramidKV's per-layer budgets; {self.policy!r} keeps one budget "
+                f"in every layer: drop prompt_length"
+            )
+        if self.prompt_length is not None and self.prompt_length < 1:
+            raise ValueError(f"EvictionSpec: prompt_length must be at least 1 token, got {self.prompt_length}")
 
     @property
     def uses_attention(self) -> bool:
@@ -102,8 +115,19 @@ class EvictionSpec:
         return self.compression_ratio == 0
 
     def resolved(self, max_length: int | None) -> EvictionSpec:
-        """This spec with ``compression_ratio`` turned into a budget of slots: the cache's
-        ``max_length`` times the fraction kept, at least 1 (kvpress's count)."""
+        """This spec for a cache of ``max_length`` tokens, holding what its layers' budgets need: a
+        ``compression_ratio`` turned into a budget of slots, the fraction kept of ``max_length``, at
+        least 1 (kvpress's count); PyramidKV's ``prompt_length`` set to ``max_length`` unless given,
+        a ratio kept as it is (kvpress plans its schedule from the fraction of the prompt, unrounded)."""
+        if self.policy == "pyramidkv":
+            if self.prompt_length is not None:
+                return self
+            if max_length is None:
+                raise ValueError(
+                    "EvictionSpec('pyramidkv'): its per-layer budgets follow the prompt length: pass max_length "
+                    "(the cache's) or EvictionSpec(prompt_length=...)"
+                )
+            return dataclasses.replace(self, prompt_length=max_length)
         if self.budget is not None:
             return self
         if max_length is None:
@@ -114,34 +138,33 @@ class EvictionSpec:
     def sink_count(self) -> int:
         return (4 if self.policy == "streaming_llm" else 0) if self.sinks is None else self.sinks
 
-    def window_for(self, budget: int) -> int:
-        """The recent positions always kept by a layer of ``budget`` slots."""
+    def window_for(self, budget: int | None) -> int:
+        """The recent positions always kept by a layer of ``budget`` slots (None: a PyramidKV spec
+        of a compression ratio, whose window does not depend on the budget)."""
         if self.window is not None:
             return self.window
-        return {
-            "streaming_llm": budget - self.sink_count(),
-            "snapkv": DEFAULT_WINDOW,
-            "pyramidkv": DEFAULT_WINDOW,
-            "h2o": budget // 2,
-            "key_norm": 0,
-        }[self.policy]
+        if self.policy == "streaming_llm":
+            return budget - self.sink_count()
+        if self.policy == "h2o":
+            return budget // 2
+        return {"snapkv": DEFAULT_WINDOW, "pyramidkv": DEFAULT_WINDOW, "key_norm": 0}[self.policy]
 
     def layer_budgets(self, num_layers: int) -> list[int]:
-        """Slots of each of ``num_layers`` layers (a resolved spec): the budget everywhere, except
-        ``pyramidkv``'s schedule, from ``2 * budget - budget / beta`` at the first layer down to
-        ``budget / beta`` at the last, linearly (mean ``budget``; kvpress's
-        ``PyramidKVPress.get_layer_budget`` with ``max_capacity_prompt - window`` = budget). Like
-        kvpress, a schedule whose last layer could not hold the window falls back to the budget
-        everywhere."""
-        if self.budget is None:
-            raise ValueError("EvictionSpec.layer_budgets: resolve the compression ratio first (resolved(max_length))")
-        if self.policy != "pyramidkv" or num_layers == 1:
+        """Slots of each of ``num_layers`` layers of a ``resolved`` spec: the budget everywhere, except
+        PyramidKV's schedule for its ``prompt_length`` (``_pyramid_budgets``; the mean is the budget,
+        or the ratio's fraction of the prompt length), whose always-kept positions (sinks, 0 by
+        default, and the window) are kvpress's ``window_size``."""
+        unresolved = self.prompt_length is None if self.policy == "pyramidkv" else self.budget is None
+        if unresolved:
+            raise ValueError(
+                "EvictionSpec.layer_budgets: resolve the spec for its cache first (resolved(max_length)): a "
+                "compression ratio is a fraction of max_length, and PyramidKV's budgets follow the prompt length"
+            )
+        if self.policy != "pyramidkv":
             return [self.budget] * num_layers
-        low = self.budget / self.beta
-        if low < self.sink_count() + self.window_for(self.budget):
-            return [self.budget] * num_layers
-        step = (2 * self.budget - 2 * low) / (num_layers - 1)
-        return [max(1, round(2 * self.budget - low - i * step)) for i in range(num_layers)]
+        mean = self.budget if self.budget is not None else self.prompt_length * (1 - self.compression_ratio)
+        protected = self.sink_count() + self.observation_window
+        return _pyramid_budgets(mean, self.prompt_length, protected, self.beta, num_layers)
 
     @property
     def observation_window(self) -> int | None:
@@ -164,7 +187,7 @@ class EvictionSpec:
         at most ``slots`` tokens it evicts nothing, and ``Cache.evict(self)`` then cuts it to this
         spec's budget. PyramidKV's observer is SnapKV's (same scores, one budget for all layers)."""
         policy = "snapkv" if self.policy == "pyramidkv" else self.policy
-        return dataclasses.replace(self, policy=policy, budget=slots, compression_ratio=None)
+        return dataclasses.replace(self, policy=policy, budget=slots, compression_ratio=None, prompt_length=None)
 
     def check_budget(self, budget: int) -> None:
         """The sinks and the window must leave room in ``budget`` slots (they are always kept)."""
@@ -175,6 +198,26 @@ class EvictionSpec:
                 f"recent tokens are always kept but the budget is {budget} slots; give a larger budget or a smaller "
                 f"window"
             )
+
+
+def _pyramid_budgets(mean: float, prompt_length: int, window: int, beta: float, num_layers: int) -> list[int]:
+    """PyramidKV's slots per layer, kvpress's ``PyramidKVPress.get_layer_budget`` (0.5.5) step for
+    step: ``mean`` slots per layer over a prompt of ``prompt_length`` tokens, ``window`` positions
+    always kept. Linear in depth from ``2 * mean - mean / beta`` at the first layer to ``mean / beta``
+    at the last; a first layer above ``prompt_length - window`` is capped there and the last raised
+    by as much (the mean stays). A schedule that cannot fall from its first layer to a last one
+    holding the window (a small mean, or one near the prompt's length) is ``mean`` (rounded, at
+    least 1) in every layer; a model of one layer keeps the first layer's budget, as kvpress's does."""
+    share = (window + mean) - window  # kvpress's max_capacity_prompt - window_size, in its float arithmetic
+    low = share / beta
+    high = share * 2 - low
+    if high >= prompt_length - window:
+        high = prompt_length - window
+        low = share * 2 - high
+    if not prompt_length >= high >= low >= window:
+        return [max(1, round(mean))] * num_layers
+    step = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
+    return [round(high - layer * step) for layer in range(num_layers)]
 
 
 @dataclasses.dataclass(frozen=True)

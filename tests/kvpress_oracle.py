@@ -9,10 +9,10 @@ module was called with and returned (``capture_prefill``); ``kvpress_kept_positi
 kvpress's own ``forward_hook`` per layer on exactly that, with the two keywords under their old
 names (``cache_position`` rebuilt from ``position_ids``: kvpress only reads it to tell a prefill),
 inside the press's own context manager (its model setup). kvpress scores, keeps the top
-``int(L * (1 - ratio))`` per K/V head and writes the pruned K/V into a cache holding the layer's
-K/V; the kept positions are read back from which keys survived. Compression in kvpress happens
-after each layer's attention, so every layer sees the uncompressed prefill, as recorded here;
-one recorded prefill therefore serves every press and ratio.
+``int(L * (1 - ratio))`` per K/V head (``PyramidKVPress``: its layer's budget) and writes the
+pruned K/V into a cache holding the layer's K/V; the kept positions are read back from which keys
+survived. Compression in kvpress happens after each layer's attention, so every layer sees the
+uncompressed prefill, as recorded here; one recorded prefill therefore serves every press and ratio.
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def _kept_positions(full_keys: torch.Tensor, kept_keys: torch.Tensor) -> np.ndar
     return np.asarray(kept)
 
 
-def kvpress_kept_positions(captured: CapturedPrefill, press) -> np.ndarray:
+def kvpress_kept_positions(captured: CapturedPrefill, press) -> list[np.ndarray]:
     """The positions kvpress's ``press`` (e.g. ``kvpress.SnapKVPress(compression_ratio=0.5)``)
-    keeps of the ``captured`` prefill: ``[num_layers, H_kv, n_kept]`` int, sorted along the last axis."""
+    keeps of the ``captured`` prefill: per layer ``[H_kv, n_kept]`` int, sorted along the last axis
+    (``n_kept`` differs by layer under ``PyramidKVPress``)."""
     kept = []
     with torch.no_grad(), press(captured.model):
         for i, module in enumerate(layer.self_attn for layer in captured.model.model.layers):
@@ -96,7 +97,7 @@ def kvpress_kept_positions(captured: CapturedPrefill, press) -> np.ndarray:
             legacy = {**kwargs, "past_key_values": cache, "cache_position": kwargs["position_ids"][0]}
             press.forward_hook(module, (), legacy, captured.outputs[i])
             kept.append(_kept_positions(captured.keys[i], cache.layers[i].keys))
-    return np.stack(kept)
+    return kept
 
 
 def kvpress_scores(captured: CapturedPrefill, press) -> np.ndarray:

@@ -248,8 +248,8 @@ def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(n
     (the layer index traced, as a scanned model passes it), each layer gives the outputs, and keeps
     the positions, K/V and scores, of a one-layer SnapKV cache at its budget."""
     spec = EvictionSpec("pyramidkv", budget=40, window=2, beta=4, kernel_size=3)
-    budgets = spec.layer_budgets(num_layers)
-    assert budgets == sorted(budgets, reverse=True) and budgets[0] > 40 > budgets[-1]
+    budgets = spec.resolved(64).layer_budgets(num_layers)  # the first layer capped at 64 - 2 (kvpress's)
+    assert budgets[0] == 62 and budgets == sorted(budgets, reverse=True) and 40 > budgets[-1]
     assert abs(np.mean(budgets) - 40) <= 1
     cache = layer_cache(spec, num_layers=num_layers)
     snapkv = dataclasses.replace(spec, policy="snapkv")
@@ -286,6 +286,25 @@ def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(n
                 np.asarray(getattr(got, name))[held], np.asarray(getattr(want, name))[held], atol=1e-5
             )
         np.testing.assert_array_equal(got.lengths, row_lengths)
+
+
+def test_pyramidkv_budgets_follow_the_prompt_length_of_the_cache():
+    """kvpress's schedule for SmolLM2's 30 layers (``tests/test_eviction_parity.py`` compares it with
+    kvpress at every depth): the first layer capped at the prompt minus the window, the last raised
+    by as much, the mean kept, no layer over the prompt. The prompt length is the cache's
+    ``max_length`` unless the spec names one; a PyramidKV spec cannot be resolved without either."""
+    half = EvictionSpec("pyramidkv", compression_ratio=0.5).resolved(320)
+    assert half.prompt_length == 320
+    budgets = half.layer_budgets(30)
+    assert (budgets[0], budgets[15], budgets[-1]) == (256, 157, 64) and abs(np.mean(budgets) - 160) < 0.5
+    budgets = EvictionSpec("pyramidkv", compression_ratio=0.25).resolved(2048).layer_budgets(30)
+    assert (budgets[0], budgets[15], budgets[-1]) == (1984, 1521, 1088)
+    named = EvictionSpec("pyramidkv", budget=160, prompt_length=320).resolved(4096)
+    assert named.layer_budgets(30) == EvictionSpec("pyramidkv", budget=160).resolved(320).layer_budgets(30)
+    with pytest.raises(ValueError, match="PyramidKV's budgets follow the prompt length"):
+        EvictionSpec("pyramidkv", budget=160).layer_budgets(30)
+    with pytest.raises(ValueError, match="budgets follow the prompt length: pass max_length"):
+        EvictionSpec("pyramidkv", budget=160).resolved(None)
 
 
 # --- decoding strategies ---------------------------------------------------------------------
@@ -328,6 +347,8 @@ def test_rollback_and_speculative_decoding_refuse_eviction(model):
         (dict(policy="h2o", compression_ratio=1.0), r"compression_ratio must be in \[0, 1\)"),
         (dict(policy="snapkv", budget=8, kernel_size=4), "kernel_size must be a positive odd"),
         (dict(policy="h2o", budget=0), "budget must be at least 1"),
+        (dict(policy="snapkv", budget=8, prompt_length=64), "prompt_length plans PyramidKV's per-layer budgets"),
+        (dict(policy="pyramidkv", budget=8, prompt_length=0), "prompt_length must be at least 1 token"),
     ],
 )
 def test_spec_errors_name_the_problem(kwargs, message):
