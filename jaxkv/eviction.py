@@ -18,8 +18,9 @@ Policies (scores: higher is kept):
 * ``pyramidkv``: SnapKV's scores with per-layer budgets, lower layers keeping more: kvpress's
   ``PyramidKVPress`` schedule (linear in depth, steepness ``beta``, the first layer capped at the
   prompt's length minus its window), planned for a prompt of ``prompt_length`` tokens (the cache's
-  ``max_length`` unless given); ``budget`` is the mean over layers (a ``compression_ratio``: its
-  fraction of the prompt length, unrounded, as kvpress's).
+  ``max_length`` unless given; neither: a prompt longer than any layer's budget, no cap); ``budget``
+  is the mean over layers (a ``compression_ratio``: its fraction of the prompt length, unrounded,
+  as kvpress's).
 * ``h2o``: heavy hitters: each token's attention mass accumulated over every query that has
   seen it (all queries of every update, summed over the query heads of its K/V head) (H2O).
 * ``key_norm``: the negative L2 norm of the key (low-norm keys draw attention).
@@ -41,6 +42,7 @@ in full precision).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +69,7 @@ class EvictionSpec:
     ``key_norm``). ``sinks``: the first positions always kept (StreamingLLM's 4 by default, 0
     for the others). ``kernel_size``: SnapKV's pooling (odd). ``beta``: PyramidKV's steepness.
     ``prompt_length``: PyramidKV's only, the prompt length its schedule is planned for (kvpress's
-    ``q_len``; None: the cache's ``max_length``, set by ``resolved``).
+    ``q_len``; None: the cache's ``max_length``, set by ``resolved``, or with neither no cap).
     """
 
     policy: str
@@ -115,23 +117,19 @@ class EvictionSpec:
         return self.compression_ratio == 0
 
     def resolved(self, max_length: int | None) -> EvictionSpec:
-        """This spec for a cache of ``max_length`` tokens, holding what its layers' budgets need: a
-        ``compression_ratio`` turned into a budget of slots, the fraction kept of ``max_length``, at
-        least 1 (kvpress's count); PyramidKV's ``prompt_length`` set to ``max_length`` unless given,
-        a ratio kept as it is (kvpress plans its schedule from the fraction of the prompt, unrounded)."""
+        """This spec for a cache of ``max_length`` tokens (None: unbounded), holding what its layers'
+        budgets need: a ``compression_ratio`` turned into a budget of slots, the fraction kept of
+        ``max_length``, at least 1 (kvpress's count); PyramidKV's ``prompt_length`` set to
+        ``max_length`` unless given, a ratio kept as it is (kvpress plans its schedule from the
+        fraction of the prompt, unrounded)."""
+        if self.budget is None and self.prompt_length is None and max_length is None:
+            raise ValueError("EvictionSpec: a compression_ratio is a fraction of max_length: pass max_length")
         if self.policy == "pyramidkv":
-            if self.prompt_length is not None:
+            if self.prompt_length is not None or max_length is None:
                 return self
-            if max_length is None:
-                raise ValueError(
-                    "EvictionSpec('pyramidkv'): its per-layer budgets follow the prompt length: pass max_length "
-                    "(the cache's) or EvictionSpec(prompt_length=...)"
-                )
             return dataclasses.replace(self, prompt_length=max_length)
         if self.budget is not None:
             return self
-        if max_length is None:
-            raise ValueError("EvictionSpec: a compression_ratio is a fraction of max_length: pass max_length")
         budget = max(1, int(max_length * (1 - self.compression_ratio)))
         return dataclasses.replace(self, budget=budget, compression_ratio=None)
 
@@ -154,17 +152,14 @@ class EvictionSpec:
         PyramidKV's schedule for its ``prompt_length`` (``_pyramid_budgets``; the mean is the budget,
         or the ratio's fraction of the prompt length), whose always-kept positions (sinks, 0 by
         default, and the window) are kvpress's ``window_size``."""
-        unresolved = self.prompt_length is None if self.policy == "pyramidkv" else self.budget is None
-        if unresolved:
-            raise ValueError(
-                "EvictionSpec.layer_budgets: resolve the spec for its cache first (resolved(max_length)): a "
-                "compression ratio is a fraction of max_length, and PyramidKV's budgets follow the prompt length"
-            )
+        if self.budget is None and self.prompt_length is None:
+            raise ValueError("EvictionSpec.layer_budgets: resolve the compression ratio first (resolved(max_length))")
         if self.policy != "pyramidkv":
             return [self.budget] * num_layers
-        mean = self.budget if self.budget is not None else self.prompt_length * (1 - self.compression_ratio)
+        length = math.inf if self.prompt_length is None else self.prompt_length
+        mean = self.budget if self.budget is not None else length * (1 - self.compression_ratio)
         protected = self.sink_count() + self.observation_window
-        return _pyramid_budgets(mean, self.prompt_length, protected, self.beta, num_layers)
+        return _pyramid_budgets(mean, length, protected, self.beta, num_layers)
 
     @property
     def observation_window(self) -> int | None:
@@ -200,14 +195,15 @@ class EvictionSpec:
             )
 
 
-def _pyramid_budgets(mean: float, prompt_length: int, window: int, beta: float, num_layers: int) -> list[int]:
+def _pyramid_budgets(mean: float, prompt_length: float, window: int, beta: float, num_layers: int) -> list[int]:
     """PyramidKV's slots per layer, kvpress's ``PyramidKVPress.get_layer_budget`` (0.5.5) step for
-    step: ``mean`` slots per layer over a prompt of ``prompt_length`` tokens, ``window`` positions
-    always kept. Linear in depth from ``2 * mean - mean / beta`` at the first layer to ``mean / beta``
-    at the last; a first layer above ``prompt_length - window`` is capped there and the last raised
-    by as much (the mean stays). A schedule that cannot fall from its first layer to a last one
-    holding the window (a small mean, or one near the prompt's length) is ``mean`` (rounded, at
-    least 1) in every layer; a model of one layer keeps the first layer's budget, as kvpress's does."""
+    step: ``mean`` slots per layer over a prompt of ``prompt_length`` tokens (``math.inf``:
+    unknown, no cap), ``window`` positions always kept. Linear in depth from ``2 * mean - mean /
+    beta`` at the first layer to ``mean / beta`` at the last; a first layer above ``prompt_length -
+    window`` is capped there and the last raised by as much (the mean stays). A schedule that
+    cannot fall from its first layer to a last one holding the window (a small mean, or one near
+    the prompt's length) is ``mean`` (rounded, at least 1) in every layer; a model of one layer
+    keeps the first layer's budget, as kvpress's does."""
     share = (window + mean) - window  # kvpress's max_capacity_prompt - window_size, in its float arithmetic
     low = share / beta
     high = share * 2 - low

@@ -292,7 +292,7 @@ def test_pyramidkv_budgets_follow_the_prompt_length_of_the_cache():
     """kvpress's schedule for SmolLM2's 30 layers (``tests/test_eviction_parity.py`` compares it with
     kvpress at every depth): the first layer capped at the prompt minus the window, the last raised
     by as much, the mean kept, no layer over the prompt. The prompt length is the cache's
-    ``max_length`` unless the spec names one; a PyramidKV spec cannot be resolved without either."""
+    ``max_length`` unless the spec names one; with neither (a cache that grows), no cap."""
     half = EvictionSpec("pyramidkv", compression_ratio=0.5).resolved(320)
     assert half.prompt_length == 320
     budgets = half.layer_budgets(30)
@@ -301,10 +301,12 @@ def test_pyramidkv_budgets_follow_the_prompt_length_of_the_cache():
     assert (budgets[0], budgets[15], budgets[-1]) == (1984, 1521, 1088)
     named = EvictionSpec("pyramidkv", budget=160, prompt_length=320).resolved(4096)
     assert named.layer_budgets(30) == EvictionSpec("pyramidkv", budget=160).resolved(320).layer_budgets(30)
-    with pytest.raises(ValueError, match="PyramidKV's budgets follow the prompt length"):
-        EvictionSpec("pyramidkv", budget=160).layer_budgets(30)
-    with pytest.raises(ValueError, match="budgets follow the prompt length: pass max_length"):
-        EvictionSpec("pyramidkv", budget=160).resolved(None)
+    unbounded = EvictionSpec("pyramidkv", budget=2048).resolved(None).layer_budgets(30)
+    assert (unbounded[0], unbounded[-1]) == (3994, 102) and max(half.resolved(None).layer_budgets(30)) == 256
+    with pytest.raises(ValueError, match="fraction of max_length: pass max_length"):
+        EvictionSpec("pyramidkv", compression_ratio=0.5).resolved(None)
+    with pytest.raises(ValueError, match="resolve the compression ratio first"):
+        EvictionSpec("pyramidkv", compression_ratio=0.5).layer_budgets(30)
 
 
 # --- decoding strategies ---------------------------------------------------------------------
