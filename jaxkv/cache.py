@@ -22,16 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.batch import PackedAttention, PackedBatch, PackedState, PagedStorage
 from jaxkv.eviction import EvictionSpec, Observer
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.evicting import EvictingLayer, ObserverLayer, PackedEvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
-from jaxkv.quantization import QuantSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, pytree_class, stacked_for_layers
+from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
 
@@ -91,9 +92,7 @@ def _observer_layer(spec: LayerSpec) -> CacheLayer:
 
 
 def _paged_layer(spec: LayerSpec, window: int | None = None) -> CacheLayer:
-    return PagedLayer.create(
-        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.paging, spec.dtype, window, spec.quantization
-    )
+    return PagedLayer.create(spec.num_kv_heads, spec.head_dim, spec.paging, spec.dtype, window, spec.quantization)
 
 
 def _quantized_layer(spec: LayerSpec, **extent) -> CacheLayer:
@@ -111,7 +110,7 @@ def _evicting_layer(spec: LayerSpec) -> CacheLayer:
     layer = EvictingLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, eviction, slots, spec.dtype)
     if spec.paging is None:
         return layer
-    return PackedEvictingLayer(layer, jnp.zeros((spec.paging.num_tokens,), jnp.int32))
+    return PackedEvictingLayer(layer)
 
 
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
@@ -176,7 +175,7 @@ def _conv_state(spec: LayerSpec, state_shapes) -> CacheLayer:
     )
     if spec.paging is None:
         return layer
-    return PackedStateLayer(layer, jnp.zeros((spec.paging.num_tokens,), jnp.int32))
+    return PackedStateLayer(layer)
 
 
 def _linear_layer(spec: LayerSpec) -> CacheLayer:
@@ -331,6 +330,15 @@ def concrete_index(index) -> int | None:
 def first_entry_shapes(group: CacheLayer) -> CacheLayer:
     """The group's first layer with shapes only (for shape-derived properties, no compute)."""
     return jax.eval_shape(lambda g: jax.tree.map(lambda leaf: leaf[0], g), group)
+
+
+def _require_packed(stack: CacheLayer, capability: type) -> None:
+    """A packed batch reaches only layers built for it (``Cache.from_config(paging=...)``)."""
+    if not isinstance(stack, capability):
+        raise TypeError(
+            f"{type(stack).__name__} cannot take a packed batch (no {capability.__name__} capability): build "
+            "the cache with paging= (the serving engine's layers)"
+        )
 
 
 @pytree_class
@@ -493,7 +501,7 @@ class Cache:
         concrete = concrete_index(index)
         if concrete is None:
             return static_group, index
-        count = self.groups[static_group].lengths.shape[0]
+        count = jax.tree.leaves(self.groups[static_group])[0].shape[0]  # every leaf leads with the layer axis
         if not 0 <= concrete < count:
             raise IndexError(f"index {index} out of range: group {static_group} holds {count} layers")
         return static_group, concrete
@@ -514,21 +522,44 @@ class Cache:
         stack, view = stack.update_entry(index, keys, values, positions)
         return self.with_group(group, stack), view
 
-    def attend(self, layer_idx, queries, keys, values, positions, read: Callable) -> tuple[Cache, jax.Array]:
+    def attend(
+        self, layer_idx, queries, keys, values, positions, read: Callable, packed: PackedBatch | None = None
+    ) -> tuple[Cache, jax.Array]:
         """Store K/V ``[B, H_kv, T, D]`` of a layer at ``positions`` ``[B, T]`` and attend ``queries``
         ``[B, H_q, T, D]`` with ``read`` (see ``CacheLayer.attend_entry``); returns the cache and the
-        output. Model code calls it through ``jaxkv.attention.cached_attention``."""
+        output. ``packed``: a serving step's packed batch (``[1, N]`` tokens of many rows), for the
+        layers with the ``PackedAttention`` capability. Model code calls it through
+        ``jaxkv.attention.cached_attention``."""
         group, index = self.locate(layer_idx)
-        stack, out = self.groups[group].attend_entry(index, queries, keys, values, positions, read)
+        stack = self.groups[group]
+        if packed is None:
+            stack, out = stack.attend_entry(index, queries, keys, values, positions, read)
+        else:
+            _require_packed(stack, PackedAttention)
+            stack, out = stack.attend_packed_entry(index, queries, keys, values, positions, read, packed)
         return self.with_group(group, stack), out
 
-    def update_state(self, layer_idx, conv_inputs, positions, conv_fn, step_fn) -> tuple[Cache, Any]:
+    def update_state(
+        self, layer_idx, conv_inputs, positions, conv_fn, step_fn, packed: PackedBatch | None = None
+    ) -> tuple[Cache, Any]:
         """Feed a linear-attention (or hybrid) layer's conv inputs ``[B, T, C]`` at
         ``positions`` ``[B, T]``; return the cache and the layer's outputs. ``layer_idx``:
-        see ``locate``; ``conv_fn``/``step_fn``: see ``jaxkv.layers.linear``."""
+        see ``locate``; ``conv_fn``/``step_fn``: see ``jaxkv.layers.linear``; ``packed``: as in ``attend``."""
         group, index = self.locate(layer_idx)
-        stack, outputs = self.groups[group].update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
+        stack = self.groups[group]
+        if packed is None:
+            stack, outputs = stack.update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
+        else:
+            _require_packed(stack, PackedState)
+            stack, outputs = stack.update_state_packed_entry(index, conv_inputs, positions, conv_fn, step_fn, packed)
         return self.with_group(group, stack), outputs
+
+    def with_page_copies(self, copies: dict) -> Cache:
+        """Pages copied in every paged group before a step writes: ``copies`` ``[K, 2]`` (source,
+        destination) per pool name (``PagedStorage``; the engine's forks)."""
+        for stack in self.groups:
+            _require_packed(stack, PagedStorage)
+        return self.replace(groups=tuple(stack.with_page_copies(copies) for stack in self.groups))
 
     def with_group(self, group: int, stack: CacheLayer) -> Cache:
         """This cache with group ``group`` replaced by ``stack`` (constrained to the layout)."""
@@ -722,11 +753,14 @@ class Cache:
 
     # --- display ------------------------------------------------------------------
     def __repr__(self) -> str:
-        lengths = "traced" if is_traced(self.lengths) else to_host(self.lengths).tolist()
-        rows = [
-            f"Cache(batch={self.batch_size}, layers={len(self.layer_types)}, lengths={lengths}, "
-            f"{human_bytes(self.nbytes)})"
-        ]
+        if isinstance(self.groups[0], PagedStorage):  # rows and lengths are the engine's, on the host
+            rows = [f"Cache(paged, layers={len(self.layer_types)}, {human_bytes(self.nbytes)})"]
+        else:
+            lengths = "traced" if is_traced(self.lengths) else to_host(self.lengths).tolist()
+            rows = [
+                f"Cache(batch={self.batch_size}, layers={len(self.layer_types)}, lengths={lengths}, "
+                f"{human_bytes(self.nbytes)})"
+            ]
         for i, kind in enumerate(self.layer_types):
             group = self.groups[i % self.period]
             layer = first_entry_shapes(group)

@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, TOKENS, Axes
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
+from jaxkv.softmax import dense_attention
 
 
 def pytree_class(cls: type) -> type:
@@ -88,6 +89,7 @@ def pytree_class(cls: type) -> type:
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
     return cls
 
+
 @pytree_class
 class MaskInfo:
     """What attention needs to build its mask for the returned K/V.
@@ -106,8 +108,19 @@ class MaskInfo:
     slots_used: jax.Array | None = None
 
 
+class SlotView:
+    """A view attention reads slot by slot (``KVView`` and views like it: ``keys``/``values``,
+    ``mask_info``, ``read``, ``split_tail``). A view decides how it is read: ``attend``."""
+
+    def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
+        """Softmax attention of ``queries`` ``[B, H_q, T, D]`` over these slots, block by block up
+        to the filled ones (``jaxkv.softmax.dense_attention``)."""
+        options = dict(scale=scale, logit_softcap=logit_softcap, block_size=block_size, query_weights=query_weights)
+        return dense_attention(queries, self, q_positions, **options)
+
+
 @pytree_class
-class KVView:
+class KVView(SlotView):
     """What one ``update`` hands to attention: a layer's K/V slots and their ``MaskInfo``.
 
     ``keys``/``values`` are ``[B, H_kv, S, D]``; ``k, v, mask_info = view`` unpacks them.
@@ -453,20 +466,19 @@ class RowPacking:
 class PackedRowsLayer(CacheLayer):
     """A per-row layer held for the serving engine: ``slots`` keeps one row per engine row (the
     request that holds the row), and an update brings ``[1, N]`` packed tokens of many rows,
-    token i of row ``token_rows[i]`` (``with_step`` sets them per step). Subclasses lay the
-    tokens out ``[R, T]`` (``packing``), run their storage there and pack the outputs again.
+    token i of row ``packed.token_rows[i]`` (a ``jaxkv.batch.PackedBatch``, an argument of the
+    step, never stored here). Subclasses lay the tokens out ``[R, T]`` (``packing``), run their
+    storage there and pack the outputs again.
 
     A row whose tokens start at position 0 starts empty: a request that takes over a row (or is
     computed again after a preemption) never sees what the row's previous request left. What
     such a row holds cannot be rebuilt from cached pages, so the engine serves a model with
     these layers without prefix caching, and nothing in them can be rolled back.
 
-    Subclasses declare the fields ``slots``, ``token_rows`` ``[N]`` and the static ``tokens_per_row``.
+    Subclasses declare the field ``slots``.
     """
 
     slots: CacheLayer
-    token_rows: jax.Array
-    tokens_per_row: int
 
     @property
     def lengths(self) -> jax.Array:
@@ -480,17 +492,10 @@ class PackedRowsLayer(CacheLayer):
     def max_rollback(self) -> int:
         return 0
 
-    def with_step(self, token_rows: jax.Array, tokens_per_row: int) -> Self:
-        """This stacked layer with a step's ``token_rows`` ``[N]``; no row brings more than ``tokens_per_row``."""
-        depth = self.lengths.shape[0]
-        return self.replace(
-            token_rows=jnp.broadcast_to(token_rows, (depth, *token_rows.shape)), tokens_per_row=tokens_per_row
-        )
-
-    def packing(self, index, positions: jax.Array) -> tuple[CacheLayer, RowPacking]:
+    def packing(self, index, positions: jax.Array, packed) -> tuple[CacheLayer, RowPacking]:
         """``slots`` with entry ``index``'s rows that get position 0 in this update emptied, and
-        where the update's packed tokens (``positions`` ``[N]``) go in ``[R, T]``."""
-        rows = entry(self.token_rows, index)
+        where the update's packed tokens (``positions`` ``[N]``, rows ``packed.token_rows``) go in ``[R, T]``."""
+        rows = packed.token_rows
         current = self.slots.entry_view(index)
         fresh = jnp.zeros(self.lengths.shape[1], bool).at[rows].max(positions == 0)
 
@@ -499,7 +504,7 @@ class PackedRowsLayer(CacheLayer):
 
         current = jax.tree.map(emptied, current, current.reset())
         slots = self.slots.store_entry(index, current)
-        return slots, RowPacking.of(rows, positions, current.lengths, self.tokens_per_row)
+        return slots, RowPacking.of(rows, positions, current.lengths, packed.tokens_per_row)
 
     def rollback(self, num_tokens) -> Self:
         return self.replace(slots=self.slots.rollback(num_tokens))
@@ -511,7 +516,7 @@ class PackedRowsLayer(CacheLayer):
         return self.replace(slots=self.slots.gather_rows(indices))
 
     def logical_axes(self) -> Self:
-        return self.replace(slots=self.slots.logical_axes(), token_rows=Axes(TOKENS))
+        return self.replace(slots=self.slots.logical_axes())
 
     def describe(self) -> str:
         return self.slots.describe()

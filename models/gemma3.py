@@ -176,9 +176,12 @@ class Gemma3(Decoder):
             {name: self.layer_param(params[name], axes[name], name in LAYER_MATRICES) for name in layer_shapes(config)}
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None, packed=None
+    ):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
         (a prefill needs only each row's last prompt token), and the updated cache.
+        ``packed``: a serving step's ``jaxkv.batch.PackedBatch`` (``tokens`` ``[1, N]`` of many rows).
 
         ``num_layers``: run only the first ``num_layers`` layers, then the final norm and
         head (an early-exit draft for self-speculative decoding); later layers' cache
@@ -202,7 +205,7 @@ class Gemma3(Decoder):
             k = offset_rms_norm(heads(matmul(h, w["wk"]), config.num_key_value_heads), w["k_norm"], eps)
             q, k = apply_rope(q, positions, inv_freq[kind]), apply_rope(k, positions, inv_freq[kind])
             v = heads(matmul(h, w["wv"]), config.num_key_value_heads)
-            cache, out = cached_attention(cache, (group, index), q, k, v, positions, scale=scale)
+            cache, out = cached_attention(cache, (group, index), q, k, v, positions, scale=scale, packed=packed)
             out = matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
             x = x + offset_rms_norm(out, w["post_attn_norm"], eps)
             h = offset_rms_norm(x, w["mlp_norm"], eps)

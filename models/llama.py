@@ -177,9 +177,12 @@ class Llama(Decoder):
                 for i in range(config.num_hidden_layers)
             )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None):
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None, packed=None
+    ):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``
         (a prefill needs only each row's last prompt token), and the updated cache.
+        ``packed``: a serving step's ``jaxkv.batch.PackedBatch`` (``tokens`` ``[1, N]`` of many rows).
 
         ``num_layers``: run only the first ``num_layers`` layers, then the final norm and
         head: an early-exit draft for self-speculative decoding. Later layers' cache
@@ -199,7 +202,7 @@ class Llama(Decoder):
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
             q = apply_rope(heads(q, config.num_attention_heads), positions, inv_freq)
             k = apply_rope(heads(k, config.kv_heads), positions, inv_freq)
-            cache, out = cached_attention(cache, i, q, k, heads(v, config.kv_heads), positions)
+            cache, out = cached_attention(cache, i, q, k, heads(v, config.kv_heads), positions, packed=packed)
             x = x + matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
             h = rms_norm(x, w["mlp_norm"], config.rms_norm_eps)
             x = x + matmul(jax.nn.silu(matmul(h, w["w_gate"])) * matmul(h, w["w_up"]), w["w_down"])

@@ -207,8 +207,9 @@ class Qwen3_5(Decoder):
         super().__init__(config, params, axes, mesh, rules, weight_layout="in_out")
         self.layers = nnx.Dict({name: self.param(params[name], axes[name]) for name in layer_shapes(config)})
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, packed=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the cache.
+        ``packed``: a serving step's ``jaxkv.batch.PackedBatch`` (``tokens`` ``[1, N]`` of many rows).
 
         The layers of the pattern run unrolled in the body of a scan over its repeats (the
         cache in the carry), then the layers after the last full repeat."""
@@ -220,7 +221,7 @@ class Qwen3_5(Decoder):
 
         def layer(x, cache, group, index):  # layer index * period + group; group static, index may be traced
             w = layer_weights(config, weights, period, group, index)
-            return self.decoder_layer(x, w, cache, (group, index), positions, inv_freq)
+            return self.decoder_layer(x, w, cache, (group, index), positions, inv_freq, packed)
 
         def pattern_repeat(carry, _):
             x, cache, r = carry
@@ -235,22 +236,22 @@ class Qwen3_5(Decoder):
         return self.head(x, logits_index, offset_rms_norm), cache
 
     def decoder_layer(
-        self, x: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array
+        self, x: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array, packed=None
     ) -> tuple[jax.Array, Cache]:
         """One layer on ``x`` ``[B, T, D]``: RMSNorm -> its token mixer (by the kind of
         ``layer``'s group) -> residual -> RMSNorm -> SwiGLU MLP -> residual."""
         eps = self.config.rms_norm_eps
         h = offset_rms_norm(x, w["attn_norm"], eps)
         if self.config.layer_types[layer[0]] == LINEAR:
-            out, cache = self.linear_attention(h, w, cache, layer, positions)
+            out, cache = self.linear_attention(h, w, cache, layer, positions, packed)
         else:
-            out, cache = self.full_attention(h, w, cache, layer, positions, inv_freq)
+            out, cache = self.full_attention(h, w, cache, layer, positions, inv_freq, packed)
         x = x + out
         h = offset_rms_norm(x, w["mlp_norm"], eps)
         return x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"], cache
 
     def full_attention(
-        self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array
+        self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array, packed=None
     ) -> tuple[jax.Array, Cache]:
         """Gated full attention of ``h`` ``[B, T, D]``: q with its sigmoid output gate, k, v;
         RMSNorm of q and k per head; partial RoPE; ``cached_attention``; gate; ``wo``."""
@@ -263,12 +264,12 @@ class Qwen3_5(Decoder):
         k = offset_rms_norm((h @ w["wk"]).reshape(batch, length, -1, hd), w["k_norm"], eps).transpose(0, 2, 1, 3)
         v = (h @ w["wv"]).reshape(batch, length, -1, hd).transpose(0, 2, 1, 3)
         q, k = (partial_rope(x, positions, inv_freq, config.rotary_dim) for x in (q, k))
-        cache, out = cached_attention(cache, layer, q, k, v, positions)
+        cache, out = cached_attention(cache, layer, q, k, v, positions, packed=packed)
         out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         return (out * jax.nn.sigmoid(gate)) @ w["wo"], cache
 
     def linear_attention(
-        self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array
+        self, h: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, packed=None
     ) -> tuple[jax.Array, Cache]:
         """Gated DeltaNet of ``h`` ``[B, T, D]`` (the module docstring's first bullet): the
         cache runs the conv and the delta rule; then the gated RMSNorm and ``out``."""
@@ -291,7 +292,7 @@ class Qwen3_5(Decoder):
             )
             return q * dk**-0.5, k, v.reshape(batch, length, v_heads, dv), g, beta
 
-        cache, out = cache.update_state(layer, h @ w["in_qkv"], positions, conv_fn, delta_rule_step)
+        cache, out = cache.update_state(layer, h @ w["in_qkv"], positions, conv_fn, delta_rule_step, packed)
         z = (h @ w["in_z"]).reshape(batch, length, v_heads, dv)
         out = rms_norm(out, w["gated_norm"], config.rms_norm_eps) * jax.nn.silu(z.astype(jnp.float32))
         return out.reshape(batch, length, -1).astype(h.dtype) @ w["out"], cache

@@ -117,7 +117,7 @@ def pool_paging(batch_size: int, max_length: int, window: int | None, mesh: Mesh
 
     return Paging(
         page_size=page_size, num_pages=pool(-(-max_length // page_size)), max_length=max_length,
-        sliding_num_pages=None if window is None else pool(-(-window // page_size) + 1), num_tokens=batch_size,
+        sliding_num_pages=None if window is None else pool(-(-window // page_size) + 1),
     )  # fmt: skip
 
 

@@ -69,7 +69,7 @@ def run_arrivals(engine, prompts, arrival_steps, max_tokens: int, **options) -> 
                 ids[i] = engine.add_request(prompts[i], max_tokens=max_tokens, ignore_eos=True, **options)
         engine.step()
         step += 1
-    return [engine.samples[ids[i]][0].output for i in range(len(prompts))]
+    return [engine.sequences[ids[i]][0].output for i in range(len(prompts))]
 
 
 # Collectives in a compiled module's text, and the shapes they return (each element of a tuple result).

@@ -2,7 +2,8 @@
 
 Levels, lowest first (a module may import its own level or lower, never higher):
 
-    sizing, protocol            shared helpers and the layer contract
+    sizing, softmax, protocol   shared helpers, the attention math over slots, the layer contract
+    batch                       a serving step's packed batch and the capabilities that read it
     quantization, eviction      QuantSpec and the (de)quantizers; EvictionSpec and the policies' scores
     layers/*                    storage strategies (no layer module imports a sibling)
     cache                       the container and its registry of layer types
@@ -37,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LEVELS = {
     "jaxkv.sizing": 0,
+    "jaxkv.softmax": 0,
     "jaxkv.protocol": 0,
+    "jaxkv.batch": 0,
     "jaxkv.quantization": 0,
     "jaxkv.sharding": 0,
     "jaxkv.hugepages": 0,
@@ -139,6 +142,16 @@ def violations() -> list[str]:
 
 def test_imports_run_one_way():
     assert violations() == []
+
+
+def test_the_scheduler_never_touches_pages():
+    """The engine's stages: the scheduler decides, the KV manager owns the pages (its one
+    allocation answer is all the scheduler sees), and only the KV manager imports the ledger."""
+    serving = ROOT / "jaxkv" / "serving"
+    importers = sorted(
+        path.stem for path in serving.glob("*.py") if "jaxkv.serving.pages" in imported_modules(path, module_name(path))
+    )
+    assert importers == ["input_processor", "kv_manager"]
 
 
 def test_the_checker_sees_a_wrong_way_import(tmp_path, monkeypatch):

@@ -9,15 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 
 from jaxkv.cache import layer_types_of
 from jaxkv.decoding.generate import generate
 from jaxkv.decoding.sampling import RowSampling, Sampling, sample_rows, sampling_logits, top_k_top_p
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.evicting import EvictingLayer
-from jaxkv.models.gemma3 import Gemma3, Gemma3Config
-from jaxkv.models.llama import Llama, LlamaConfig
-from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.pages import NULL_PAGE
@@ -68,7 +68,7 @@ def test_preempted_requests_finish_with_the_same_tokens(model):
     got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert engine.stats()["preemptions"] > 0
     assert [c.token_ids for c in got] == reference(model, prompts)
-    for pool in engine.scheduler.pools:
+    for pool in engine.kv.pools:
         pool.manager.check()
         assert pool.manager.num_free == pool.manager.num_usable
 
@@ -115,10 +115,10 @@ def test_poisoned_free_pages_do_not_leak(model, poison):
     prompts = prompts_of(4, 6)
     engine = Engine(model, kv_memory=64 * 1024, prefix_caching=False, **SMALL)
     engine.generate_many(prompts[:2], max_tokens=NEW_TOKENS, ignore_eos=True)
-    engine.cache = engine.cache.replace(
+    engine.runner.cache = engine.runner.cache.replace(
         groups=tuple(
             g.replace(key_pages=jnp.full_like(g.key_pages, poison), value_pages=jnp.full_like(g.value_pages, poison))
-            for g in engine.cache.groups
+            for g in engine.runner.cache.groups
         )
     )
     got = engine.generate_many(prompts[2:], max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -177,14 +177,14 @@ def test_abort_frees_pages_and_reports(llama):
     drop = engine.add_request(prompts_of(10, 1, 80)[0] + [1] * 30, max_tokens=NEW_TOKENS, ignore_eos=True)
     for _ in range(3):
         engine.step()
-    assert engine.scheduler.pools[0].manager.pages(engine.samples[drop][0].key)
+    assert engine.kv.pools[0].manager.pages(engine.sequences[drop][0].key)
     engine.abort(drop)
-    assert engine.scheduler.pools[0].manager.pages(engine.samples[drop][0].key) == []
+    assert engine.kv.pools[0].manager.pages(engine.sequences[drop][0].key) == []
     outputs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs if o.finished] == [(drop, "abort")]
     while engine.has_unfinished():
         engine.step()
-    assert engine.samples[keep][0].finish_reason == "length"
+    assert engine.sequences[keep][0].finish_reason == "length"
 
 
 class DigitTokenizer:
@@ -227,7 +227,8 @@ def test_bad_requests_are_refused_with_the_fix(llama):
         "past max_model_len": dict(prompt_ids=[1] * 250, max_tokens=10),
         "need .* pages": dict(prompt_ids=[1] * 100, max_tokens=100),
         "must be in \\[0, 61\\)": dict(prompt_ids=[61]),
-        "max_tokens and n must be positive": dict(prompt_ids=[1], max_tokens=0),
+        "max_tokens must be >= 1": dict(prompt_ids=[1], max_tokens=0),
+        "n must be >= 1": dict(prompt_ids=[1], n=0),
         "logprobs must be in": dict(prompt_ids=[1], logprobs=21),
         "stop strings need": dict(prompt_ids=[1], stop=["x"]),
         "exceed max_num_seqs": dict(prompt_ids=[1], n=5),
@@ -365,7 +366,7 @@ def test_paged_pools_are_sized_from_the_byte_budget(model):
     total = sizes.full_pages * sizes.full_page_bytes + sizes.sliding_pages * sizes.sliding_page_bytes
     assert total <= 256 * 1024 < total + max(sizes.full_page_bytes, sizes.sliding_page_bytes, 1)
     assert stats["max_concurrent_tokens"] == (sizes.full_pages - 1) * 4
-    held = sum(leaf.size * leaf.dtype.itemsize for g in engine.cache.groups for leaf in (g.key_pages, g.value_pages))
+    held = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(engine.runner.cache))
     assert held == total
     assert dataclasses.asdict(engine.config)["page_size"] == 4
     assert NULL_PAGE == 0
@@ -405,7 +406,7 @@ def test_quantized_pages_match_a_static_quantized_cache(model, spec):
     assert [c.token_ids for c in got] == [result.row(i) for i in range(len(prompts))]
     plain = Engine(model, kv_memory=64 * 1024, **SMALL)
     assert engine.sizes.full_pages > plain.sizes.full_pages
-    assert f"{spec.format}{spec.bits}" in repr(engine.cache)
+    assert f"{spec.format}{spec.bits}" in repr(engine.runner.cache)
 
 
 def test_page_quantization_must_be_per_token_without_residual(llama):

@@ -39,7 +39,7 @@ def test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate():
     engine = Engine(model, kv_memory="128MiB", max_num_seqs=4, max_num_batched_tokens=64)
     first = run_arrivals(engine, prompts[:1], [0], NEW_TOKENS)
     rest = run_arrivals(engine, prompts[1:], [0, 2], NEW_TOKENS)
-    hit = engine.samples[1][0]
+    hit = engine.sequences[1][0]
     assert hit.num_cached_tokens == 560 // 16 * 16  # resumed mid-prompt, window pages still cached
     assert first + rest == greedy_reference(model, prompts, NEW_TOKENS)
     assert engine.stats()["pages"]["sliding"]["usable"] < engine.stats()["pages"]["full"]["usable"]

@@ -11,10 +11,11 @@ import re
 import jax
 import numpy as np
 import pytest
-
-from jaxkv.decoding.generate import generate
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
+
+from jaxkv.decoding.generate import generate
+from jaxkv.eviction import EvictionSpec
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.sharding import device_bytes, make_mesh
@@ -62,7 +63,7 @@ def served(request) -> tuple[str, Engine, list[list[int]]]:
 
 def pools_of(engine: Engine) -> list:
     """The engine's page pools: each paged group's keys and values (codes and scales when quantized)."""
-    return [(group.key_pages, group.value_pages) for group in engine.cache.groups]
+    return [(group.key_pages, group.value_pages) for group in engine.runner.cache.groups]
 
 
 def pool_shapes(engine: Engine) -> set[tuple[int, ...]]:
@@ -82,17 +83,17 @@ def unaliased_pools(text: str) -> set[int]:
 def assert_pools_stay_put(engine: Engine) -> None:
     """In every compiled step no collective returns a pool (whole or one device's share) and each
     donated pool is updated in place; after the steps the cache is laid out as it was allocated."""
-    assert engine.executables
+    assert engine.runner.executables
     shapes = pool_shapes(engine)
-    for bucket, executable in engine.executables.items():
+    for bucket, executable in engine.runner.executables.items():
         text = executable.as_text()
         moved = [shape for shape in collective_shapes(text) if shape in shapes]
         assert not moved, f"bucket {bucket}: collectives return pools {moved}"
         assert not unaliased_pools(text), f"bucket {bucket}: donated pools not aliased"
     laid_out = jax.tree.map(
         lambda leaf, sharding: leaf.sharding.is_equivalent_to(sharding, leaf.ndim),
-        engine.cache,
-        engine.cache.shardings(),
+        engine.runner.cache,
+        engine.runner.cache.shardings(),
     )
     assert all(jax.tree.leaves(laid_out))
 
@@ -102,7 +103,7 @@ def test_greedy_tokens_equal_generate(served, references):
     exactly one-device ``generate``'s greedy tokens, and every page comes back."""
     name, engine, tokens = served
     assert tokens == references[name]
-    for pool in engine.scheduler.pools:
+    for pool in engine.kv.pools:
         assert pool.manager.num_free == pool.manager.num_usable
 
 
@@ -115,7 +116,7 @@ def test_each_device_holds_its_share_of_the_pools(served):
     ``data`` axis, and each device holds the total over the shards: pages over ``data``, K/V
     heads over ``model`` when it divides them (Gemma's 4 heads on 8 are replicated)."""
     name, engine, _ = served
-    mesh, sizes = engine.cache.layout.mesh, engine.sizes
+    mesh, sizes = engine.runner.cache.layout.mesh, engine.sizes
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(pools_of(engine)))
     assert total == sizes.full_pages * sizes.full_page_bytes + sizes.sliding_pages * sizes.sliding_page_bytes
     assert total <= MODELS[name][2]
@@ -136,9 +137,17 @@ def test_quantized_pages_on_a_mesh_equal_generate():
     assert_pools_stay_put(engine)
 
 
-def test_rows_must_divide_the_data_axis():
-    with pytest.raises(ValueError, match=r"batch \(6\) is not divisible by mesh axis 'data' of size 4"):
-        sharded_engine("llama", "4x2", max_num_seqs=6)
+def test_rows_need_not_divide_the_data_axis_without_per_row_slots():
+    """The block tables are a step's argument, not sharded state: 6 rows on a data axis of 4."""
+    engine = sharded_engine("llama", "4x2", max_num_seqs=6)
+    assert run_arrivals(engine, PROMPTS, ARRIVALS, NEW_TOKENS) == greedy_reference(Llama(LLAMA), PROMPTS, NEW_TOKENS)
+
+
+def test_per_row_slots_need_rows_that_divide_the_data_axis():
+    """Evicted layers keep slots per row, split over ``data``: the error names max_num_seqs."""
+    eviction = EvictionSpec("h2o", budget=10, window=4)
+    with pytest.raises(ValueError, match=r"max_num_seqs \(6\) must be a multiple of the 4 devices of the mesh axis"):
+        sharded_engine("llama", "4x2", max_num_seqs=6, eviction=eviction, prefix_caching=False)
 
 
 def test_a_pool_too_small_for_the_data_axis_is_an_error():

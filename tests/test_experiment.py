@@ -371,7 +371,7 @@ def test_every_cache_of_a_context_shares_one_prefill(monkeypatch):
 def test_readme_config_example_validates():
     import yaml
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "eviction-and-experiments.md").read_text()
     example = re.search(r"## Experiments.*?```yaml\n(.*?)```", readme, re.S).group(1)
     config = ExperimentConfig.model_validate(yaml.safe_load(example))
     assert {c.kind for c in config.caches} == {"full", "quantized", "eviction"}

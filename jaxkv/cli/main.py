@@ -537,7 +537,7 @@ def run_serve(args) -> int:
     """Load, build the engine, compile every step shape, then serve until SIGINT/SIGTERM."""
     from jaxkv.server.api import Server, serve
     from jaxkv.models.load import load_pretrained
-    from jaxkv.serving.runner import EngineRunner
+    from jaxkv.serving.engine_thread import EngineThread
 
     config = resolve_serve_config(args)
     mesh = None if config.mesh is None else config.mesh.build()
@@ -550,7 +550,7 @@ def run_serve(args) -> int:
     name = config.served_model_name or config.model
     print(f"jaxkv serve: {name} ready at http://{config.host}:{config.port}/v1 (compiled in "
           f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
-    serve(Server(EngineRunner(engine).start(), tokenizer, name, config.max_waiting), config.host, config.port)
+    serve(Server(EngineThread(engine).start(), tokenizer, name, config.max_waiting), config.host, config.port)
     return 0
 
 

@@ -47,7 +47,9 @@ class DecoderModel(Protocol):
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, cache: Any, logits_index: jax.Array | None = None
     ) -> tuple[jax.Array, Any]:
-        """Logits for ``tokens`` fed after what ``cache`` holds, and the cache holding them too."""
+        """Logits for ``tokens`` fed after what ``cache`` holds, and the cache holding them too. A
+        model the serving engine runs also takes ``packed=`` (a ``jaxkv.batch.PackedBatch``) and
+        hands it to ``cached_attention`` / ``Cache.update_state``."""
         ...
 
 

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+MAX_TOP_K = 2**31 - 1  # top-k is an int32 on the device; any k past the vocabulary keeps every token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,9 +26,20 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+        reals = (self.temperature, self.top_p, self.min_p)
+        if not all(isinstance(x, numbers.Real) and math.isfinite(x) for x in reals):
+            raise ValueError(f"invalid sampling {self}: temperature, top_p and min_p must be finite numbers")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int | np.integer):
+            raise TypeError(f"invalid sampling {self}: top_k must be an int")
+        if (
+            self.temperature < 0
+            or not 0 <= self.top_k <= MAX_TOP_K
+            or not 0 < self.top_p <= 1
+            or not 0 <= self.min_p <= 1
+        ):
             raise ValueError(
-                f"invalid sampling {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1, 0 <= min_p <= 1"
+                f"invalid sampling {self}: need temperature >= 0, 0 <= top_k <= {MAX_TOP_K}, 0 < top_p <= 1, "
+                "0 <= min_p <= 1"
             )
 
 
@@ -42,7 +58,7 @@ def sampling_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     ``sample`` draws from their softmax (``temperature > 0``)."""
     logits = logits / sampling.temperature
     if sampling.top_k:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        kth = jax.lax.top_k(logits, min(sampling.top_k, logits.shape[-1]))[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p < 1:
         # Keep the smallest set of top tokens whose probability reaches top_p.

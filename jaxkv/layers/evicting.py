@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.batch import PackedAttention, PackedBatch
 from jaxkv.eviction import DEFAULT_WINDOW, EvictionSpec, key_norm_scores, window_query_weights, window_scores
 from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
 from jaxkv.protocol import PackedRowsLayer, PositionalLayer, check_capacity, limit_rollback, pytree_class
@@ -101,7 +102,7 @@ class EvictingLayer(BatchMajorLayer):
 
     @classmethod
     def create(cls, batch_size, num_kv_heads, head_dim, spec: EvictionSpec, slots: int, dtype=jnp.float32):
-        """``slots`` per row and head for a resolved ``spec`` (a budget, not a ratio)."""
+        """``slots`` per row and head for a ``resolved`` spec (a budget, not a ratio; PyramidKV: its prompt length)."""
         spec.check_budget(slots)
         shape = (batch_size, num_kv_heads, slots)
         return cls(
@@ -519,7 +520,7 @@ class ObserverLayer(PositionalLayer):
 
 
 @pytree_class
-class PackedEvictingLayer(PackedRowsLayer):
+class PackedEvictingLayer(PackedRowsLayer, PackedAttention):
     """Evicting K/V for the serving engine: an ``EvictingLayer`` with one row per engine row
     (``slots``), fed with packed tokens of many rows (``PackedRowsLayer``). Each row holds its
     budget of slots whatever its length, so evicted layers take no pages: the engine's memory
@@ -530,8 +531,6 @@ class PackedEvictingLayer(PackedRowsLayer):
     """
 
     slots: EvictingLayer
-    token_rows: jax.Array  # [N] int32
-    tokens_per_row: int = struct.field(pytree_node=False, default=1)
 
     MEMORY_FORMULA = EvictingLayer.MEMORY_FORMULA + "; B engine rows"
     kv_bytes = staticmethod(EvictingLayer.kv_bytes)
@@ -546,9 +545,12 @@ class PackedEvictingLayer(PackedRowsLayer):
         raise TypeError("Cache.evict cuts the rows of a cache built for generate; the engine's rows are not cut")
 
     def attend_entry(self, index, queries, keys, values, positions, read: Read):
+        raise TypeError("PackedEvictingLayer serves the engine's packed batch: Cache.attend(..., packed=PackedBatch)")
+
+    def attend_packed_entry(self, index, queries, keys, values, positions, read: Read, packed: PackedBatch):
         """``EvictingLayer.attend_entry`` of packed ``[1, H, N, D]`` tokens at ``positions`` ``[1, N]``;
         the output comes back packed ``[1, H_q, N, D]`` (zeros at padding)."""
-        slots, packing = self.packing(index, positions[0])
+        slots, packing = self.packing(index, positions[0], packed)
 
         def unpacked(x: jax.Array) -> jax.Array:  # [1, H, N, D] -> [R, H, T, D]
             return jnp.moveaxis(packing.unpacked(jnp.moveaxis(x[0], 1, 0), 0), 2, 1)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.batch import PackedBatch, PackedState
 from jaxkv.protocol import BatchMajorLayer, CacheLayer, PackedRowsLayer, check_array, check_positions, describe_extent
 from jaxkv.protocol import entry, lengths_after, limit_rollback, pytree_class
 from jaxkv.sharding import BATCH, STATE, Axes
@@ -322,7 +323,7 @@ class HybridLayer(BatchMajorLayer):
 
 
 @pytree_class
-class PackedStateLayer(PackedRowsLayer):
+class PackedStateLayer(PackedRowsLayer, PackedState):
     """Linear-attention states in one slot per engine row, fed with packed tokens of many rows
     (``PackedRowsLayer``).
 
@@ -333,16 +334,19 @@ class PackedStateLayer(PackedRowsLayer):
     """
 
     slots: LinearAttentionLayer
-    token_rows: jax.Array  # [N] int32
-    tokens_per_row: int = struct.field(pytree_node=False, default=1)
 
     MEMORY_FORMULA = LinearAttentionLayer.MEMORY_FORMULA + "; B engine rows"
     kv_bytes = staticmethod(LinearAttentionLayer.kv_bytes)
 
     def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
+        raise TypeError("PackedStateLayer serves the engine's packed batch: Cache.update_state(..., packed=PackedBatch)")
+
+    def update_state_packed_entry(
+        self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None, packed: PackedBatch
+    ):
         """Feed packed ``conv_inputs`` ``[1, N, C]`` at ``positions`` ``[1, N]``; ``conv_fn`` sees packed
         windows ``[1, N, C, K]`` and outputs come back packed ``[1, N, ...]`` (zeros at padding)."""
-        slots, packing = self.packing(index, positions[0])
+        slots, packing = self.packing(index, positions[0], packed)
 
         def packed_conv(windows):  # the model's conv_fn on packed windows, its outputs unpacked
             packed = jax.tree.map(lambda a: packing.packed(a)[None], windows)

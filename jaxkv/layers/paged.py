@@ -9,12 +9,13 @@ between rows (a common prefix) or freed (a finished row, a sliding window that m
 is decided outside ``jit`` by the host page manager (``jaxkv.serving.pages``); the layer
 only writes and reads through the table it is given.
 
-An update may pack the tokens of many rows into one sequence: ``token_rows`` ``[N]`` names
-the block-table row of each of the update's ``B * T`` tokens (row-major), so a serving step
-can run prefill chunks of some requests and single decode tokens of others as one
-``[1, N]`` batch. Masks come from absolute positions only: slot s of logical page j holds
-position ``j * page_size + s`` and is visible to a query at q if it is not in the future, is
-inside the window, and its page is not the null page.
+The layer holds the pages and nothing per row or per step: each update is a serving step's
+packed batch (``jaxkv.batch.PackedBatch``, an argument beside the cache) that names each
+token's row and carries the block tables, so a step can run prefill chunks of some requests
+and single decode tokens of others as one ``[1, N]`` batch. Masks come from absolute
+positions only: slot s of logical page j holds position ``j * page_size + s`` and is visible
+to a query at q if it is not in the future, is inside the window, and its page is not the
+null page.
 
 Pages may hold quantized K/V (a ``QuantSpec`` with per-token groups and no residual: int8,
 int4 or fp8 codes with float16 group scales, quantized as they are written and dequantized
@@ -24,23 +25,28 @@ as attention gathers them), which cuts a page's bytes 2-4x at float32.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.protocol import CacheLayer, check_array, entry, limit_rollback, pytree_class
+from jaxkv.batch import QUERY_BLOCK, PackedAttention, PackedBatch, PagedStorage
+from jaxkv.protocol import CacheLayer, MaskInfo, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
-from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, TABLE, TOKENS, Axes
+from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes
+from jaxkv.softmax import attention_mask, softmax_init, softmax_step
 
 NULL_PAGE = 0
 # Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
 # page at a time, while the reads stay proportional to the filled length.
 ATTENTION_BLOCK_SLOTS = 128
-# Query tokens of one row that read their row's pages together (a prefill chunk's tokens come
-# in blocks of this many; see ``PagedLayer.with_step``): gathering pages per token would
-# read each page once per query token.
-QUERY_BLOCK = 16
+FULL_POOL, SLIDING_POOL = "full", "sliding"
+
+
+def pool_name(window: int | None) -> str:
+    """The pool (and block table) a paged layer reads: 'sliding' for a window, else 'full'."""
+    return FULL_POOL if window is None else SLIDING_POOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +56,16 @@ class Paging:
     ``num_pages``: pages in the pool of full-attention layers (the null page included);
     ``sliding_num_pages``: the pool of sliding-window layers (default ``num_pages``): a
     sliding layer frees the pages that left its window, so it needs far fewer.
-    ``max_length``: the longest sequence a row may reach (the block table's width in pages).
-    ``num_tokens``: tokens one update packs (``B * T``; the serving step sets it per call).
+    ``max_length``: the longest sequence a row may reach (the engine's ``max_model_len``).
     """
 
     page_size: int
     num_pages: int
     max_length: int
     sliding_num_pages: int | None = None
-    num_tokens: int = 1
 
     def __post_init__(self):
-        for name in ("page_size", "num_pages", "max_length", "num_tokens"):
+        for name in ("page_size", "num_pages", "max_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Paging.{name} must be positive, got {getattr(self, name)}")
         if self.num_pages < 2 or (self.sliding_num_pages is not None and self.sliding_num_pages < 2):
@@ -84,7 +88,7 @@ def table_width(max_length: int, page_size: int) -> int:
     return -(-pages // step) * step
 
 
-Pool = jax.Array | QuantizedTensor  # [L, P, page_size, H_kv, D], or its codes and scales
+PageArray = jax.Array | QuantizedTensor  # [L, P, page_size, H_kv, D], or its codes and scales
 
 
 def check_page_quantization(spec: QuantSpec, head_dim: int) -> None:
@@ -97,7 +101,7 @@ def check_page_quantization(spec: QuantSpec, head_dim: int) -> None:
     spec.check_head_dim(head_dim)
 
 
-def empty_pool(shape: tuple[int, int, int, int], dtype, spec: QuantSpec | None) -> Pool:
+def empty_pool(shape: tuple[int, int, int, int], dtype, spec: QuantSpec | None) -> PageArray:
     """Zero pages ``shape`` ``[P, page_size, H_kv, D]``: values, or codes and scales."""
     if spec is None:
         return jnp.zeros(shape, dtype)
@@ -105,25 +109,25 @@ def empty_pool(shape: tuple[int, int, int, int], dtype, spec: QuantSpec | None) 
     return empty_quantized(pages, size, dim, heads, spec, PER_TOKEN)
 
 
-def pool_shape(pool: Pool) -> tuple[int, ...]:
+def pool_shape(pool: PageArray) -> tuple[int, ...]:
     """``[L, P, page_size, H_kv, ·]`` of a pool (its codes when quantized)."""
     return (pool.codes if isinstance(pool, QuantizedTensor) else pool).shape
 
 
 @pytree_class
 class PagedKVView:
-    """What a paged update hands to attention (``jaxkv.attention.paged_attention``): the pools,
-    the block table and each query token's row. Attention gathers each token's pages block
-    by block, so a decode step reads each row's filled pages, never the whole pool."""
+    """What a paged update hands to attention: the pools, the step's block table and each query
+    token's row. ``attend`` gathers each token's pages block by block, so a decode step reads
+    each row's filled pages, never the whole pool."""
 
-    key_stack: Pool  # [L, P, page_size, H_kv, D]
-    value_stack: Pool
+    key_stack: PageArray  # [L, P, page_size, H_kv, D]
+    value_stack: PageArray
     index: jax.Array | int
     block_table: jax.Array  # [R, W]
     token_rows: jax.Array  # [N]
+    single_tokens: int = struct.field(pytree_node=False)  # see PackedBatch
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
-    single_tokens: int | None = struct.field(pytree_node=False, default=None)  # see PagedLayer
 
     @property
     def page_size(self) -> int:
@@ -137,7 +141,7 @@ class PagedKVView:
     def num_kv_heads(self) -> int:
         return pool_shape(self.key_stack)[3]
 
-    def gather(self, stack: Pool, pages: jax.Array) -> jax.Array:
+    def gather(self, stack: PageArray, pages: jax.Array) -> jax.Array:
         """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized).
         One gather from the stack: slicing the layer's pool out first would copy all of it."""
         found = jax.tree.map(lambda leaf: leaf[self.index, pages], stack)
@@ -166,30 +170,87 @@ class PagedKVView:
         earliest = jnp.min(jnp.where(q_positions >= 0, q_positions, jnp.iinfo(jnp.int32).max))
         return jnp.minimum(jnp.maximum(earliest - self.window + 1, 0) // span, end), end
 
+    def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
+        """Attention of the packed queries ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over their
+        rows' pages. Returns ``[B, H_q, T, D]``.
+
+        The ``B * T`` query tokens (row-major) come from many rows. The first ``single_tokens``
+        each read their own row's pages (``token_rows``); the rest come in blocks of
+        ``QUERY_BLOCK`` tokens of one row each (a prefill chunk), which read their row's pages
+        once per block instead of once per token (``_read_blocks``). ``block_size`` is the
+        plain views' option: pages are read ``block_pages`` at a time."""
+        if query_weights is not None:
+            raise ValueError("attention: paged K/V return no slot mass (eviction is not paged)")
+        batch, num_heads, length, head_dim = queries.shape
+        tokens, num_kv_heads = batch * length, self.num_kv_heads
+        grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        positions = q_positions.reshape(tokens)
+        single = self.single_tokens
+
+        def read(start, end, rows, query_block):
+            return self._read_blocks(grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap)
+
+        parts = [read(0, single, self.token_rows[:single], 1)] if single else []
+        if single < tokens:
+            parts.append(read(single, tokens, self.token_rows[single::QUERY_BLOCK], QUERY_BLOCK))
+        out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [N, H_kv, G, D]
+        return out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
+
+    def _read_blocks(
+        self, grouped: jax.Array, positions: jax.Array, rows: jax.Array, query_block: int, scale: float,
+        logit_softcap: float | None,
+    ) -> jax.Array:  # fmt: skip
+        """Blocks of ``query_block`` query tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions``
+        ``[M]``, block b of row ``rows[b]``, over their rows' pages page block by page block with an
+        online softmax, from the first page block a window reaches to the last filled one.
+        Returns ``[M, H_kv, G, D]`` float32.
+
+        The mask is ``attention_mask``'s, per query: rows never see each other's slots. Values of
+        slots no query of the block may see are zeroed before they are weighted: a freed page may
+        hold anything (NaN included), and a zero weight times NaN is still NaN."""
+        tokens, num_kv_heads, group, head_dim = grouped.shape
+        num_blocks = tokens // query_block
+        q = grouped.reshape(num_blocks, query_block, num_kv_heads, group, head_dim)
+        q_positions = positions.reshape(num_blocks, query_block)
+
+        def step(block, carry):
+            keys, values, slot_positions = self.read_block(block, rows)  # [b, S, H_kv, D], [b, S]
+            mask = attention_mask(q_positions, MaskInfo(slot_positions, window=self.window))  # [b, Q, S]
+            logits = jnp.einsum("bqhgd,bshd->bhgqs", q, keys, preferred_element_type=jnp.float32) * scale
+            if logit_softcap is not None:
+                logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+            logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+            values = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], values, 0)
+
+            def weigh(weights):
+                weights = weights.astype(values.dtype)
+                return jnp.einsum("bhgqs,bshd->bhgqd", weights, values, preferred_element_type=jnp.float32)
+
+            return softmax_step(carry, logits, weigh)
+
+        first, end = self.block_range(positions)
+        init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
+        _, total, out = jax.lax.fori_loop(first, end, step, init)
+        out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [b, H_kv, G, Q, D]
+        return out.transpose(0, 3, 1, 2, 4).reshape(tokens, num_kv_heads, group, head_dim)
+
 
 @pytree_class
-class PagedLayer(CacheLayer):
-    """Paged K/V: pages ``[P, page_size, H_kv, D]`` shared by all rows, read through a block table ``[B, W]``."""
+class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
+    """Paged K/V: pages ``[P, page_size, H_kv, D]`` shared by all rows, written and read through
+    the block table of each step's ``PackedBatch``."""
 
-    key_pages: Pool  # [P, page_size, H_kv, D] (codes and scales when quantized)
-    value_pages: Pool
-    block_table: jax.Array  # [R, W] int32: row r's logical page j is pool page block_table[r, j]
-    token_rows: jax.Array  # [N] int32: the block-table row of each token of the next update
-    lengths: jax.Array  # [R] int32
+    key_pages: PageArray  # [P, page_size, H_kv, D] (codes and scales when quantized)
+    value_pages: PageArray
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
-    # The update's first ``single_tokens`` tokens read their rows' pages one by one; the rest
-    # come in blocks of QUERY_BLOCK tokens of one row each. None: every token on its own.
-    single_tokens: int | None = struct.field(pytree_node=False, default=None)
 
-    MEMORY_FORMULA = (
-        "2·P·page·H_kv·D·bytes + 4·B·(⌈S_max/page⌉ + 1) + 4·N; P pages (all rows share them), N packed tokens"
-    )
+    MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
 
     @classmethod
     def create(
-        cls, num_rows: int, num_kv_heads: int, head_dim: int, paging: Paging, dtype=jnp.float32,
-        window: int | None = None, quantization: QuantSpec | None = None,
+        cls, num_kv_heads: int, head_dim: int, paging: Paging, dtype=jnp.float32, window: int | None = None,
+        quantization: QuantSpec | None = None,
     ) -> PagedLayer:  # fmt: skip
         """``quantization``: store the pages quantized (see ``check_page_quantization``)."""
         if quantization is not None:
@@ -198,9 +259,6 @@ class PagedLayer(CacheLayer):
         return cls(
             key_pages=empty_pool(pages, dtype, quantization),
             value_pages=empty_pool(pages, dtype, quantization),
-            block_table=jnp.zeros((num_rows, table_width(paging.max_length, paging.page_size)), jnp.int32),
-            token_rows=jnp.zeros((paging.num_tokens,), jnp.int32),
-            lengths=jnp.zeros((num_rows,), jnp.int32),
             window=window,
             quantization=quantization,
         )
@@ -209,17 +267,24 @@ class PagedLayer(CacheLayer):
     def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, page_size: int = 16, **_) -> int:
         """Bytes of a pool holding exactly ``batch_size`` rows of ``seq_len`` tokens (plus the null page)."""
         pages = batch_size * -(-seq_len // page_size) + 1
-        width = table_width(seq_len, page_size)
-        page_bytes = 2 * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-        return pages * page_bytes + 4 * batch_size * (width + 1) + 4
+        return pages * 2 * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
     @property
     def page_size(self) -> int:
         return pool_shape(self.key_pages)[-3]
 
     @property
-    def max_length(self) -> int:
-        return self.block_table.shape[-1] * self.page_size
+    def pool(self) -> str:
+        """The pool name this layer's block table is under in a ``PackedBatch``."""
+        return pool_name(self.window)
+
+    @property
+    def max_length(self) -> None:
+        return None
+
+    @property
+    def max_rollback(self) -> None:
+        return None
 
     @property
     def head_dim(self) -> int:
@@ -227,122 +292,92 @@ class PagedLayer(CacheLayer):
             return self.key_pages.shape[-1]
         return self.key_pages.codes.shape[-1] * 8 // self.quantization.bits
 
-    @property
-    def max_rollback(self) -> None:
-        return None
-
     def describe(self) -> str:
         quantized = f" {self.quantization.format}{self.quantization.bits}" if self.quantization else ""
         return f"page={self.page_size}" + (f" window={self.window}" if self.window else "") + quantized
 
     def logical_axes(self) -> PagedLayer:
-        """Pages on ``pages`` (data parallel: each device keeps a share of the pool), K/V heads on
-        ``kv_heads``; block-table rows and lengths on ``batch``."""
+        """Pages on ``pages`` (data parallel: each device keeps a share of the pool), K/V heads on ``kv_heads``."""
         lead = (PAGES, PAGE_SLOTS, KV_HEADS)
 
-        def pool_axes(pool: Pool):
+        def pool_axes(pool: PageArray):
             return pool.logical_axes(*lead) if isinstance(pool, QuantizedTensor) else Axes(*lead, HEAD_DIM)
 
-        return self.replace(
-            key_pages=pool_axes(self.key_pages),
-            value_pages=pool_axes(self.value_pages),
-            block_table=Axes(BATCH, TABLE),
-            token_rows=Axes(TOKENS),
-            lengths=Axes(BATCH),
+        return self.replace(key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages))
+
+    def with_page_copies(self, copies: dict) -> PagedLayer:
+        source, destination = copies[self.pool][:, 0], copies[self.pool][:, 1]
+
+        def copied(stack: PageArray) -> PageArray:
+            return jax.tree.map(lambda leaf: leaf.at[:, destination].set(leaf[:, source]), stack)
+
+        return self.replace(key_pages=copied(self.key_pages), value_pages=copied(self.value_pages))
+
+    def update_entry(self, index, keys, values, positions):
+        raise TypeError(
+            "a paged layer is written by the serving engine's packed batch: "
+            "jaxkv.attention.cached_attention(..., packed=PackedBatch(...))"
         )
 
-    def with_step(
-        self, block_table: jax.Array, token_rows: jax.Array, lengths: jax.Array, single_tokens: int | None = None
-    ) -> PagedLayer:
-        """This stacked layer with a step's ``block_table`` ``[R, W]``, ``token_rows`` ``[N]`` and
-        ``lengths`` ``[R]`` (the same for every entry of the stack; ``N`` may change per step).
-
-        ``single_tokens``: the first tokens read their rows' pages one by one (decodes of many
-        rows); the other ``N - single_tokens`` must come in blocks of ``QUERY_BLOCK`` tokens of
-        one row each (prefill chunks, padded to whole blocks), which attention reads once per
-        block. None: every token on its own."""
-        if single_tokens is not None and (token_rows.shape[0] - single_tokens) % QUERY_BLOCK:
-            raise ValueError(
-                f"PagedLayer.with_step: the {token_rows.shape[0] - single_tokens} tokens after single_tokens must "
-                f"fill whole blocks of {QUERY_BLOCK}"
-            )
-        depth = self.lengths.shape[0]
-        return self.replace(
-            single_tokens=single_tokens,
-            block_table=jnp.broadcast_to(block_table, (depth, *block_table.shape)),
-            token_rows=jnp.broadcast_to(token_rows, (depth, *token_rows.shape)),
-            lengths=jnp.broadcast_to(lengths, (depth, *lengths.shape)),
-        )
-
-    def update_entry(self, index, keys, values, positions) -> tuple[PagedLayer, PagedKVView]:
-        """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` through the block table; token
-        ``b * T + t`` belongs to row ``token_rows[b * T + t]``.
+    def attend_packed_entry(
+        self, index, queries, keys, values, positions, read: Callable, packed: PackedBatch
+    ) -> tuple[PagedLayer, jax.Array]:
+        """Write ``[1, H_kv, N, D]`` at ``positions`` ``[1, N]`` through the block table (token i of
+        row ``batch.token_rows[i]``), then attend ``queries`` over the rows' pages (``read``, which
+        lets the view read itself: ``PagedKVView.attend``).
 
         Padding (a negative position) and positions past the table's width land on the null
         page. Under ``jit`` nothing checks that a row owns the page a position maps to: the
         host page manager gives rows their pages before the step."""
-        tokens, page, offset, rows = self.slots(index, keys, values, positions)
+        table = packed.block_tables[self.pool]
+        page, offset = self._slots(table, packed.token_rows, keys, values, positions)
 
-        def write(pool: Pool, new: jax.Array) -> Pool:
+        def write(pool: PageArray, new: jax.Array) -> PageArray:
             stored = new if self.quantization is None else quantize(new, self.quantization, PER_TOKEN)
             return jax.tree.map(lambda leaf, x: leaf.at[index, page, offset].set(x), pool, stored)
 
         new = self.replace(
-            key_pages=write(self.key_pages, self.flat(keys)),
-            value_pages=write(self.value_pages, self.flat(values)),
-            lengths=self.lengths.at[index].set(entry(self.lengths, index).at[rows].max(jnp.maximum(tokens + 1, 0))),
+            key_pages=write(self.key_pages, _flat(keys)), value_pages=write(self.value_pages, _flat(values))
         )
-        table = entry(self.block_table, index)
         view = PagedKVView(
-            new.key_pages, new.value_pages, index, table, rows, self.window, self.quantization, self.single_tokens
-        )
-        return new, view
+            new.key_pages, new.value_pages, index, table, packed.token_rows, packed.single_tokens, self.window,
+            self.quantization,
+        )  # fmt: skip
+        out, _ = read(queries, view, positions, None)
+        return new, out
 
-    @staticmethod
-    def flat(x: jax.Array) -> jax.Array:
-        """``[B, H, T, D]`` -> ``[B * T, H, D]``, tokens row-major."""
-        batch, heads, length, dim = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(batch * length, heads, dim)
-
-    def slots(self, index, keys, values, positions) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """Checked inputs as flat token positions ``[N]``, the page and offset each is written to,
-        and each token's row."""
+    def _slots(self, table, rows, keys, values, positions) -> tuple[jax.Array, jax.Array]:
+        """Checked inputs: the page and offset each packed token is written to ``[N]``."""
         caller = f"{type(self).__name__}.update"
         _, _, _, heads, _ = pool_shape(self.key_pages)
-        dim = self.head_dim
         dtype = keys.dtype if self.quantization else self.key_pages.dtype  # quantized: any float dtype
         for what, x in (("keys", keys), ("values", values)):
-            check_array(caller, what, x, ("B", "H_kv", "T", "D"), (keys.shape[0], heads, None, dim), dtype)
+            check_array(caller, what, x, ("B", "H_kv", "T", "D"), (keys.shape[0], heads, None, self.head_dim), dtype)
         positions = jnp.asarray(positions, jnp.int32)
-        rows = entry(self.token_rows, index)
         if keys.shape != values.shape or positions.shape != keys.shape[:1] + keys.shape[2:3]:
             raise ValueError(
                 f"{caller}: keys {keys.shape}, values {values.shape}, positions {positions.shape} disagree"
             )
         if positions.size != rows.shape[0]:
-            raise ValueError(
-                f"{caller}: {positions.size} tokens but token_rows names the rows of {rows.shape[0]}; give the "
-                f"step's rows with PagedLayer.with_step"
-            )
+            raise ValueError(f"{caller}: {positions.size} tokens but the batch names the rows of {rows.shape[0]}")
         tokens = positions.reshape(-1)
-        table = entry(self.block_table, index)
         logical = tokens // self.page_size
         stored = (tokens >= 0) & (logical < table.shape[1])
         page = jnp.where(stored, table[rows, jnp.clip(logical, 0, table.shape[1] - 1)], NULL_PAGE)
-        return jnp.where(stored, tokens, -1), page, jnp.where(stored, tokens % self.page_size, 0), rows
+        return page, jnp.where(stored, tokens % self.page_size, 0)
 
     def rollback(self, num_tokens) -> PagedLayer:
-        """Forget each row's last tokens (their slots become invisible; the pages stay the row's)."""
-        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
+        raise TypeError("a paged layer keeps no lengths: the engine rolls a row back on the host")
 
     def reset(self) -> PagedLayer:
-        """Every row empty and pointing at the null page; the pool's contents are left (masked)."""
-        return self.replace(block_table=jnp.zeros_like(self.block_table), lengths=jnp.zeros_like(self.lengths))
+        """Nothing per row to empty: rows are the host's (the pool's contents are masked by position)."""
+        return self
 
     def gather_rows(self, indices: jax.Array) -> PagedLayer:
-        """Rows ``indices`` of the block table and lengths; the pool is shared, not copied. Rows that
-        now share a page must not both write it: the host manager forks with copy-on-write."""
-        indices = jnp.asarray(indices, jnp.int32)
-        return self.replace(
-            block_table=jnp.take(self.block_table, indices, axis=0), lengths=jnp.take(self.lengths, indices, axis=0)
-        )
+        raise TypeError("a paged layer has no rows: the engine forks a row on the host (copy-on-write)")
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    """``[B, H, T, D]`` -> ``[B * T, H, D]``, tokens row-major."""
+    batch, heads, length, dim = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch * length, heads, dim)

@@ -51,7 +51,7 @@ from jaxkv.quantization import (
 )  # fmt: skip
 from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_capacity, check_update_inputs, describe_extent
 from jaxkv.protocol import entry, lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
-from jaxkv.protocol import KV_AXES, pytree_class
+from jaxkv.protocol import KV_AXES, SlotView, pytree_class
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 
@@ -80,7 +80,7 @@ def quantized_lengths(lengths: jax.Array, residual_length: int) -> jax.Array:
 
 
 @pytree_class
-class QuantizedView:
+class QuantizedView(SlotView):
     """What a full-attention ``QuantizedLayer`` hands to attention: slot ``p`` holds position
     ``p``, quantized below the row's ``quantized`` count and from the residual above it.
 

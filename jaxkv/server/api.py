@@ -4,7 +4,7 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat
 template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). The engine
-steps in its own thread (``EngineRunner``); each request's outputs reach its handler through
+steps in its own thread (``EngineThread``); each request's outputs reach its handler through
 an asyncio queue. Bad requests get an OpenAI-style error body and a 4xx status naming the
 field; past ``max_waiting`` queued requests the server answers 503 with ``Retry-After``; a
 client that disconnects aborts its request.
@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxkv.decoding.sampling import Sampling
-from jaxkv.serving.requests import RequestOutput
-from jaxkv.serving.runner import EngineRunner
+from jaxkv.serving.engine_thread import EngineThread
+from jaxkv.serving.requests import RequestError, RequestOutput
 
 
 # --- request bodies (OpenAI's fields; an unknown field is an error naming it) -----------------
@@ -127,34 +127,30 @@ class Metrics:
 
 
 # --- one request's stream of outputs -----------------------------------------------------------
-class Sample:
-    """What the server has sent of one sample: its text, tokens and logprobs so far."""
+class ChoiceStream:
+    """What the server has sent of one choice (one sequence of the request): its text, tokens
+    and logprobs so far. The engine decides what text is safe to send (``RequestOutput.delta``)."""
 
-    def __init__(self, stops: Sequence[str]):
-        self.stops, self.sent_text, self.tokens, self.logprobs = stops, "", [], []
+    def __init__(self):
+        self.sent_text, self.tokens, self.logprobs = "", [], []
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens the prefix cache served
 
-    def delta(self, output: RequestOutput) -> str:
-        """New text that is safe to send: never a tail that could still become a stop string,
-        nor a half-decoded character."""
+    def take(self, output: RequestOutput) -> str:
+        """Record ``output``; returns its new text."""
         self.tokens += output.new_token_ids
         self.logprobs += list(output.logprobs)
         self.cached_tokens = output.num_cached_tokens
-        text = output.text
-        if not output.finished:
-            hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-            text = text[: len(text) - hold].rstrip("\ufffd")  # U+FFFD: a character split across tokens
-        new, self.sent_text = text[len(self.sent_text) :], max(self.sent_text, text, key=len)
+        self.sent_text += output.delta
         if output.finished:
             self.finish_reason = output.finish_reason
-        return new
+        return output.delta
 
 
 class Server:
     """The engine runner, the tokenizer and the model's name behind the HTTP endpoints."""
 
-    def __init__(self, runner: EngineRunner, tokenizer, model_name: str, max_waiting: int = 64):
+    def __init__(self, runner: EngineThread, tokenizer, model_name: str, max_waiting: int = 64):
         self.runner, self.tokenizer, self.model_name, self.max_waiting = runner, tokenizer, model_name, max_waiting
         self.metrics = Metrics()
 
@@ -198,8 +194,8 @@ class Server:
             request_id = self.runner.submit(
                 prompt, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), **options
             )
-        except ValueError as error:
-            raise APIError(400, str(error), field_of(str(error))) from None
+        except RequestError as error:
+            raise APIError(400, str(error), _API_FIELDS.get(error.param, error.param)) from None
         except RuntimeError as error:
             raise APIError(503, str(error), None, "server_busy") from None
         return request_id, len(prompt)
@@ -225,23 +221,11 @@ class Server:
             raise
 
 
-def field_of(message: str) -> str | None:
-    """The request field an engine error message is about."""
-    for engine_word, field in (
-        ("max_tokens", "max_tokens"),
-        ("max_model_len", "max_tokens"),
-        ("n=", "n"),
-        ("sample(s)", "max_tokens"),
-        ("logprobs", "logprobs"),
-        ("prompt", "prompt"),
-        ("stop", "stop"),
-    ):
-        if engine_word in message:
-            return field
-    return None
+# Engine argument -> the API field a client set.
+_API_FIELDS = {"prompt_ids": "prompt", "stop_token_ids": "stop_token_ids"}
 
 
-def usage(prompt_tokens: int, samples: Sequence[Sample]) -> dict:
+def usage(prompt_tokens: int, samples: Sequence[ChoiceStream]) -> dict:
     """OpenAI's usage counts; ``prompt_tokens_details.cached_tokens``: the first sample's prompt
     tokens served from the prefix cache."""
     completion = sum(len(s.tokens) for s in samples)
@@ -332,19 +316,21 @@ async def respond(server: Server, body: CompletionRequest | ChatRequest, request
     # Off the event loop: tokenizing and queueing may wait for the engine's current step.
     request_id, prompt_tokens = await asyncio.to_thread(server.submit, body, queue, loop)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    samples = [Sample(body.stops()) for _ in range(body.n)]
+    samples = [ChoiceStream() for _ in range(body.n)]
     started = time.perf_counter()
     outputs = server.outputs(request, request_id, queue, body.n)
     if body.stream:
         chunks = stream_chunks(server, body, response_id, samples, outputs, prompt_tokens, chat, started)
         return StreamingResponse(chunks, media_type="text/event-stream")
     async for output in outputs:
-        samples[output.index].delta(output)
+        samples[output.index].take(output)
     server.metrics.requests.labels("completed").inc()
     return whole_response(server, body, response_id, samples, prompt_tokens, chat)
 
 
-def whole_response(server: Server, body, response_id: str, samples: Sequence[Sample], prompt_tokens: int, chat: bool):
+def whole_response(
+    server: Server, body, response_id: str, samples: Sequence[ChoiceStream], prompt_tokens: int, chat: bool
+):
     tokenizer, choices = server.tokenizer, []
     for index, sample in enumerate(samples):
         if chat:
@@ -395,7 +381,7 @@ async def stream_chunks(server: Server, body, response_id, samples, outputs, pro
     first_token = None
     async for output in outputs:
         sample = samples[output.index]
-        text = sample.delta(output)
+        text = sample.take(output)
         if first_token is None and output.new_token_ids:
             first_token = time.perf_counter()
             server.metrics.ttft.observe(first_token - started)

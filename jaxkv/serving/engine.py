@@ -6,11 +6,13 @@
         for output in engine.step():        # one compiled step: prefill chunks and decodes together
             print(output.request_id, output.new_token_ids, output.finish_reason)
 
-``generate_many`` runs a list of prompts to the end. Every step is one call of one
-compiled function (``jaxkv.serving.step``) whose shapes come from a few buckets of packed
-tokens: ``warmup`` compiles them all, and no step compiles after it. The host side decides
-what each step computes (``jaxkv.serving.scheduler``) and which pages each request owns
-(``jaxkv.serving.pages``).
+A request passes through named stages, one module each (vLLM's and nano-vllm's split):
+input processing checks it (``input_processor``); each ``step`` schedules the next tokens
+(``scheduler``, policy only), whose pages the KV manager grants (``kv_manager`` over
+``pages``); the model runner packs and runs them (``model_runner`` over the compiled
+``step``); output processing appends the drawn tokens, decodes the text incrementally and
+checks stops (``output_processor``, ``detokenizer``); parallel sampling forks a request's
+further sequences (``parallel_sampling``). ``generate_many`` runs a list of prompts to the end.
 """
 
 from __future__ import annotations
@@ -18,42 +20,46 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-import jax
-import numpy as np
-from flax import nnx
-
+from jaxkv.batch import QUERY_BLOCK
 from jaxkv.decoding.model import DecoderModel, check_model
-from jaxkv.decoding.sampling import GREEDY, RowSampling, Sampling
+from jaxkv.decoding.sampling import GREEDY, Sampling
 from jaxkv.eviction import EvictionSpec
-from jaxkv.layers.paged import QUERY_BLOCK, Paging, table_width
+from jaxkv.layers.paged import Paging
 from jaxkv.quantization import QuantSpec
-from jaxkv.serving.pages import NULL_PAGE, PageManager, salt_key
-from jaxkv.serving.requests import Completion, RequestOptions, RequestOutput, SampleState
-from jaxkv.serving.scheduler import Chunk, Pool, Scheduler, chunk_cost
-from jaxkv.serving.step import StepInputs, StepOutputs, compiled_step
+from jaxkv.serving.input_processor import InputProcessor
+from jaxkv.serving.kv_manager import KVCacheManager
+from jaxkv.serving.model_runner import ModelRunner, prefill_buckets
+from jaxkv.serving.output_processor import OutputProcessor
+from jaxkv.serving.parallel_sampling import fork_sequences
+from jaxkv.serving.requests import Completion, RequestError, RequestOutput, SequenceState
+from jaxkv.serving.scheduler import Chunk, Scheduler
 from jaxkv.serving.sizing import PoolSizes, pool_sizes
-
-MAX_COPIES = 8  # page copies (forks) per pool per step; more forks wait a step
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine sizes. ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``), over
-    all devices for a model sharded over a mesh: each device holds its share (the pages split
-    over ``data``, the K/V heads over ``model``, by the model's rules);
+    """Engine sizes, one line each.
+
+    ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``); under a mesh, over all
+    devices (each holds its share: pages over ``data``, K/V heads over ``model``).
+    ``page_size``: tokens per page.
     ``max_num_seqs``: rows decoding at once (each step has a decode slot per row; under a mesh a
-    multiple of the ``data`` axis, which splits the block-table rows);
-    ``max_num_batched_tokens``: prefill-chunk tokens per step besides the decodes (a multiple
-    of ``QUERY_BLOCK``; also the largest prefill bucket); ``max_model_len``:
-    the longest prompt plus output (default: the model's ``max_position_embeddings``);
-    ``max_logprobs``: the most ``logprobs`` a request may ask for; ``quantization``: store the
-    pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8 with ``format="e4m3"``);
+    multiple of the ``data`` axis).
+    ``max_num_batched_tokens``: prefill-chunk tokens per step besides the decodes (a multiple of
+    ``QUERY_BLOCK``; also the largest prefill bucket).
+    ``max_model_len``: the longest prompt plus output (default: the model's ``max_position_embeddings``).
+    ``prefix_caching``: share the pages of equal prompt prefixes between requests.
+    ``max_logprobs``: the most ``logprobs`` a request may ask for.
+    ``seed``: a request without a seed draws from ``seed + request id``.
+    ``quantization``: store the pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8
+    with ``format="e4m3"``).
     ``eviction``: keep full-attention K/V in a budget of slots per row, evicting by a policy
-    (``EvictionSpec``; a ``compression_ratio`` is a fraction of ``max_model_len``): those
-    layers take no pages, the engine serves without prefix caching, and each prefill chunk is
-    one update of the policy."""
+    (``EvictionSpec``; a ``compression_ratio`` is a fraction of ``max_model_len``): those layers
+    take no pages, the engine serves without prefix caching, and each prefill chunk is one
+    update of the policy.
+    """
 
     kv_memory: int | str = "1GiB"
     page_size: int = 16
@@ -68,8 +74,9 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.max_num_batched_tokens % QUERY_BLOCK:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of {QUERY_BLOCK}: prefill "
@@ -77,17 +84,13 @@ class EngineConfig:
             )
 
     def prefill_buckets(self) -> tuple[int, ...]:
-        """Sizes of a step's prefill section: 0, then powers of two from ``QUERY_BLOCK`` up to the budget."""
-        sizes, size = [0], QUERY_BLOCK
-        while size < self.max_num_batched_tokens:
-            sizes.append(size)
-            size *= 2
-        return (*sizes, self.max_num_batched_tokens)
+        """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
+        return prefill_buckets(self.max_num_batched_tokens)
 
 
 class Engine:
-    """Continuous batching over paged K/V for a decoder model (``jaxkv.models``' Llama and
-    Gemma 3: full and sliding attention layers)."""
+    """Continuous batching over paged K/V for a decoder model (``jaxkv.models``' Llama,
+    Gemma 3 and Qwen3.5: full and sliding attention layers, recurrent states)."""
 
     def __init__(self, model: DecoderModel, config: EngineConfig | None = None, *, tokenizer=None, **options):
         """``options``: ``EngineConfig`` fields (``kv_memory``, ``page_size``, ...), or pass ``config``.
@@ -97,10 +100,6 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.sizes = pool_sizes(model, self.config, self.max_model_len)
-        self.cache = model.init_cache(
-            self.config.max_num_seqs, paging=self.paging(self.sizes), quantization=self.config.quantization,
-            eviction=self.config.eviction,
-        )  # fmt: skip
         # A recurrent state or an evicted row cannot be rebuilt from cached pages or forked from a longer one.
         self.has_states = self.sizes.state_bytes > 0
         if self.has_states and self.config.prefix_caching:
@@ -109,37 +108,32 @@ class Engine:
                 "evicted K/V): the engine serves it without prefix caching; pass prefix_caching=False to silence this",
                 stacklevel=2,
             )
-        self.scheduler = Scheduler(
-            self.pools(self.sizes), self.config.max_num_seqs, self.config.max_num_batched_tokens,
-            self.config.prefix_caching and not self.has_states,
+        self.inputs = InputProcessor(
+            model.config.vocab_size, self.max_model_len, self.config.max_logprobs, default_stop_tokens(model.config),
+            tokenizer is not None, self.config.seed,
         )  # fmt: skip
-        self.graphdef, self.state = nnx.split(model)
-        self.executables: dict[int, Callable] = {}
-        self.samples: dict[int, list[SampleState]] = {}
+        self.kv = KVCacheManager(self.sizes, self.config.prefix_caching and not self.has_states)
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        cache = model.init_cache(
+            self.config.max_num_seqs, paging=self._paging(self.sizes), quantization=self.config.quantization,
+            eviction=self.config.eviction,
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens, max(1, self.config.max_logprobs)
+        )
+        self.outputs = OutputProcessor(tokenizer, self.max_model_len)
+        self.sequences: dict[int, list[SequenceState]] = {}  # by request id, until ``pop``
         self.next_request_id = 0
-        self.num_steps = self.peak_pages_used = self.peak_kv_bytes = 0
+        self.peak_pages_used = self.peak_kv_bytes = 0
         self.slots_allocated = self.slots_unused = 0
-        self.stop_token_ids = default_stop_tokens(model.config)
-        self.pending_copies = self.empty_copies()
-        self.aborted: list[SampleState] = []
+        self.pending_copies: dict[str, list[tuple[int, int]]] = {}
+        self.final_outputs: list[RequestOutput] = []  # aborted or failed sequences, reported by the next step
 
-    # --- construction ---------------------------------------------------------------------------
-    def paging(self, sizes: PoolSizes) -> Paging:
+    def _paging(self, sizes: PoolSizes) -> Paging:
         return Paging(
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
-            sliding_num_pages=sizes.sliding_pages or None, num_tokens=self.config.max_num_seqs,
+            sliding_num_pages=sizes.sliding_pages or None,
         )  # fmt: skip
-
-    def pools(self, sizes: PoolSizes) -> list[Pool]:
-        pools = []
-        if sizes.full_pages:
-            pools.append(
-                Pool("full", PageManager(sizes.full_pages, self.config.page_size), None, sizes.full_page_bytes)
-            )
-        if sizes.sliding_pages:
-            manager = PageManager(sizes.sliding_pages, self.config.page_size)
-            pools.append(Pool("sliding", manager, sizes.window, sizes.sliding_page_bytes))
-        return pools
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(
@@ -156,292 +150,152 @@ class Engine:
         logprobs: int = 0,
         n: int = 1,
     ) -> int:
-        """Queue a request; returns its id. ``stop_token_ids``: tokens that end it (default: the
-        model's eos unless ``ignore_eos``; the stop token is part of the output tokens);
-        ``stop``: strings that end it (needs the engine's tokenizer; the text ends before
-        them); ``cache_salt``: only requests with the same salt share prefix pages;
-        ``seed``: its samples' random stream (default: the engine seed and the request id);
-        ``n``: samples of the prompt, sharing its pages."""
-        options = self.request_options(
-            prompt_ids, sampling, max_tokens, stop_token_ids, stop, ignore_eos, cache_salt, seed, logprobs, n
-        )
-        request_id, self.next_request_id = self.next_request_id, self.next_request_id + 1
-        first = SampleState(request_id, 0, [int(t) for t in prompt_ids], options, time.perf_counter())
-        self.samples[request_id] = [first]
+        """Queue a request; returns its id. ``stop_token_ids``: tokens that end it besides the
+        model's end-of-sequence tokens (those unless ``ignore_eos``; the stop token is part of
+        the output tokens); ``stop``: strings that end it (needs the engine's tokenizer; the
+        text ends before them); ``cache_salt``: only requests with the same salt share prefix
+        pages; ``seed``: its sequences' random stream, in ``[0, 2**32)`` (default: the engine
+        seed plus the request id); ``n``: sequences of the prompt, sharing its pages.
+        Raises ``RequestError`` (a ``ValueError``) naming the argument at fault."""
+        request_id = self.next_request_id
+        prompt, options = self.inputs.process(
+            request_id, prompt_ids, sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, stop=stop,
+            ignore_eos=ignore_eos, cache_salt=cache_salt, seed=seed, logprobs=logprobs, n=n,
+        )  # fmt: skip
+        if n > self.config.max_num_seqs:
+            raise RequestError(f"add_request: n={n} sequences exceed max_num_seqs={self.config.max_num_seqs} rows", "n")
+        self.kv.check_fits(len(prompt), len(prompt) + options.max_tokens, n, self.config.max_num_batched_tokens)
+        self.next_request_id += 1
+        first = SequenceState(request_id, 0, prompt, options, time.perf_counter())
+        self.sequences[request_id] = [first]
+        self.outputs.add(first)
         self.scheduler.waiting.append(first)
         return request_id
 
-    def request_options(
-        self, prompt_ids, sampling, max_tokens, stop_token_ids, stop, ignore_eos, cache_salt, seed, logprobs, n
-    ) -> RequestOptions:
-        """``add_request``'s keywords checked: errors name the argument and the limit."""
-        if len(prompt_ids) == 0:
-            raise ValueError("add_request: prompt_ids is empty; a request needs at least one prompt token")
-        if max_tokens <= 0 or n <= 0:
-            raise ValueError(f"add_request: max_tokens and n must be positive, got {max_tokens} and {n}")
-        vocab = self.model.config.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"add_request: prompt token ids must be in [0, {vocab})")
-        if not 0 <= logprobs <= self.config.max_logprobs:
-            raise ValueError(f"add_request: logprobs must be in [0, {self.config.max_logprobs}], got {logprobs}")
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
-        if stop and self.tokenizer is None:
-            raise ValueError("add_request: stop strings need the text: build the Engine with tokenizer=")
-        total = len(prompt_ids) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"add_request: prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) is {total}, past "
-                f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        self.check_fits(len(prompt_ids), total, n)
-        stops = self.stop_token_ids if stop_token_ids is None and not ignore_eos else frozenset(stop_token_ids or ())
-        return RequestOptions(
-            sampling=sampling, max_tokens=max_tokens, stop_token_ids=frozenset(int(t) for t in stops), stop=stop,
-            cache_salt=salt_key(cache_salt), seed=self.config.seed + self.next_request_id if seed is None else seed,
-            logprobs=logprobs, n=n,
-        )  # fmt: skip
-
-    def check_fits(self, num_prompt: int, num_tokens: int, n: int) -> None:
-        """Refuse a request the pools could never hold, even alone (its samples share the prompt's full pages)."""
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"add_request: n={n} samples exceed max_num_seqs={self.config.max_num_seqs} rows")
-        for pool in self.scheduler.pools:
-            pages = -(-num_tokens // pool.page_size)
-            if pool.window is not None:  # what one step reads and writes: the window and a chunk
-                pages = min(pages, -(-(pool.window - 1 + self.config.max_num_batched_tokens) // pool.page_size) + 1)
-            needed = pages + (n - 1) * max(pages - (num_prompt - 1) // pool.page_size, 1)
-            if needed > pool.manager.num_usable:
-                raise ValueError(
-                    f"add_request: {n} sample(s) of {num_tokens} tokens need {needed} pages of the {pool.name} pool, "
-                    f"which holds {pool.manager.num_usable}; raise kv_memory or lower max_tokens"
-                )
-
     def abort(self, request_id: int) -> None:
         """Stop a request now: its pages are freed at once; the next ``step`` reports each of its
-        unfinished samples with finish reason 'abort'. Unknown or finished requests are ignored."""
-        for sample in self.samples.get(request_id, ()):
-            if not sample.finished:
-                sample.finish_reason, sample.finish_time = "abort", time.perf_counter()
-                self.scheduler.finish(sample)
-                self.aborted.append(sample)
+        unfinished sequences with finish reason 'abort' (``has_unfinished`` stays True until
+        then). Unknown or finished requests are ignored."""
+        self._end(request_id, "abort")
+
+    def _end(self, request_id: int, reason: str, error: str | None = None) -> None:
+        for seq in self.sequences.get(request_id, ()):
+            if not seq.finished:
+                self.outputs.finished(seq, reason)
+                self.scheduler.finish(seq)
+                self.final_outputs.append(self.outputs.output(seq, [], error))
 
     def request_finished(self, request_id: int) -> bool:
-        """Have all of a request's samples finished (its later samples exist once the first has
-        computed its prompt; an abort before that ends the request)?"""
-        samples = self.samples.get(request_id, [])
-        if not samples:
+        """Have all of a request's sequences finished (its later sequences exist once the first
+        has computed its prompt; an abort or error before that ends the request)?"""
+        family = self.sequences.get(request_id, [])
+        if not family:
             return True
-        complete = len(samples) == samples[0].options.n or samples[0].finish_reason == "abort"
-        return complete and all(sample.finished for sample in samples)
+        complete = len(family) == family[0].options.n or family[0].finish_reason in ("abort", "error")
+        return complete and all(seq.finished for seq in family)
 
-    def pop(self, request_id: int) -> list[SampleState]:
+    def pop(self, request_id: int) -> list[SequenceState]:
         """Forget a request (a long-lived server calls this once it has reported a finished one);
-        returns its samples. An unfinished request is aborted first."""
+        returns its sequences. An unfinished request is aborted first."""
         self.abort(request_id)
-        self.aborted = [sample for sample in self.aborted if sample.request_id != request_id]
-        return self.samples.pop(request_id, [])
+        self.final_outputs = [output for output in self.final_outputs if output.request_id != request_id]
+        family = self.sequences.pop(request_id, [])
+        for seq in family:
+            self.outputs.forget(seq)
+        return family
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        """Is there work or an unreported output (an abort) for the next ``step``?"""
+        return bool(self.scheduler.waiting or self.scheduler.running or self.final_outputs)
 
     # --- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one compiled step, and return what each touched sample produced."""
-        aborted = self.aborted_outputs()
+        """Schedule, run one compiled step, process its outputs. A failure while the step is
+        prepared or run fails the requests it held, each with finish reason 'error' and the
+        error's message; the engine takes the next request as before."""
         chunks = self.scheduler.schedule()
-        if not chunks:
-            return aborted
-        outputs = self.run(chunks, self.pending_copies)
-        self.scheduler.computed(chunks)
-        self.pending_copies = self.fork_samples()  # before a first sample can finish and free its pages
-        self.record_usage()
-        return aborted + [self.advance(chunk, outputs) for chunk in chunks]
+        if chunks:
+            try:
+                outputs = self.runner.run(chunks, self._block_tables(), self.pending_copies)
+            except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
+                self._fail({chunk.seq.request_id for chunk in chunks}, error)
+            else:
+                self.pending_copies = {}
+                self.scheduler.computed(chunks)
+                forks = fork_sequences(self.scheduler, self.sequences, not self.has_states)
+                for child in forks.children:
+                    self.outputs.add(child)
+                self.pending_copies = forks.copies  # before a first sequence can finish and free its pages
+                self._record_usage()
+                return self._take_final() + [self._advance(chunk, outputs) for chunk in chunks]
+        return self._take_final()
 
-    def run(self, chunks: list[Chunk], copies: dict) -> StepOutputs:
-        inputs = self.step_inputs(chunks, copies)
-        executable = self.executable(inputs)
-        outputs, self.cache = executable(self.state, self.cache, inputs)
-        self.num_steps += 1
-        return jax.device_get(outputs)
+    def _fail(self, request_ids: set[int], error: Exception) -> None:
+        """End every sequence of ``request_ids`` with finish reason 'error'. The step's page copies
+        are dropped with them: only their forks asked for them."""
+        message = f"{type(error).__name__}: {error}"
+        for request_id in sorted(request_ids):
+            self._end(request_id, "error", message)
+        self.pending_copies = {}
+        warnings.warn(f"engine step failed for requests {sorted(request_ids)}: {message}", stacklevel=3)
 
-    def executable(self, inputs: StepInputs) -> Callable:
-        """The compiled step for this prefill bucket (compiled on first use, or by ``warmup``)."""
-        num_tokens = inputs.tokens.shape[0]
-        if num_tokens not in self.executables:
-            lowered = compiled_step.lower(
-                self.graphdef,
-                self.state,
-                self.cache,
-                inputs,
-                max(1, self.config.max_logprobs),
-                self.config.max_num_seqs,
+    def _block_tables(self):
+        return self.kv.block_tables(self.scheduler.running, self.config.max_num_seqs, self.max_model_len)
+
+    def _take_final(self) -> list[RequestOutput]:
+        final, self.final_outputs = self.final_outputs, []
+        return final
+
+    def _advance(self, chunk: Chunk, outputs) -> RequestOutput:
+        """Append the token drawn for a chunk that computed its sequence's last known token;
+        finish the sequence if it stops."""
+        seq = chunk.seq
+        new: list[int] = []
+        if chunk.draws_next:
+            row, token = seq.row, int(outputs.tokens[seq.row])
+            new.append(token)
+            reason = self.outputs.append(
+                seq, token, outputs.logprobs[row], outputs.top_tokens[row], outputs.top_logprobs[row]
             )
-            self.executables[num_tokens] = lowered.compile()
-        return self.executables[num_tokens]
+            if reason is not None:
+                self.outputs.finished(seq, reason)
+                self.scheduler.finish(seq)
+        return self.outputs.output(seq, new)
 
     def warmup(self) -> None:
         """Compile the step for every prefill bucket, so no request waits for a compile."""
-        for size in self.config.prefill_buckets():
-            self.executable(self.packed([], size, self.empty_copies()))
-
-    def step_inputs(self, chunks: list[Chunk], copies: dict) -> StepInputs:
-        prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
-        return self.packed(chunks, next(size for size in self.config.prefill_buckets() if size >= prefill), copies)
-
-    def packed(self, chunks: list[Chunk], prefill_size: int, copies: dict) -> StepInputs:
-        """The step's tokens: a decode slot per row (single-token chunks), then ``prefill_size``
-        slots of prefill chunks, each starting a block of ``QUERY_BLOCK``; the rest padding. With
-        each row's tables and sampling."""
-        rows = self.config.max_num_seqs
-        size = rows + prefill_size
-        tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
-        sample_index, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        seeds, numbers, counters = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        row_sampling = [GREEDY] * rows
-        decode_slot, prefill_slot = 0, rows
-        for chunk in chunks:
-            sample, row = chunk.sample, chunk.sample.row
-            if chunk.count == 1:
-                start, decode_slot = decode_slot, decode_slot + 1
-            else:
-                start, prefill_slot = prefill_slot, prefill_slot + chunk_cost(chunk.count)
-                token_rows[start:prefill_slot] = row  # padding of the chunk's last block: its row too
-            end = start + chunk.count
-            tokens[start:end] = sample.tokens[chunk.start : chunk.start + chunk.count]
-            positions[start:end] = np.arange(chunk.start, chunk.start + chunk.count)
-            token_rows[start:end] = row
-            sample_index[row], lengths[row] = end - 1, chunk.start + chunk.count
-            seeds[row], numbers[row], counters[row] = sample.options.seed, sample.index, len(sample.output)
-            row_sampling[row] = sample.options.sampling
-        return StepInputs(
-            tokens=tokens, positions=positions, token_rows=token_rows, lengths=lengths,
-            block_tables={pool.name: self.block_table(pool) for pool in self.scheduler.pools}, copies=copies,
-            sample_index=sample_index, seeds=seeds, sample_numbers=numbers, counters=counters,
-            sampling=RowSampling.stack(row_sampling),
-        )  # fmt: skip
-
-    def block_table(self, pool: Pool) -> np.ndarray:
-        """``[R, W]``: each running sample's pages in its row, the null page elsewhere."""
-        table = np.full(
-            (self.config.max_num_seqs, table_width(self.max_model_len, pool.page_size)), NULL_PAGE, np.int32
-        )
-        for sample in self.scheduler.running:
-            pages = pool.manager.pages(sample.key)
-            table[sample.row, : len(pages)] = pages
-        return table
-
-    def empty_copies(self) -> dict:
-        return {pool.name: np.zeros((MAX_COPIES, 2), np.int32) for pool in self.scheduler.pools}
-
-    # --- samples ----------------------------------------------------------------------------------
-    def fork_samples(self) -> dict:
-        """Start the further samples (``n > 1``) of requests whose first sample has just computed
-        its prompt: each forks from it (sharing its pages; ``Scheduler.fork``) or, when rows,
-        pages or this step's copy slots are short, waits to be computed like a new request.
-        Returns the page copies ``[K, 2]`` per pool the next step makes first."""
-        pools = self.scheduler.pools
-        pairs: dict[str, list] = {pool.name: [] for pool in pools}
-        for sample in list(self.scheduler.running):
-            family = self.samples[sample.request_id]
-            while self.awaits_fork(sample):
-                child = SampleState(sample.request_id, len(family), sample.prompt, sample.options, sample.arrival)
-                family.append(child)
-                # A fork copies at most one page per pool; per-row state is recomputed instead.
-                room = not self.has_states and all(len(p) < MAX_COPIES for p in pairs.values())
-                forked = self.scheduler.fork(sample, child) if room else None
-                if forked is None:
-                    self.scheduler.waiting.appendleft(child)
-                    continue
-                for pool, copies in zip(pools, forked):
-                    pairs[pool.name] += copies
-        copies = self.empty_copies()
-        for name, found in pairs.items():
-            copies[name][: len(found)] = np.asarray(found, np.int32).reshape(-1, 2)
-        return copies
-
-    def awaits_fork(self, sample: SampleState) -> bool:
-        """A first sample with its prompt computed, and fewer samples than asked."""
-        return (
-            sample.index == 0
-            and len(self.samples[sample.request_id]) < sample.options.n
-            and sample.num_computed >= len(sample.prompt)
-        )
-
-    def advance(self, chunk: Chunk, outputs: StepOutputs) -> RequestOutput:
-        """Append the token drawn for a chunk that computed its sample's last known token; finish
-        the sample if it stops."""
-        sample = chunk.sample
-        new: list[int] = []
-        if chunk.samples_next:
-            row = sample.row
-            token = int(outputs.tokens[row])
-            sample.output.append(token)
-            new.append(token)
-            sample.logprobs.append(token_logprobs(outputs, row, token, sample.options.logprobs))
-            if sample.first_token_time is None:
-                sample.first_token_time = time.perf_counter()
-            reason = self.finish_reason(sample)
-            if reason is not None:
-                sample.finish_reason, sample.finish_time = reason, time.perf_counter()
-                self.scheduler.finish(sample)
-        return self.output(sample, new)
-
-    def finish_reason(self, sample: SampleState) -> str | None:
-        """'stop' on a stop token or string (the text is cut before the string), 'length' at
-        ``max_tokens`` or the model's length, else None."""
-        options = sample.options
-        if self.tokenizer is not None:
-            sample.text = self.tokenizer.decode(sample.output)
-            cut = min((sample.text.find(s) for s in options.stop if s in sample.text), default=-1)
-            if cut >= 0:
-                sample.text = sample.text[:cut]
-                return "stop"
-        if sample.output[-1] in options.stop_token_ids:
-            return "stop"
-        if len(sample.output) >= options.max_tokens or sample.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def output(self, sample: SampleState, new: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=sample.request_id, index=sample.index, new_token_ids=new, finished=sample.finished,
-            finish_reason=sample.finish_reason, text=sample.text,
-            logprobs=sample.logprobs[len(sample.logprobs) - len(new) :], num_prompt_tokens=len(sample.prompt),
-            num_cached_tokens=sample.num_cached_tokens,
-        )  # fmt: skip
-
-    def aborted_outputs(self) -> list[RequestOutput]:
-        """One final output for each sample aborted since the last step."""
-        outputs = [self.output(sample, []) for sample in self.aborted]
-        self.aborted = []
-        return outputs
+        self.runner.warmup(self._block_tables())
 
     # --- convenience and metrics ------------------------------------------------------------------
     def generate_many(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling = GREEDY, **options
     ) -> list[Completion]:
-        """Run ``prompts`` (all queued now) to the end; one ``Completion`` per sample, in request order."""
+        """Run ``prompts`` (all queued now) to the end; one ``Completion`` per sequence, in request order."""
         ids = [self.add_request(prompt, sampling, **options) for prompt in prompts]
         while self.has_unfinished():
             self.step()
-        return [completion(sample) for request_id in ids for sample in self.pop(request_id)]
+        family = [seq for request_id in ids for seq in self.sequences[request_id]]
+        completions = [self.outputs.completion(seq) for seq in family]
+        for request_id in ids:
+            self.pop(request_id)
+        return completions
 
-    def record_usage(self) -> None:
-        pools = self.scheduler.pools
-        self.peak_pages_used = max(self.peak_pages_used, sum(pool.manager.num_used for pool in pools))
-        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(pool.manager.num_used * pool.page_bytes for pool in pools))
-        allocated, unused = self.scheduler.wasted_slots()
+    def _record_usage(self) -> None:
+        usage = self.kv.usage()
+        self.peak_pages_used = max(self.peak_pages_used, usage.pages)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, usage.bytes)
+        allocated, unused = self.kv.wasted_slots(self.scheduler.running)
         self.slots_allocated += allocated
         self.slots_unused += unused
 
     def stats(self) -> dict:
         """Counters for metrics and benchmarks (pages, prefix cache, preemptions, compiles)."""
-        pools = self.scheduler.pools
+        pools = self.kv.pools
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_steps": self.num_steps,
-            "num_compiled": len(self.executables),
+            "num_steps": self.runner.num_steps,
+            "num_compiled": len(self.runner.executables),
             "preemptions": self.scheduler.stats.preemptions,
             "prefix_hit_rate": self.scheduler.stats.prefix_hit_rate,
             "page_size": self.config.page_size,
@@ -452,19 +306,6 @@ class Engine:
             "wasted_slot_fraction": self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0,
             "max_concurrent_tokens": self.sizes.max_concurrent_tokens,
         }
-
-
-def token_logprobs(outputs: StepOutputs, row: int, token: int, num_top: int) -> dict:
-    top = [(int(t), float(x)) for t, x in zip(outputs.top_tokens[row, :num_top], outputs.top_logprobs[row, :num_top])]
-    return {"token": token, "logprob": float(outputs.logprobs[row]), "top": top}
-
-
-def completion(sample: SampleState) -> Completion:
-    return Completion(
-        request_id=sample.request_id, index=sample.index, token_ids=list(sample.output), text=sample.text,
-        finish_reason=sample.finish_reason or "", logprobs=list(sample.logprobs),
-        num_prompt_tokens=len(sample.prompt), num_cached_tokens=sample.num_cached_tokens,
-    )  # fmt: skip
 
 
 def default_stop_tokens(config) -> frozenset[int]:

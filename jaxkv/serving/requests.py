@@ -1,5 +1,5 @@
-"""What the engine knows about one request (one sample of it when ``n > 1``), and what it
-hands back after each step."""
+"""What the engine knows about one request (each of its ``n`` sequences), what it hands back
+after each step, and the error a refused request raises."""
 
 from __future__ import annotations
 
@@ -10,6 +10,19 @@ from collections.abc import Sequence
 from jaxkv.decoding.sampling import GREEDY, Sampling
 
 
+class RequestError(ValueError):
+    """A request the engine refuses. ``param`` names the argument at fault (``"seed"``,
+    ``"max_tokens"``, ...), so a server reports it without reading the message."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+class RequestTypeError(RequestError, TypeError):
+    """A request argument of the wrong type (also a ``TypeError``)."""
+
+
 class Status(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted (its pages freed, to be recomputed)
     RUNNING = "running"  # holds a block-table row and pages
@@ -18,29 +31,30 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestOptions:
-    """What a caller asks of one request (``Engine.add_request``'s keywords, checked there)."""
+    """What a caller asks of one request (``Engine.add_request``'s keywords, checked by
+    ``jaxkv.serving.input_processor``)."""
 
     sampling: Sampling = GREEDY
     max_tokens: int = 16
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
     cache_salt: bytes = b""  # extra key of the prefix-cache hash chain (tenant isolation)
-    seed: int = 0
+    seed: int = 0  # in [0, 2**32)
     logprobs: int = 0  # top log-probabilities returned per token (0: only the chosen token's)
-    n: int = 1  # samples of the prompt; samples 1.. fork from sample 0 after its prefill
+    n: int = 1  # sequences of the prompt; sequences 1.. fork from sequence 0 after its prefill
 
 
 @dataclasses.dataclass
-class SampleState:
-    """One sample of a request as the scheduler tracks it.
+class SequenceState:
+    """One sequence of a request (one of its ``n`` completions) as the engine tracks it.
 
     ``tokens`` are the prompt then the outputs; ``num_computed`` of them are in the cache.
     The engine computes tokens until ``num_computed == len(tokens)``; the step that computes
-    the last known token samples the next one. A preempted sequence keeps its outputs and is
+    the last known token draws the next one. A preempted sequence keeps its outputs and is
     computed again from its prompt (or from the longest cached prefix)."""
 
     request_id: int
-    index: int  # which of the request's n samples
+    index: int  # which of the request's n sequences
     prompt: list[int]
     options: RequestOptions
     arrival: float
@@ -52,7 +66,6 @@ class SampleState:
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chain over full computed pages
     num_registered: int = 0  # pages already offered to the prefix cache
     finish_reason: str | None = None
-    text: str = ""
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -77,11 +90,15 @@ class SampleState:
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one sample: its new tokens (usually one; none for a prefill
-    chunk), and whether and why it finished ('stop', 'length', 'abort').
+    """What one step produced for one sequence: its new tokens (usually one; none for a prefill
+    chunk), and whether and why it finished ('stop', 'length', 'abort', 'error').
 
-    ``text`` is the whole output text so far (with a tokenizer; it ends before a stop string),
-    ``logprobs`` one dict per new token: ``{"token": id, "logprob": x, "top": [(id, x), ...]}``."""
+    With a tokenizer, ``text`` is the whole output text so far (it ends before a stop string)
+    and ``delta`` the text that became safe to send with this output: never a tail that may
+    still turn into a stop string, nor a character split across tokens (the last output of a
+    sequence sends the rest). ``logprobs``: one dict per new token,
+    ``{"token": id, "logprob": x, "top": [(id, x), ...]}``. ``error``: why a request failed
+    (finish reason 'error')."""
 
     request_id: int
     index: int
@@ -89,14 +106,16 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     text: str = ""
+    delta: str = ""
     logprobs: Sequence[dict] = ()
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A finished sample (``Engine.generate_many``): all its tokens, text and finish reason."""
+    """A finished sequence (``Engine.generate_many``): all its tokens, text and finish reason."""
 
     request_id: int
     index: int

@@ -12,10 +12,10 @@ import re
 
 import jax
 
+from jaxkv.batch import PagedStorage
 from jaxkv.cache import layer_types_of
-from jaxkv.layers.paged import Paging
-from jaxkv.protocol import PackedRowsLayer
-from jaxkv.sharding import PAGES, Layout
+from jaxkv.layers.paged import FULL_POOL, SLIDING_POOL, Paging
+from jaxkv.sharding import BATCH, PAGES, Layout
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
@@ -63,39 +63,44 @@ class PageBytes:
     page_shards: int
 
 
-def page_shards_of(layout: Layout | None) -> int:
-    """Devices the ``pages`` logical axis is split over under ``layout`` (1: unsharded)."""
-    axis = None if layout is None else layout.mesh_axis(PAGES)
+def shards_of(layout: Layout | None, logical: str) -> int:
+    """Devices the ``logical`` axis (``pages``, ``batch``) is split over under ``layout`` (1: unsharded)."""
+    axis = None if layout is None else layout.mesh_axis(logical)
     return 1 if axis is None else layout.mesh.shape[axis]
 
 
 def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
     """``PageBytes`` read from the shapes of the model's paged cache (nothing allocated). The
-    probe's pools hold a page count every mesh axis divides (one page per device, at least 2);
-    its block table has ``max_num_seqs`` rows, which must divide the mesh axis ``batch`` maps to
-    (the cache's layout raises an error that names the axis and both sizes)."""
+    probe's pools hold a page count every mesh axis divides (one page per device, at least 2),
+    and one row per device; per-row slots (recurrent states, evicted K/V) are split over the mesh
+    axis ``batch`` maps to, so under a mesh ``max_num_seqs`` must be a multiple of it."""
     layer_types = layer_types_of(model.config)
     unsupported = sorted(set(layer_types) - set(PAGED_LAYER_TYPES))
     if unsupported:
         raise ValueError(
             f"the serving engine serves {', '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
-    paging = Paging(config.page_size, max(2, jax.device_count()), max_model_len)
+    devices = jax.device_count()
+    paging = Paging(config.page_size, max(2, devices), max_model_len)
     probe = jax.eval_shape(
-        lambda: model.init_cache(
-            config.max_num_seqs, paging=paging, quantization=config.quantization, eviction=config.eviction
-        )
+        lambda: model.init_cache(devices, paging=paging, quantization=config.quantization, eviction=config.eviction)
     )
-    sizes, window, state_bytes = {"full": 0, "sliding": 0}, None, 0
+    sizes, window, row_bytes = {FULL_POOL: 0, SLIDING_POOL: 0}, None, 0
     for group in probe.groups:
-        if isinstance(group, PackedRowsLayer):
-            state_bytes += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(group.slots))
+        if not isinstance(group, PagedStorage):  # per-row slots: recurrent states, evicted K/V
+            row_bytes += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(group)) // devices
             continue
-        pool = "full" if group.window is None else "sliding"
-        window = group.window or window
-        for leaf in jax.tree.leaves((group.key_pages, group.value_pages)):  # values, or codes and scales
-            sizes[pool] += leaf.size // leaf.shape[1] * leaf.dtype.itemsize  # one page over the stack
-    return PageBytes(sizes, window, state_bytes, page_shards_of(probe.layout))
+        window = group.window if group.pool == SLIDING_POOL else window
+        for leaf in jax.tree.leaves(group):  # its pages: values, or codes and scales
+            sizes[group.pool] += leaf.size // leaf.shape[1] * leaf.dtype.itemsize  # one page over the stack
+    row_shards = shards_of(probe.layout, BATCH)
+    if row_bytes and config.max_num_seqs % row_shards:
+        raise ValueError(
+            f"max_num_seqs ({config.max_num_seqs}) must be a multiple of the {row_shards} devices of the mesh axis "
+            f"{probe.layout.mesh_axis(BATCH)!r}: this model's per-row slots (recurrent states, evicted K/V) are "
+            "split over it"
+        )
+    return PageBytes(sizes, window, row_bytes * config.max_num_seqs, shards_of(probe.layout, PAGES))
 
 
 def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
@@ -111,17 +116,17 @@ def pool_sizes(model, config, max_model_len: int) -> PoolSizes:
         per_row = -(-(probe.window - 1) // config.page_size) + 2
         needed = config.max_num_seqs * per_row + -(-config.max_num_batched_tokens // config.page_size) + 1
         sliding_pages = -(-needed // shards) * shards
-        budget -= sliding_pages * page_bytes["sliding"]
-    full_pages = budget // page_bytes["full"] // shards * shards if page_bytes["full"] else 0
-    if budget < 0 or (page_bytes["full"] and full_pages < 2):
+        budget -= sliding_pages * page_bytes[SLIDING_POOL]
+    full_pages = budget // page_bytes[FULL_POOL] // shards * shards if page_bytes[FULL_POOL] else 0
+    if budget < 0 or (page_bytes[FULL_POOL] and full_pages < 2):
         raise ValueError(
             f"kv_memory {config.kv_memory!r} cannot hold the pools: the sliding-window pool needs {sliding_pages} "
-            f"pages of {page_bytes['sliding']} bytes, the per-row slots (recurrent states, evicted K/V) "
+            f"pages of {page_bytes[SLIDING_POOL]} bytes, the per-row slots (recurrent states, evicted K/V) "
             f"{probe.state_bytes} bytes, and the "
-            f"full-attention pool at least {max(2, shards)} pages of {page_bytes['full']} bytes (a multiple of the "
+            f"full-attention pool at least {max(2, shards)} pages of {page_bytes[FULL_POOL]} bytes (a multiple of the "
             f"{shards} devices its pages are split over); raise kv_memory or lower max_num_seqs"
         )
     return PoolSizes(
-        full_pages, page_bytes["full"], sliding_pages, page_bytes["sliding"], probe.window, config.page_size,
+        full_pages, page_bytes[FULL_POOL], sliding_pages, page_bytes[SLIDING_POOL], probe.window, config.page_size,
         probe.state_bytes, shards,
     )  # fmt: skip

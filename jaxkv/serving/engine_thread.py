@@ -1,10 +1,10 @@
 """An engine stepping in its own thread while other threads (an HTTP server's handlers) add
 requests, abort them and receive their outputs.
 
-    runner = EngineRunner(engine).start()
-    request_id = runner.submit(prompt_ids, sink, max_tokens=32)   # sink(output) per step, on the runner's thread
-    runner.abort(request_id)
-    runner.stop()                                                 # finishes what is in flight, then returns
+    thread = EngineThread(engine).start()
+    request_id = thread.submit(prompt_ids, sink, max_tokens=32)   # sink(output) per step, on the engine's thread
+    thread.abort(request_id)
+    thread.stop()                                                 # finishes what is in flight, then returns
 
 One lock guards the engine: ``submit`` waits at most one step (call it off an event loop);
 ``abort`` and ``stats`` never wait (an abort is applied before the next step, stats are the
@@ -23,7 +23,7 @@ from jaxkv.serving.requests import RequestOutput
 Sink = Callable[[RequestOutput], None]
 
 
-class EngineRunner:
+class EngineThread:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._engine_lock = threading.Lock()  # held for a step, or to add a request
@@ -34,7 +34,7 @@ class EngineRunner:
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="jaxkv-engine", daemon=True)
 
-    def start(self) -> EngineRunner:
+    def start(self) -> EngineThread:
         self._thread.start()
         return self
 
@@ -73,7 +73,7 @@ class EngineRunner:
         while True:
             with self._engine_lock:
                 self._apply_aborts()
-                busy = self.engine.has_unfinished() or bool(self.engine.aborted)
+                busy = self.engine.has_unfinished()
                 if busy:
                     outputs = self.engine.step()
                     deliveries = [(self._sinks[output.request_id], output) for output in outputs]

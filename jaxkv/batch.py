@@ -1,0 +1,77 @@
+"""A serving step's packed batch: the per-step metadata that travels beside the cache.
+
+The serving engine packs the tokens of many rows into one ``[1, N]`` update: single decode
+tokens of many rows first, then prefill chunks in blocks of ``QUERY_BLOCK`` tokens of one row
+each. What each token belongs to changes every step, so it is an argument of the step, handed
+to the model beside the cache (``model(tokens, positions, cache, packed=...)``) and from there
+to the layers that read it (``Cache.attend(..., packed=...)``); nothing of it is stored in the
+cache. Jit contract: a traced argument of the compiled step whose shapes are fixed per
+bucket; ``single_tokens`` and ``tokens_per_row`` are static.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any, Self
+
+import jax
+from flax import struct
+
+# Query tokens of one row that read their row's pages together: a prefill chunk's tokens come
+# in blocks of this many (gathering pages per token would read each page once per query token).
+QUERY_BLOCK = 16
+
+
+@struct.dataclass
+class PackedBatch:
+    """One step's packed tokens as the layers see them.
+
+    ``token_rows`` ``[N]`` int32: the engine row (block-table row) of each packed token.
+    ``block_tables``: per pool name (``'full'``, ``'sliding'``) ``[R, W]`` int32, row r's logical
+    page j is pool page ``block_tables[pool][r, j]`` (the null page where it holds nothing).
+    ``single_tokens`` (static): the first tokens are one-token decodes that each read their own
+    row; the other ``N - single_tokens`` come in blocks of ``QUERY_BLOCK`` tokens of one row.
+    ``tokens_per_row`` (static): the most tokens one row brings in this step.
+    """
+
+    token_rows: jax.Array
+    block_tables: dict
+    single_tokens: int = struct.field(pytree_node=False)
+    tokens_per_row: int = struct.field(pytree_node=False)
+
+
+class PackedAttention(abc.ABC):
+    """Capability of a layer that attends a packed batch (the engine's paged and per-row layers)."""
+
+    @abc.abstractmethod
+    def attend_packed_entry(
+        self, index, queries, keys, values, positions, read: Callable, packed: PackedBatch
+    ) -> tuple[Self, jax.Array]:
+        """``attend_entry`` of ``[1, H, N, D]`` packed tokens at ``positions`` ``[1, N]``, token i of
+        engine row ``packed.token_rows[i]``; returns the stack and the output ``[1, H_q, N, D]``."""
+
+
+class PackedState(abc.ABC):
+    """Capability of a linear-attention layer fed a packed batch."""
+
+    @abc.abstractmethod
+    def update_state_packed_entry(
+        self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None, packed: PackedBatch
+    ) -> tuple[Self, Any]:
+        """``update_state_entry`` of packed ``conv_inputs`` ``[1, N, C]`` at ``positions`` ``[1, N]``."""
+
+
+class PagedStorage(abc.ABC):
+    """Capability of a layer whose K/V live in a page pool shared by the rows: ``pool`` names the
+    block table it reads in a ``PackedBatch``; ``with_page_copies`` is a fork's copy-on-write."""
+
+    @property
+    @abc.abstractmethod
+    def pool(self) -> str:
+        """The pool name (``'full'``, ``'sliding'``) of this layer's pages and block table."""
+
+    @abc.abstractmethod
+    def with_page_copies(self, copies: dict) -> Self:
+        """This stack with page ``copies[pool][k, 1]`` set to page ``copies[pool][k, 0]`` in every
+        entry (``[K, 2]`` int32 per pool name; a null-page self-copy is padding)."""
