@@ -13,28 +13,42 @@ from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.memory import cache_bytes, layer_bytes
 from jaxkv.persist import load_cache, save_cache
-from jaxkv.protocol import BatchMajorLayer, CacheLayer, KVView, MaskInfo
+from jaxkv.protocol import (
+    BatchMajorLayer, CacheLayer, Capability, ChunkLimit, DepthBudgets, Eviction, Growth, HeldTokens, KVView,
+    LinearState, MaskInfo, Overflow, Refill, Rollback, RowSelection,
+)  # fmt: skip
 
 __all__ = [
     "LAYER_TYPES",
     "BatchMajorLayer",
     "Cache",
     "CacheLayer",
+    "Capability",
+    "ChunkLimit",
     "ChunkedLayer",
+    "DepthBudgets",
     "DynamicLayer",
     "EncoderDecoderCache",
     "EvictingLayer",
+    "Eviction",
     "EvictionSpec",
+    "Growth",
+    "HeldTokens",
     "HybridLayer",
     "KVView",
     "LayerSpec",
     "LayerType",
     "LinearAttentionLayer",
+    "LinearState",
     "MaskInfo",
     "Observer",
     "ObserverLayer",
+    "Overflow",
     "QuantSpec",
     "QuantizedLayer",
+    "Refill",
+    "Rollback",
+    "RowSelection",
     "SlidingWindowLayer",
     "StaticLayer",
     "attention",

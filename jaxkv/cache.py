@@ -1,6 +1,8 @@
 """The container: one cache layer per model layer, chosen from the config's ``layer_types``.
 
-``Cache`` only routes. Model code calls one line per attention layer:
+``Cache`` only routes: the core of ``jaxkv.protocol`` to every layer, a capability's methods
+to the layers that have it (an operation that needs it of every layer names the one lacking
+it). Model code calls one line per attention layer:
 
     cache, out = cached_attention(cache, layer_idx, q, k, v, positions)   # jaxkv.attention
 
@@ -31,7 +33,9 @@ from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
-from jaxkv.protocol import CacheLayer, KVView, entry, is_traced, limit_rollback, pytree_class, stacked_for_layers
+from jaxkv.protocol import CacheLayer, ChunkLimit, Eviction, Growth, KVView, LinearState, Overflow, Refill, Rollback
+from jaxkv.protocol import RowSelection, entry, has, is_traced, limit_rollback, missing, pytree_class, require
+from jaxkv.protocol import stacked_for_layers
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
@@ -114,6 +118,13 @@ def _evicting_layer(spec: LayerSpec) -> CacheLayer:
 
 
 def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
+    layer = _full_attention_storage(spec)
+    if spec.full_attention == "dynamic":
+        require(layer, Growth, "full_attention='dynamic' asks for one; with eviction or paging leave it 'static'")
+    return layer
+
+
+def _full_attention_storage(spec: LayerSpec) -> CacheLayer:
     if spec.observer is not None:
         return _observer_layer(spec)
     if spec.eviction is not None:
@@ -548,6 +559,10 @@ class Cache:
         group, index = self.locate(layer_idx)
         stack = self.groups[group]
         if packed is None:
+            require(
+                stack, LinearState, "update_state feeds linear-attention states (linear_attention, conv and hybrid "
+                "layers); feed K/V with update (Cache.update)"
+            )  # fmt: skip
             stack, outputs = stack.update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
         else:
             _require_packed(stack, PackedState)
@@ -634,24 +649,26 @@ class Cache:
 
     @property
     def max_rollback(self) -> int | None:
-        """Most tokens ``rollback`` may undo in every layer (None: unbounded)."""
-        budgets = [first_entry_shapes(g).max_rollback for g in self.groups]
+        """Most tokens ``rollback`` may undo in every layer (None: unbounded; 0 with a layer
+        without ``Rollback``)."""
+        budgets = [first_entry_shapes(g).max_rollback if has(g, Rollback) else 0 for g in self.groups]
         budgets = [b for b in budgets if b is not None]
         return min(budgets) if budgets else None
 
     def exact_chunk_lengths(self) -> jax.Array | None:
         """``[B]`` int32: the most tokens the next update of each row may bring so that every
         query sees the cache exactly as it would decoding token by token; None when any
-        number may (only quantized layers with a residual limit it; see
+        number may (layers with ``ChunkLimit``: quantized layers with a residual limit it; see
         ``QuantizedLayer.exact_chunk_lengths``). Speculative verification stays within it."""
-        limits = [limit for limit in (g.exact_chunk_lengths() for g in self.groups) if limit is not None]
+        limits = [g.exact_chunk_lengths() for g in self.groups if has(g, ChunkLimit)]
+        limits = [limit for limit in limits if limit is not None]
         return jnp.min(jnp.stack([jnp.min(limit, axis=0) for limit in limits]), axis=0) if limits else None
 
     @property
     def overflowed(self) -> jax.Array:
-        """``[B]`` bool: rows some layer could not store (only possible under jit)."""
-        flags = [jnp.any(jax.vmap(lambda layer: layer.overflowed)(g), axis=0) for g in self.groups]
-        return jnp.any(jnp.stack(flags), axis=0)
+        """``[B]`` bool: rows some layer could not store (only possible under jit, in a layer with ``Overflow``)."""
+        flags = [jnp.any(jax.vmap(lambda layer: layer.overflowed)(g), axis=0) for g in self.groups if has(g, Overflow)]
+        return jnp.any(jnp.stack(flags), axis=0) if flags else jnp.zeros(self.lengths.shape, bool)
 
     @property
     def nbytes(self) -> int:
@@ -665,8 +682,10 @@ class Cache:
         return self.grow(bucket(needed))
 
     def grow(self, capacity: int) -> Cache:
-        """Growing layers with room for ``capacity`` tokens (never shrinks; others unchanged)."""
-        return self.replace(groups=tuple(g.grow(capacity) for g in self.groups)).constrained()
+        """Layers with ``Growth`` with room for ``capacity`` tokens (never shrinks); the others keep
+        the capacity they were built with."""
+        groups = tuple(g.grow(capacity) if has(g, Growth) else g for g in self.groups)
+        return self.replace(groups=groups).constrained()
 
     # --- batch and time edits -----------------------------------------------------
     def reorder(self, beam_indices) -> Cache:
@@ -679,6 +698,7 @@ class Cache:
             given = np.asarray(beam_indices)
             if given.size and (given.min() < 0 or given.max() >= self.batch_size):
                 raise IndexError(f"row indices {given.tolist()} out of range for batch {self.batch_size}")
+        self._require(RowSelection)
         return self._map_layers(lambda layer: layer.gather_rows(indices))
 
     select = reorder
@@ -693,12 +713,14 @@ class Cache:
             raise ValueError(
                 f"reorder_in_groups takes [G, K] indices with G * K = {self.batch_size} rows, got {indices.shape}"
             )
+        self._require(RowSelection)
         return self._map_layers(lambda layer: layer.gather_rows_in_groups(indices))
 
     def repeat(self, num_repeats: int) -> Cache:
         """Each row ``num_repeats`` times in a row (one prefilled prompt -> N beams/samples)."""
         if num_repeats <= 0:
             raise ValueError(f"num_repeats must be positive, got {num_repeats}")
+        self._require(RowSelection)
         return self._map_layers(lambda layer: layer.repeat_rows(num_repeats))
 
     def rollback(self, num_tokens) -> Cache:
@@ -706,26 +728,33 @@ class Cache:
 
         Eagerly, more than ``max_rollback``, or more than a row's ``rollback_budget`` in some
         layer (rollbacks without a feed in between share a ring's or a linear state's budget),
-        is an error naming the fix. Under jit the count is clamped to the smallest budget of
-        every layer (and to each row's length), so all layers undo the same count and stay in
+        is an error naming the fix, and so is any count where a layer has no ``Rollback``. Under
+        jit the count is clamped to the smallest budget of every layer (0 for a layer without
+        ``Rollback``) and to each row's length, so all layers undo the same count and stay in
         step; feed the tokens again at the positions ``next_positions`` gives.
         """
         n = functools.reduce(jnp.minimum, [limit_rollback(group, num_tokens, self.lengths) for group in self.groups])
-        return self._map_layers(lambda layer: layer.rollback(n))
+        return self._map_layers(lambda layer: layer.rollback(n) if has(layer, Rollback) else layer)
 
     def evict(self, spec: EvictionSpec) -> Cache:
-        """Every evicting layer cut to ``spec``'s budget by the scores it stored
+        """Every layer with ``Eviction`` cut to ``spec``'s budget by the scores it stored
         (``EvictingLayer.evict_to``); the other layers (Gemma 3's sliding rings) unchanged. One
         prefill into an ``EvictionSpec.observer`` cache then serves every budget of a sweep."""
+        if not any(has(group, Eviction) for group in self.groups):
+            lacking = "; ".join(dict.fromkeys(missing(group, Eviction) for group in self.groups))
+            raise ValueError(
+                f"Cache.evict: this cache has no evicting layers ({lacking}); build it with eviction=EvictionSpec(...)"
+            )
         num_layers = len(self.layer_types)
-        groups = tuple(group.evict_to(spec, self.group_layers(g), num_layers) for g, group in enumerate(self.groups))
-        if all(new is old for new, old in zip(groups, self.groups)):
-            raise ValueError("Cache.evict: this cache has no evicting layers; build it with eviction=EvictionSpec(...)")
+        groups = tuple(
+            group.evict_to(spec, self.group_layers(g), num_layers) if has(group, Eviction) else group
+            for g, group in enumerate(self.groups)
+        )
         return self.replace(groups=groups).constrained()
 
     def refilled(self, target: Cache) -> Cache:
         """``target`` (an empty cache of the same model and rows, built with any options) holding
-        this cache's tokens as one update of them would leave it (``CacheLayer.filled_from``): a
+        this cache's tokens as one update of them would leave it (``Refill.filled_from``): a
         plain, quantized or ring layer stores the K/V as given, an evicting layer keeps its budget
         by its policy's scores. This cache must hold every token the target may attend to and the
         scores its policies rank by: a prefill into an ``Observer`` cache. So one prefill serves a
@@ -736,12 +765,18 @@ class Cache:
                 f"Cache.refilled: the target has layer types {target.layer_types} in groups of {target.period}, this "
                 f"cache {self.layer_types} in groups of {self.period}; build both for one model (both stacked or not)"
             )
+        target._require(Refill)
         num_layers = len(self.layer_types)
         groups = tuple(
             empty.filled_from(source, self.group_layers(g), num_layers)
             for g, (source, empty) in enumerate(zip(self.groups, target.groups))
         )
         return target.replace(groups=groups).constrained()
+
+    def _require(self, capability: type) -> None:
+        """A ``TypeError`` naming the first layer without ``capability`` (a check of the classes)."""
+        for group in self.groups:
+            require(group, capability)
 
     def group_layers(self, group: int) -> list[int]:
         """The model layers group ``group`` stores, its entries in order."""

@@ -20,30 +20,49 @@ can scan over its layers with the cache in the carry. A layer therefore also imp
 ``index`` (an int or a traced scalar) of a stacked layer, writing that entry in place.
 ``update`` on a single layer is ``update_entry`` on a stack of one.
 
-Every array leaf of a (single) layer has the batch as its leading axis; that is what lets the
-container reorder beams and select or repeat rows generically (``gather_rows``) without
-knowing the storage. A layer whose storage is not batch-major (a paged pool indexed
-through a block table) overrides ``gather_rows``.
+Every array leaf of a (single) layer has the batch as its leading axis, except where a
+layer says otherwise (a paged pool indexed through a block table).
 
-Rollback: ``rollback(n)`` forgets each row's last n tokens. ``max_rollback`` bounds one
-call; ``rollback_budget`` says what each row has left where rollbacks without a feed in
-between share one budget (rings, linear-attention states). Eagerly asking for more is an
-error naming the fix; under jit the count is clamped (``limit_rollback``), and the
-container clamps every layer alike so that all stay in step.
+The core (``CacheLayer``), what every layer has and the container may always call:
+``lengths``; ``update``/``update_entry`` (a layer holding only a linear state refuses them)
+and ``attend_entry`` (the update, then attention over what it returned); the entry helpers
+``entry_view``, ``store_entry`` and ``unstacked``; ``reset``; ``logical_axes``;
+``max_length``; ``nbytes`` and ``describe``.
 
-The protocol also admits layers without per-token K/V (a linear-attention layer carries
-a conv and a recurrent state and returns no ``KVView``), quantized storage (the update
-dequantizes what it returns), and paged storage (``kv_positions`` come from the block
-table): the container only calls the methods of ``CacheLayer``, whose defaults serve a
-layer without the capability (no growth, no overflow, no linear state, ...).
+Capabilities, each a class a layer opts into by inheriting it. The container asks the
+class (``has``, once per trace: nothing at run time) and a layer without the one an
+operation needs gets an error naming both ("PackedStateLayer cannot roll back (no Rollback
+capability)"); ``WHY_NOT`` lets a layer say why and what to use instead.
+
+* ``Rollback``: ``rollback(n)`` forgets each row's last n tokens. ``max_rollback`` bounds
+  one call; ``rollback_budget`` is what each row has left where rollbacks without a feed in
+  between share one budget (rings, linear-attention states). Eagerly asking for more is an
+  error naming the fix; under jit the count is clamped (``limit_rollback``), and the
+  container clamps every layer alike (a layer without the capability: to 0) so that all
+  stay in step.
+* ``RowSelection``: ``gather_rows`` (beam reorder, select, repeat).
+* ``Growth``: ``grow(capacity)``; ``Cache.grow`` grows the layers that have it.
+* ``Eviction``: ``evict_to(spec, ...)``, cut to an ``EvictionSpec``'s budget (``Cache.evict``).
+* ``DepthBudgets``: ``for_layers``, entries that differ by depth (PyramidKV's budgets).
+* ``HeldTokens`` and ``Refill``: a source hands its tokens over (``held_entry``), a target
+  is filled from a source (``filled_from``): ``Cache.refilled``.
+* ``LinearState``: ``update_state``/``update_state_entry`` (``jaxkv.layers.linear``).
+* ``Overflow``: ``overflowed``, rows written past a fixed capacity under jit.
+* ``ChunkLimit``: ``exact_chunk_lengths``, the longest update that shows every query what
+  token-by-token decoding would (a quantized residual).
+
+The contract admits layers without per-token K/V (a linear-attention layer carries a conv
+and a recurrent state and returns no ``KVView``), quantized storage (the update
+dequantizes what it returns) and paged storage (``kv_positions`` come from the block
+table).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Self
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Self
 
 import jax
 import jax.numpy as jnp
@@ -180,38 +199,27 @@ class KVView(SlotView):
 
 
 class CacheLayer(abc.ABC):
-    """One layer's storage strategy: every method and property the container calls, with the
-    default a layer gets when it lacks the capability. See the module docstring for the contract.
+    """The core every layer has (see the module docstring); optional parts are ``Capability``
+    classes a layer inherits.
 
-    A layer implements ``rollback``, ``reset``, ``gather_rows``, ``max_length`` and
-    ``max_rollback``, plus ``update_entry`` (attention K/V) or ``update_state_entry``
-    (linear-attention state) or both. ``update`` and ``update_state`` apply those to the layer
-    as entry 0 of a stack of one.
+    A layer implements ``reset``, ``logical_axes``, ``max_length`` and ``update_entry`` (a layer
+    holding only a linear-attention state keeps the default, which refuses K/V).
     """
 
     lengths: jax.Array  # [B] int32 ([L, B] stacked): tokens seen by each row (absolute count, not slots)
+    # Why the layer lacks a capability and what to use instead, for the error (capability -> text).
+    WHY_NOT: ClassVar[Mapping[type, str]] = {}
 
     # --- updates --------------------------------------------------------------------------
     def update(self, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
         """Write ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``; see the module docstring."""
-        return self.as_entry_zero(type(self).update_entry, keys, values, positions)
+        return _as_entry_zero(self, type(self).update_entry, keys, values, positions)
 
     def update_entry(self, index, keys: jax.Array, values: jax.Array, positions: jax.Array) -> tuple[Self, KVView]:
         """``update`` of entry ``index`` of a stacked layer (leaves ``[L, ...]``), in place."""
         raise TypeError(
             f"{type(self).__name__} stores no attention K/V: feed it with update_state (Cache.update_state); "
             f"Cache.update feeds attention layers (full, sliding, chunked, hybrid)"
-        )
-
-    def update_state(self, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None) -> tuple[Self, Any]:
-        """``update_state_entry`` of a single layer; see ``jaxkv.layers.linear``."""
-        return self.as_entry_zero(type(self).update_state_entry, conv_inputs, positions, conv_fn, step_fn)
-
-    def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
-        """Feed a linear-attention state of entry ``index`` of a stacked layer; see ``jaxkv.layers.linear``."""
-        raise TypeError(
-            f"{type(self).__name__} holds no linear-attention state: feed its K/V with update (Cache.update); "
-            f"update_state feeds linear_attention, conv and hybrid layers"
         )
 
     def attend_entry(self, index, queries, keys, values, positions, read: Callable) -> tuple[Self, jax.Array]:
@@ -224,6 +232,7 @@ class CacheLayer(abc.ABC):
         out, _ = read(queries, view, positions, None)
         return stack, out
 
+    # --- entries of a stack -----------------------------------------------------------------
     def entry_view(self, index) -> Self:
         """Entry ``index`` (int or traced) of this stack as one layer, as an update reads it. A stack
         whose entries share storage (``EvictingLayer``'s paired budgets) gives each entry its slots."""
@@ -238,50 +247,80 @@ class CacheLayer(abc.ABC):
         (``Cache.layer``); a copy, not for hot loops."""
         return jax.tree.map(lambda leaf: leaf[index], self)
 
-    def as_entry_zero(self, entry_method: Callable, *args) -> tuple[Self, Any]:
-        """``entry_method(stack, 0, *args)`` on this layer as a stack of one; returns the layer and the result."""
-        stack, result = entry_method(jax.tree.map(lambda leaf: leaf[None], self), 0, *args)
-        return jax.tree.map(lambda leaf: leaf[0], stack), result
-
-    # --- batch and time edits ---------------------------------------------------------------
-    @abc.abstractmethod
-    def rollback(self, num_tokens: jax.Array | int) -> Self:
-        """Forget the last ``num_tokens`` (int or ``[B]``) of each row; see ``limit_rollback``."""
-
+    # --- edits, layout, footprint -----------------------------------------------------------
     @abc.abstractmethod
     def reset(self) -> Self:
         """Empty every row, keeping shapes."""
 
-    @abc.abstractmethod
-    def gather_rows(self, indices: jax.Array) -> Self:
-        """Rows ``indices`` ``[B']``: beam reorder, select and repeat."""
-
-    def repeat_rows(self, num_repeats: int) -> Self:
-        """Each row ``num_repeats`` times in a row (one prefilled prompt -> N beams or samples)."""
-        return self.gather_rows(jnp.repeat(jnp.arange(self.lengths.shape[-1], dtype=jnp.int32), num_repeats))
-
-    def gather_rows_in_groups(self, indices: jax.Array) -> Self:
-        """Rows gathered within groups of ``K`` consecutive rows (the beams of one prompt):
-        row ``g * K + k`` of the result is row ``g * K + indices[g, k]`` (``indices`` ``[G, K]``)."""
-        return self.gather_rows(flat_group_indices(indices))
-
-    # --- sharding ---------------------------------------------------------------------------
     @abc.abstractmethod
     def logical_axes(self) -> Self:
         """This (single, unstacked) layer with every array leaf replaced by the ``Axes`` naming its
         dimensions (``jaxkv.sharding``'s logical names), e.g. ``Axes("batch", "kv_heads",
         "kv_slots", "head_dim")`` for ``[B, H_kv, S, D]`` K/V; a mesh's rules map them to devices."""
 
-    # --- capacity and footprint -------------------------------------------------------------
     @property
     @abc.abstractmethod
     def max_length(self) -> int | None:
         """Longest sequence a row can hold before it overflows; None if unbounded."""
 
     @property
-    @abc.abstractmethod
+    def nbytes(self) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
+
+    def describe(self) -> str:
+        """The detail column of ``Cache``'s repr (span, rollback slots); '-' when there is none."""
+        return "-"
+
+
+def _as_entry_zero(layer: CacheLayer, entry_method: Callable, *args) -> tuple[CacheLayer, Any]:
+    """``entry_method(stack, 0, *args)`` on ``layer`` as a stack of one; returns the layer and the result."""
+    stack, result = entry_method(jax.tree.map(lambda leaf: leaf[None], layer), 0, *args)
+    return jax.tree.map(lambda leaf: leaf[0], stack), result
+
+
+# --- capabilities ----------------------------------------------------------------------------
+class Capability(abc.ABC):
+    """An optional part of the contract: a layer class has it by inheriting it, and the container
+    asks the class (``has``), once per trace, before it calls the capability's methods."""
+
+    ACTION: ClassVar[str]  # what a layer without it cannot do, for the error: "roll back"
+
+
+def has(layer: CacheLayer, capability: type[Capability]) -> bool:
+    """Whether ``layer``'s class has ``capability``: a check of the class, no cost at run time."""
+    return issubclass(type(layer), capability)
+
+
+def missing(layer: CacheLayer, capability: type[Capability]) -> str:
+    """'EvictingLayer cannot roll back (no Rollback capability)', then the layer's ``WHY_NOT``, if any."""
+    text = f"{type(layer).__name__} cannot {capability.ACTION} (no {capability.__name__} capability)"
+    why = type(layer).WHY_NOT.get(capability)
+    return f"{text}: {why}" if why else text
+
+
+def require(layer: CacheLayer, capability: type[Capability], fix: str = "") -> None:
+    """A ``TypeError`` (``missing``, then ``fix``) unless ``layer`` has ``capability``."""
+    if not has(layer, capability):
+        raise TypeError(missing(layer, capability) + (f"; {fix}" if fix else ""))
+
+
+class Rollback(Capability):
+    """Forget each row's last tokens (``Cache.rollback``: rejected drafts, an edited chat turn).
+
+    The defaults serve storage that hides the slots at or past a row's length: ``rollback``
+    shortens ``lengths``, and one call may undo the whole sequence.
+    """
+
+    ACTION = "roll back"
+
+    def rollback(self, num_tokens: jax.Array | int) -> Self:
+        """Forget the last ``num_tokens`` (int or ``[B]``) of each row; see ``limit_rollback``."""
+        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
+
+    @property
     def max_rollback(self) -> int | None:
         """Most tokens one ``rollback`` can undo; None if it can undo the whole sequence."""
+        return None
 
     @property
     def rollback_budget(self) -> jax.Array | None:
@@ -296,57 +335,123 @@ class CacheLayer(abc.ABC):
             f"undoes rollback_slots + 1)"
         )
 
-    @property
-    def overflowed(self) -> jax.Array:
-        """``[B]`` bool: rows written past the storage under jit (tokens were dropped)."""
-        return jnp.zeros(self.lengths.shape, bool)
 
-    def exact_chunk_lengths(self) -> jax.Array | None:
-        """``[B]`` (``[L, B]`` stacked): the most tokens the next update of each row may bring and
-        still show every query what token-by-token decoding would; None when any number may."""
-        return None
+class RowSelection(Capability):
+    """Rows gathered (``Cache.reorder``, ``select``, ``repeat``, ``reorder_in_groups``: beams, samples)."""
 
-    def for_layers(self, layer_indices: list[int], num_layers: int) -> Self:
-        """This stack, entry j being model layer ``layer_indices[j]`` of ``num_layers``: a layer
-        whose entries differ by depth (PyramidKV's budgets) sets them; others are unchanged."""
-        return self
+    ACTION = "reorder, select or repeat rows"
 
+    @abc.abstractmethod
+    def gather_rows(self, indices: jax.Array) -> Self:
+        """Rows ``indices`` ``[B']``: beam reorder, select and repeat."""
+
+    def repeat_rows(self, num_repeats: int) -> Self:
+        """Each row ``num_repeats`` times in a row (one prefilled prompt -> N beams or samples)."""
+        return self.gather_rows(jnp.repeat(jnp.arange(self.lengths.shape[-1], dtype=jnp.int32), num_repeats))
+
+    def gather_rows_in_groups(self, indices: jax.Array) -> Self:
+        """Rows gathered within groups of ``K`` consecutive rows (the beams of one prompt):
+        row ``g * K + k`` of the result is row ``g * K + indices[g, k]`` (``indices`` ``[G, K]``)."""
+        return self.gather_rows(flat_group_indices(indices))
+
+
+class Growth(Capability):
+    """Storage that grows (``Cache.grow``, ``Cache.reserve``); a layer without it keeps its capacity."""
+
+    ACTION = "grow"
+
+    @abc.abstractmethod
     def grow(self, capacity: int) -> Self:
-        """The layer with room for ``capacity`` tokens; a layer that does not grow is unchanged."""
-        return self
+        """The layer with room for ``capacity`` tokens; never shrinks."""
 
-    def evict_to(self, spec, layer_indices: list[int], num_layers: int) -> Self:
-        """This stack cut to ``spec``'s budget (an ``EvictionSpec``; see ``EvictingLayer.evict_to``);
-        a layer that does not evict keeps all its K/V and is unchanged."""
-        return self
 
+class Eviction(Capability):
+    """Cut to an ``EvictionSpec``'s budget by the scores the layer stored (``Cache.evict``)."""
+
+    ACTION = "be cut to an eviction budget"
+
+    @abc.abstractmethod
+    def evict_to(self, spec, layer_indices: list[int], num_layers: int) -> CacheLayer:
+        """This stack cut to ``spec``'s budget (see ``EvictingLayer.evict_to``)."""
+
+
+class DepthBudgets(Capability):
+    """Entries that differ by model depth (PyramidKV's budgets), set when the container stacks them."""
+
+    ACTION = "keep a budget per depth"
+
+    @abc.abstractmethod
+    def for_layers(self, layer_indices: list[int], num_layers: int) -> Self:
+        """This stack, entry j being model layer ``layer_indices[j]`` of ``num_layers``."""
+
+
+class HeldTokens(Capability):
+    """Hands its stored tokens to another cache (the source of ``Cache.refilled``)."""
+
+    ACTION = "hand its tokens to another cache"
+
+    @abc.abstractmethod
     def held_entry(self, index) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Entry ``index``'s stored tokens in position order, to fill another cache with
         (``filled_from``): keys, values ``[B, H_kv, S, D]`` and positions ``[B, S]`` (-1: empty)."""
-        raise TypeError(
-            f"{type(self).__name__} cannot hand its tokens to another cache (Cache.refilled); refill from a cache "
-            f"whose layers hold every token: an Observer prefill (Cache.from_config(observer=Observer(...)))"
-        )
 
-    def filled_from(self, source: Self, layer_indices: list[int], num_layers: int) -> Self:
+
+class Refill(Capability):
+    """Filled from another cache's layer (the target of ``Cache.refilled``)."""
+
+    ACTION = "be refilled from another cache"
+
+    def filled_from(self, source: CacheLayer, layer_indices: list[int], num_layers: int) -> Self:
         """This (empty) stack holding what ``source`` (the same model layers, from another cache)
-        holds: each entry fed its source entry's tokens in one update (``held_entry``), so the
+        holds: each entry fed its source entry's tokens in one update (``HeldTokens``), so the
         K/V are stored as this layer stores them (quantized, in a ring). An evicting layer cuts
         them from an observer's scores instead (``EvictingLayer.filled_from``)."""
+        require(
+            source, HeldTokens, "refill from a cache whose layers hold every token: an Observer prefill "
+            "(Cache.from_config(observer=Observer(...)))"
+        )  # fmt: skip
         # Mapped over the entries, not looped: one layer's update compiles once, whatever the depth.
         held = jax.vmap(lambda layer: jax.tree.map(lambda leaf: leaf[None], layer).held_entry(0))(source)
         return jax.vmap(lambda empty, tokens: empty.update(*tokens)[0])(self, held)
 
+
+class LinearState(Capability):
+    """A linear-attention state fed conv inputs (``Cache.update_state``; see ``jaxkv.layers.linear``)."""
+
+    ACTION = "take update_state"
+
+    def update_state(self, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None) -> tuple[Self, Any]:
+        """``update_state_entry`` of a single layer."""
+        return _as_entry_zero(self, type(self).update_state_entry, conv_inputs, positions, conv_fn, step_fn)
+
+    @abc.abstractmethod
+    def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
+        """Feed the state of entry ``index`` of a stacked layer; returns ``(layer, outputs)``."""
+
+
+class Overflow(Capability):
+    """A fixed capacity that a write under jit can run past (the tokens dropped, ``Cache.overflowed``)."""
+
+    ACTION = "overflow"
+
     @property
-    def nbytes(self) -> int:
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self))
-
-    def describe(self) -> str:
-        """The detail column of ``Cache``'s repr (span, rollback slots); '-' when there is none."""
-        return "-"
+    @abc.abstractmethod
+    def overflowed(self) -> jax.Array:
+        """``[B]`` bool: rows written past the storage under jit (tokens were dropped)."""
 
 
-class BatchMajorLayer(CacheLayer):
+class ChunkLimit(Capability):
+    """A limit on the tokens one update may bring (``Cache.exact_chunk_lengths``; speculative verification)."""
+
+    ACTION = "limit an update's length"
+
+    @abc.abstractmethod
+    def exact_chunk_lengths(self) -> jax.Array | None:
+        """``[B]`` (``[L, B]`` stacked): the most tokens the next update of each row may bring and
+        still show every query what token-by-token decoding would; None when any number may."""
+
+
+class BatchMajorLayer(CacheLayer, RowSelection):
     """A layer whose every array leaf is batch-major: rows are gathered leaf by leaf."""
 
     def gather_rows(self, indices: jax.Array) -> Self:
@@ -355,7 +460,7 @@ class BatchMajorLayer(CacheLayer):
         return jax.tree.map(lambda leaf: jnp.take(leaf, indices, axis=0), self)
 
     def repeat_rows(self, num_repeats: int) -> Self:
-        """``CacheLayer.repeat_rows`` as a broadcast: rows sharded over a mesh are repeated where they are."""
+        """``RowSelection.repeat_rows`` as a broadcast: rows sharded over a mesh are repeated where they are."""
 
         def repeat(leaf: jax.Array) -> jax.Array:
             repeated = jnp.broadcast_to(leaf[:, None], (leaf.shape[0], num_repeats, *leaf.shape[1:]))
@@ -364,7 +469,7 @@ class BatchMajorLayer(CacheLayer):
         return jax.tree.map(repeat, self)
 
     def gather_rows_in_groups(self, indices: jax.Array) -> Self:
-        """``CacheLayer.gather_rows_in_groups`` as a gather along each leaf's ``[G, K]`` row axes: rows
+        """``RowSelection.gather_rows_in_groups`` as a gather along each leaf's ``[G, K]`` row axes: rows
         sharded over a mesh by whole groups stay on their devices (no rows cross between them)."""
         groups, size = indices.shape
 
@@ -383,8 +488,8 @@ class BatchMajorLayer(CacheLayer):
 KV_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS, HEAD_DIM)  # [B, H_kv, S, D]
 
 
-class PositionalLayer(BatchMajorLayer):
-    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention)."""
+class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
+    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention, the observer)."""
 
     @property
     def capacity(self) -> int:
@@ -417,16 +522,9 @@ class PositionalLayer(BatchMajorLayer):
         return new, KVView(new.keys, new.values, index, MaskInfo(kv_positions, slots_used=used))
 
     @property
-    def max_rollback(self) -> None:
-        return None
-
-    @property
     def overflowed(self) -> jax.Array:
         """``[B]`` bool: rows written past the buffer under jit (those tokens were dropped)."""
         return self.lengths > self.capacity
-
-    def rollback(self, num_tokens):
-        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
 
     def reset(self):
         return jax.tree.map(jnp.zeros_like, self)
@@ -480,6 +578,12 @@ class PackedRowsLayer(CacheLayer):
 
     slots: CacheLayer
 
+    WHY_NOT = {
+        Rollback: "what an engine row holds cannot be rebuilt from cached pages; the engine serves these layers "
+        "without rollback",
+        RowSelection: "its rows are the serving engine's rows, each held by one request",
+    }
+
     @property
     def lengths(self) -> jax.Array:
         return self.slots.lengths
@@ -487,10 +591,6 @@ class PackedRowsLayer(CacheLayer):
     @property
     def max_length(self) -> None:
         return None
-
-    @property
-    def max_rollback(self) -> int:
-        return 0
 
     def packing(self, index, positions: jax.Array, packed) -> tuple[CacheLayer, RowPacking]:
         """``slots`` with entry ``index``'s rows that get position 0 in this update emptied, and
@@ -506,14 +606,8 @@ class PackedRowsLayer(CacheLayer):
         slots = self.slots.store_entry(index, current)
         return slots, RowPacking.of(rows, positions, current.lengths, packed.tokens_per_row)
 
-    def rollback(self, num_tokens) -> Self:
-        return self.replace(slots=self.slots.rollback(num_tokens))
-
     def reset(self) -> Self:
         return self.replace(slots=self.slots.reset())
-
-    def gather_rows(self, indices: jax.Array) -> Self:
-        return self.replace(slots=self.slots.gather_rows(indices))
 
     def logical_axes(self) -> Self:
         return self.replace(slots=self.slots.logical_axes())
@@ -547,10 +641,10 @@ def lengths_after(lengths: jax.Array, positions: jax.Array) -> jax.Array:
 
 def stacked_for_layers(layer: CacheLayer, layer_indices: list[int], num_layers: int) -> CacheLayer:
     """``layer`` repeated as a stack (every leaf ``[L, ...]``), entry j model layer ``layer_indices[j]``
-    of ``num_layers`` (``CacheLayer.for_layers`` sets what differs by depth)."""
+    of ``num_layers`` (a layer with ``DepthBudgets`` sets what differs by depth)."""
     count = len(layer_indices)
     repeated = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (count, *leaf.shape)), layer)
-    return repeated.for_layers(layer_indices, num_layers)
+    return repeated.for_layers(layer_indices, num_layers) if has(layer, DepthBudgets) else repeated
 
 
 def entry(stack: jax.Array, index) -> jax.Array:
@@ -627,13 +721,18 @@ def check_positions(caller: str, positions, shape: tuple[int, int], lengths_stac
 
 
 def check_rollback(layer, num_tokens) -> None:
-    """Eager errors for a rollback request (int or ``[B]``): a negative count, or more than
-    ``layer.max_rollback``; nothing when traced."""
+    """Eager errors for a rollback request (int or ``[B]``): a negative count, any count of a
+    layer without ``Rollback``, or more than ``layer.max_rollback``; nothing when traced."""
     if is_traced(num_tokens):
         return
-    n, name, most = np.asarray(num_tokens), type(layer).__name__, layer.max_rollback
+    n, name = np.asarray(num_tokens), type(layer).__name__
     if np.any(n < 0):
         raise ValueError(f"{name}.rollback: cannot roll back a negative count {n.tolist()}")
+    if not has(layer, Rollback):
+        if np.any(n > 0):
+            raise ValueError(missing(layer, Rollback))
+        return
+    most = layer.max_rollback
     if most is not None and np.any(n > most):
         raise ValueError(
             f"{name}.rollback: asked to undo {np.max(n)} tokens but the layer can undo at most {most}; "
@@ -661,12 +760,15 @@ def limit_rollback(layer, num_tokens, lengths: jax.Array) -> jax.Array:
 
     Eagerly, a negative count, more than ``max_rollback`` or more than a row's
     ``rollback_budget`` is an error naming the fix. Under jit the count is clipped to
-    ``[0, length]`` and to the row's budget instead: the documented clamp. The count becomes an
-    array first, so that under jit even a constant is clamped rather than checked.
+    ``[0, length]`` and to the row's budget instead: the documented clamp (to 0 for a layer
+    without ``Rollback``). The count becomes an array first, so that under jit even a constant
+    is clamped rather than checked.
     """
     num_tokens = jnp.asarray(num_tokens, jnp.int32)
     check_rollback(layer, num_tokens)
     n = jnp.clip(jnp.broadcast_to(num_tokens, lengths.shape), 0, lengths)
+    if not has(layer, Rollback):
+        return jnp.zeros_like(n)
     budget = layer.rollback_budget
     if budget is None:
         return n

@@ -1,5 +1,6 @@
-"""The layer protocol and the registry: every layer is a ``CacheLayer`` whose defaults the
-container calls without probing, one registry gives each layer type its builder and storage
+"""The layer protocol and the registry: every layer is a ``CacheLayer`` (a small core) with the
+capabilities it opts into, the container asks for a capability by the class and names the layer
+and the capability it lacks, one registry gives each layer type its builder and storage
 classes, and regressions for three layer bugs: padding that reached a product, repeated
 rollbacks that overran a ring's budget, and layer indices of NumPy or JAX integer types.
 """
@@ -15,17 +16,32 @@ from jaxkv import (
     LAYER_TYPES,
     Cache,
     CacheLayer,
+    Capability,
     ChunkedLayer,
+    ChunkLimit,
+    DepthBudgets,
     DynamicLayer,
+    Eviction,
+    EvictionSpec,
+    Growth,
+    HeldTokens,
     HybridLayer,
     LinearAttentionLayer,
+    LinearState,
+    Observer,
+    Overflow,
     QuantizedLayer,
     QuantSpec,
+    Refill,
+    Rollback,
+    RowSelection,
     SlidingWindowLayer,
     StaticLayer,
     attention,
 )
+from jaxkv.layers.paged import Paging
 from jaxkv.memory import formula_table, layer_class, storage_rows
+from jaxkv.protocol import has
 from tests.oracle import full_attention
 
 WINDOW, HEAD_DIM = 4, 4
@@ -66,7 +82,52 @@ def step_fn(states, x):
     return (total,), total
 
 
-# --- the protocol ----------------------------------------------------------------------
+# --- the protocol: a small core and capabilities ----------------------------------------------
+CORE = {
+    "update", "update_entry", "attend_entry", "entry_view", "store_entry", "unstacked", "reset", "logical_axes",
+    "max_length", "nbytes", "describe", "WHY_NOT",
+}  # fmt: skip
+PAGING = Paging(page_size=4, num_pages=8, max_length=16)
+EVICTION = EvictionSpec("h2o", budget=8)
+# kind -> Cache.from_layer_types options, for the capability table (every layer class once)
+BUILT_KINDS = {
+    **KINDS,
+    "evicting": {"layer_types": ["full_attention"], "max_length": 8, "eviction": EVICTION},
+    "observer": {"layer_types": ["full_attention"], "max_length": 8, "observer": Observer()},
+    "linear": {"layer_types": ["linear_attention"], **LINEAR},
+    "paged": {"layer_types": ["full_attention"], "paging": PAGING},
+    "packed_evicting": {"layer_types": ["full_attention"], "paging": PAGING, "eviction": EVICTION},
+    "packed_state": {"layer_types": ["linear_attention"], "paging": PAGING, **LINEAR},
+}
+# The capabilities each kind's layer has (the others it lacks).
+CAPABILITIES = {
+    "static": {Rollback, RowSelection, HeldTokens, Refill, Overflow},
+    "dynamic": {Rollback, RowSelection, Growth, HeldTokens, Refill, Overflow},
+    "sliding": {Rollback, RowSelection, HeldTokens, Refill},
+    "chunked": {Rollback, RowSelection, HeldTokens, Refill},
+    "quantized": {Rollback, RowSelection, Refill, Overflow, ChunkLimit},
+    "quantized_sliding": {Rollback, RowSelection, Refill, Overflow, ChunkLimit},
+    "hybrid_sliding": {Rollback, RowSelection, LinearState, Growth, Overflow, ChunkLimit},
+    "evicting": {RowSelection, Eviction, DepthBudgets, Refill},
+    "observer": {RowSelection, Eviction, HeldTokens, Overflow},
+    "linear": {Rollback, RowSelection, LinearState},
+    "paged": set(),
+    "packed_evicting": {DepthBudgets},
+    "packed_state": set(),
+}
+ALL_CAPABILITIES = (
+    Rollback, RowSelection, Growth, Eviction, DepthBudgets, HeldTokens, Refill, LinearState, Overflow, ChunkLimit
+)
+
+
+def built(kind, batch=1):
+    options = dict(BUILT_KINDS[kind])
+    return Cache.from_layer_types(
+        options.pop("layer_types"), batch_size=batch, num_kv_heads=1, head_dim=HEAD_DIM, sliding_window=WINDOW,
+        attention_chunk_size=WINDOW, **options,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "cls",
     [StaticLayer, DynamicLayer, SlidingWindowLayer, ChunkedLayer, QuantizedLayer, LinearAttentionLayer, HybridLayer],
@@ -76,26 +137,71 @@ def test_every_layer_is_a_cache_layer(cls):
     assert not cls.__abstractmethods__
 
 
-def test_defaults_serve_layers_without_the_capability():
-    """A K/V layer neither grows nor limits chunks by default; a state layer asked for K/V, or a
-    K/V layer asked for a state, raises a TypeError naming the layer and the right call, also
-    through the container."""
-    static = StaticLayer.create(1, 1, HEAD_DIM, 4)
-    assert static.grow(64) is static
-    assert static.exact_chunk_lengths() is None and static.rollback_budget is None
-    assert static.describe() == "-"
-    with pytest.raises(TypeError, match="StaticLayer holds no linear-attention state.*update"):
-        static.update_state(jnp.zeros((1, 1, 3)), jnp.zeros((1, 1), jnp.int32), conv_fn, step_fn)
+def test_the_core_is_small():
+    """What every layer inherits: the core's names and nothing else (capabilities are opted into)."""
+    assert {name for name in vars(CacheLayer) if not name.startswith("_")} == CORE
+    assert all(issubclass(capability, Capability) for capability in ALL_CAPABILITIES)
+
+
+@pytest.mark.parametrize("kind", sorted(CAPABILITIES))
+def test_each_layer_has_the_capabilities_of_the_table(kind):
+    layer = built(kind).groups[0]
+    assert {capability for capability in ALL_CAPABILITIES if has(layer, capability)} == CAPABILITIES[kind]
+    assert BUILT_KINDS.keys() == CAPABILITIES.keys()
+
+
+def test_a_state_layer_refuses_kv_and_a_kv_layer_refuses_a_state():
+    """A state layer asked for K/V, or a K/V layer asked for a state, raises a TypeError naming the
+    layer and the right call, also through the container."""
     linear = LinearAttentionLayer.create(1, 3, 2, rollback_slots=2)
-    np.testing.assert_array_equal(linear.overflowed, [False])
     assert linear.describe() == "R=2"
     with pytest.raises(TypeError, match="LinearAttentionLayer stores no attention K/V.*update_state"):
         linear.update(tokens(0, 1, 1), tokens(0, 1, 1), jnp.zeros((1, 1), jnp.int32))
     cache = make_cache("hybrid_sliding", batch=1, layer_types=["linear_attention", "full_attention"], max_length=8)
     with pytest.raises(TypeError, match="stores no attention K/V"):
         cache.update(0, tokens(0, 1, 1), tokens(0, 1, 1))
-    with pytest.raises(TypeError, match="holds no linear-attention state"):
+    with pytest.raises(
+        TypeError, match=r"StaticLayer cannot take update_state \(no LinearState capability\).*Cache.update\)"
+    ):
         cache.update_state(1, jnp.zeros((1, 1, 3)), cache.next_positions(1), conv_fn, step_fn)
+
+
+def test_the_container_serves_layers_without_an_optional_capability():
+    """Growth, a chunk limit and overflow are asked of the layers that have them: the others keep
+    their capacity, limit no chunk and never overflow."""
+    static = make_cache("static", batch=1)
+    assert static.grow(64).layer(0).capacity == 8
+    assert static.exact_chunk_lengths() is None
+    sliding = make_cache("sliding", batch=1)
+    np.testing.assert_array_equal(jax.jit(lambda c: c.overflowed)(fed(sliding, 6)[0]), [False])
+    assert static.layer(0).describe() == "-"
+
+
+def test_an_operation_names_the_layer_and_the_capability_it_lacks():
+    """Each capability an operation needs, asked of a layer without it: an error naming both (and,
+    where the layer says, why), raised from the classes, under jit too."""
+    evicting, packed_state, static = built("evicting", batch=2), built("packed_state", batch=2), built("static", 2)
+    with pytest.raises(ValueError, match=r"EvictingLayer cannot roll back \(no Rollback capability\): an evicting"):
+        evicting.rollback(2)
+    assert evicting.max_rollback == 0 and evicting.rollback(0).lengths.tolist() == [0, 0]
+    for edit in (lambda c: c.reorder([1, 0]), lambda c: c.select([0]), lambda c: c.repeat(2),
+                 lambda c: c.reorder_in_groups(jnp.asarray([[1, 0]]))):  # fmt: skip
+        with pytest.raises(TypeError, match=r"PackedStateLayer cannot reorder, select or repeat rows \(no RowSelect"):
+            edit(packed_state)
+    with pytest.raises(TypeError, match="no RowSelection capability"):
+        jax.jit(lambda c: c.reorder(jnp.asarray([1, 0])))(packed_state)
+    with pytest.raises(TypeError, match=r"EvictingLayer cannot grow \(no Growth capability\).*full_attention='dyn"):
+        make_cache("dynamic", eviction=EVICTION)
+    with pytest.raises(ValueError, match=r"StaticLayer cannot be cut to an eviction budget \(no Eviction capab"):
+        static.evict(EVICTION)
+    with pytest.raises(TypeError, match=r"ObserverLayer cannot be refilled from another cache \(no Refill capab"):
+        static.refilled(built("observer", batch=2))
+    with pytest.raises(TypeError, match=r"QuantizedLayer cannot hand its tokens to another cache \(no HeldTokens"):
+        built("quantized", batch=2).refilled(static)
+    with pytest.raises(TypeError, match=r"PackedStateLayer cannot take update_state \(no LinearState capab.*packed"):
+        packed_state.update_state(0, jnp.zeros((2, 1, 3)), packed_state.next_positions(1), conv_fn, step_fn)
+    with pytest.raises(TypeError, match=r"StaticLayer cannot take update_state \(no LinearState capability\)"):
+        static.update_state(0, jnp.zeros((2, 1, 3)), static.next_positions(1), conv_fn, step_fn)
 
 
 def test_hybrid_delegates_to_its_attention_half():

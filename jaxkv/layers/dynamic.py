@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.protocol import PositionalLayer, check_update_inputs, is_traced, pytree_class
+from jaxkv.protocol import Growth, PositionalLayer, Refill, Rollback, check_update_inputs, is_traced, pytree_class
 from jaxkv.sharding import to_host
 from jaxkv.sizing import bucket
 
 
 @pytree_class
-class DynamicLayer(PositionalLayer):
+class DynamicLayer(PositionalLayer, Rollback, Growth, Refill):
     """K/V for full attention in a buffer ``[B, H_kv, N, D]`` whose capacity N grows.
 
     Eagerly, ``update`` grows the buffer to exactly what the rows need, which is the

@@ -22,8 +22,8 @@ with both attention scorings recorded from the one softmax; ``evict_to`` then bu
 ``EvictingLayer`` at any budget from it (``Cache.refilled``), each the layer a prefill at that
 budget leaves.
 
-What cannot be undone: evicted K/V are gone. ``max_rollback`` is 0, so ``rollback`` of any
-token is an error eagerly and a no-op under jit, and speculative decoding (which rolls back
+What cannot be undone: evicted K/V are gone. The layers have no ``Rollback``, so a rollback
+of any token is an error eagerly and a no-op under jit, and speculative decoding (which rolls back
 rejected drafts) refuses an evicting cache. Beam search and batch edits gather whole rows and
 work unchanged.
 """
@@ -38,9 +38,9 @@ from flax import struct
 
 from jaxkv.batch import PackedAttention, PackedBatch
 from jaxkv.eviction import DEFAULT_WINDOW, EvictionSpec, key_norm_scores, window_query_weights, window_scores
-from jaxkv.protocol import KV_AXES, BatchMajorLayer, KVView, MaskInfo, check_update_inputs, entry, lengths_after
-from jaxkv.protocol import PackedRowsLayer, PositionalLayer, check_capacity, limit_rollback, pytree_class
-from jaxkv.protocol import stacked_for_layers
+from jaxkv.protocol import KV_AXES, BatchMajorLayer, DepthBudgets, Eviction, KVView, MaskInfo, PackedRowsLayer
+from jaxkv.protocol import PositionalLayer, Refill, Rollback, check_capacity, check_update_inputs, entry
+from jaxkv.protocol import lengths_after, pytree_class, require, stacked_for_layers
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 # read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
@@ -85,7 +85,7 @@ class Candidates:
 
 
 @pytree_class
-class EvictingLayer(BatchMajorLayer):
+class EvictingLayer(BatchMajorLayer, Eviction, DepthBudgets, Refill):
     """Full-attention K/V in ``N`` slots per row and head, evicted by a policy: ``[B, H_kv, N, D]``."""
 
     keys: jax.Array  # [B, H_kv, N, D]
@@ -99,6 +99,10 @@ class EvictingLayer(BatchMajorLayer):
     paired: bool = struct.field(pytree_node=False, default=False)
 
     MEMORY_FORMULA = "2·B·N·H_kv·D·bytes + 8·B·N·H_kv + 8·B"
+    WHY_NOT = {
+        Rollback: "an evicting layer cannot undo tokens: the K/V it evicted to make room for them are gone. Roll "
+        "back (or decode speculatively) with a cache built without eviction"
+    }
 
     @classmethod
     def create(cls, batch_size, num_kv_heads, head_dim, spec: EvictionSpec, slots: int, dtype=jnp.float32):
@@ -341,13 +345,11 @@ class EvictingLayer(BatchMajorLayer):
     def filled_from(self, source, layer_indices: list[int], num_layers: int) -> EvictingLayer:
         """This (empty) stack's spec cut from ``source``'s scores (``source.evict_to``): an
         ``ObserverLayer`` (or an evicting layer of the same scoring) holding the tokens."""
-        kept = source.evict_to(self.spec, layer_indices, num_layers)
-        if not isinstance(kept, EvictingLayer):
-            raise TypeError(
-                f"an evicting layer cannot be filled from a {type(source).__name__}: it needs the attention its "
-                f"policy ranks by; prefill into an Observer cache (Cache.from_config(observer=Observer(...)))"
-            )
-        return kept
+        require(
+            source, Eviction, "an evicting layer is filled from the attention its policy ranks by: prefill into an "
+            "Observer cache (Cache.from_config(observer=Observer(...)))"
+        )  # fmt: skip
+        return source.evict_to(self.spec, layer_indices, num_layers)
 
     # --- edits, capacity -------------------------------------------------------------------
     def logical_axes(self):
@@ -359,19 +361,6 @@ class EvictingLayer(BatchMajorLayer):
     @property
     def max_length(self) -> None:
         return None  # never overflows: it evicts
-
-    @property
-    def max_rollback(self) -> int:
-        return 0
-
-    def rollback_hint(self, num_tokens: int) -> str:
-        return (
-            "an evicting layer cannot undo tokens: the K/V it evicted to make room for them are gone. Roll back "
-            "(or decode speculatively) with a cache built without eviction"
-        )
-
-    def rollback(self, num_tokens):
-        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
 
     def reset(self):
         """Every slot empty (position -1), the budgets kept."""
@@ -401,7 +390,7 @@ def kept_stack(
 
 
 @pytree_class
-class ObserverLayer(PositionalLayer):
+class ObserverLayer(PositionalLayer, Eviction):
     """Full attention over every token, slot ``p`` holding position ``p`` (as ``StaticLayer``),
     recording what each eviction policy ranks tokens by, so that one prefill serves every policy
     and budget (``evict_to``; ``jaxkv.eviction.Observer``): ``[B, H_kv, S, D]``.
@@ -423,6 +412,10 @@ class ObserverLayer(PositionalLayer):
     accumulated_mass: jax.Array  # [B, H_kv, S] float32
     rescored: jax.Array  # [B] bool
     window: int = struct.field(pytree_node=False, default=DEFAULT_WINDOW)
+
+    WHY_NOT = {
+        Rollback: "an observer cannot undo the attention it recorded; refill a cache from it (Cache.refilled) first"
+    }
 
     @classmethod
     def create(cls, batch_size, num_kv_heads, head_dim, max_length: int, window: int, dtype=jnp.float32):
@@ -508,19 +501,12 @@ class ObserverLayer(PositionalLayer):
     def max_length(self) -> int:
         return self.capacity
 
-    @property
-    def max_rollback(self) -> int:
-        return 0
-
-    def rollback_hint(self, num_tokens: int) -> str:
-        return "an observer cannot undo the attention it recorded; refill a cache from it (Cache.refilled) first"
-
     def describe(self) -> str:
         return f"observer window={self.window}"
 
 
 @pytree_class
-class PackedEvictingLayer(PackedRowsLayer, PackedAttention):
+class PackedEvictingLayer(PackedRowsLayer, DepthBudgets, PackedAttention):
     """Evicting K/V for the serving engine: an ``EvictingLayer`` with one row per engine row
     (``slots``), fed with packed tokens of many rows (``PackedRowsLayer``). Each row holds its
     budget of slots whatever its length, so evicted layers take no pages: the engine's memory
@@ -533,6 +519,10 @@ class PackedEvictingLayer(PackedRowsLayer, PackedAttention):
     slots: EvictingLayer
 
     MEMORY_FORMULA = EvictingLayer.MEMORY_FORMULA + "; B engine rows"
+    WHY_NOT = {
+        **PackedRowsLayer.WHY_NOT,
+        Eviction: "Cache.evict cuts the rows of a cache built for generate; the engine's rows are not cut",
+    }
     kv_bytes = staticmethod(EvictingLayer.kv_bytes)
 
     def for_layers(self, layer_indices: list[int], num_layers: int) -> PackedEvictingLayer:
@@ -540,9 +530,6 @@ class PackedEvictingLayer(PackedRowsLayer, PackedAttention):
 
     def update_entry(self, index, keys, values, positions):
         return self.slots.update_entry(index, keys, values, positions)  # raises: use cached_attention
-
-    def evict_to(self, spec, layer_indices, num_layers):
-        raise TypeError("Cache.evict cuts the rows of a cache built for generate; the engine's rows are not cut")
 
     def attend_entry(self, index, queries, keys, values, positions, read: Read):
         raise TypeError("PackedEvictingLayer serves the engine's packed batch: Cache.attend(..., packed=PackedBatch)")

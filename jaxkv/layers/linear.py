@@ -25,8 +25,8 @@ size at any length. It returns no ``KVView``; the model calls
 The prefill of a whole prompt and a single decode step are the same call. Like
 ``update_entry``, ``update_state_entry(index, ...)`` updates entry ``index`` of a stacked
 layer in place, so the container stacks layers of one kind and a model scans over them.
-The rest of the protocol (``gather_rows``, ``rollback``, ``reset``, ``nbytes``,
-``max_length`` = None, ``max_rollback``, ``lengths``) is the one every layer keeps.
+The layer keeps the core of ``jaxkv.protocol`` (``max_length`` = None: it never fills) and
+has the ``LinearState``, ``Rollback`` and ``RowSelection`` capabilities.
 
 Rollback (speculative decoding): the reference cannot undo a recurrent state without a
 recording mode. Here both halves are rings sized at construction: the conv inputs of the
@@ -50,8 +50,9 @@ import numpy as np
 from flax import struct
 
 from jaxkv.batch import PackedBatch, PackedState
-from jaxkv.protocol import BatchMajorLayer, CacheLayer, PackedRowsLayer, check_array, check_positions, describe_extent
-from jaxkv.protocol import entry, lengths_after, limit_rollback, pytree_class
+from jaxkv.protocol import BatchMajorLayer, CacheLayer, ChunkLimit, Growth, LinearState, Overflow, PackedRowsLayer
+from jaxkv.protocol import Rollback, check_array, check_positions, describe_extent, entry, has, lengths_after
+from jaxkv.protocol import limit_rollback, pytree_class
 from jaxkv.sharding import BATCH, STATE, Axes
 
 
@@ -110,7 +111,7 @@ def states_at(rings: tuple, lengths: jax.Array) -> tuple[jax.Array, ...]:
 
 
 @pytree_class
-class LinearAttentionLayer(BatchMajorLayer):
+class LinearAttentionLayer(BatchMajorLayer, Rollback, LinearState):
     """Linear-attention / SSM state: conv inputs ``[B, C_conv, K-1+R]``, states ``[B, R+1, *S]``.
 
     ``conv_inputs``: ring of the last K - 1 + R conv inputs (slot ``p % (K-1+R)`` holds
@@ -249,25 +250,23 @@ class LinearAttentionLayer(BatchMajorLayer):
         """Each recurrent state ``[B, *S]`` after the row's last token (zeros when empty)."""
         return states_at(self.states, self.lengths)
 
-    def rollback(self, num_tokens):
-        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
-
     def reset(self):
         return jax.tree.map(jnp.zeros_like, self)
 
 
 @pytree_class
-class HybridLayer(BatchMajorLayer):
+class HybridLayer(BatchMajorLayer, Rollback, LinearState, Growth, Overflow, ChunkLimit):
     """A linear state and attention K/V in one layer (full, or sliding with ``hybrid_sliding``).
 
     ``update_state`` feeds the linear half, ``update`` / ``update_entry`` the attention
     half (a ``StaticLayer``, ``DynamicLayer`` or ``SlidingWindowLayer``); a forward calls
     both with the same positions. ``lengths`` reads the linear half; rollback, reset and
-    row gathers act on both, and ``max_rollback`` is the smaller budget of the two.
+    row gathers act on both, and ``max_rollback`` is the smaller budget of the two. Growth,
+    overflow and a chunk limit are the attention half's, if it has them.
     """
 
     linear: LinearAttentionLayer
-    attention: CacheLayer  # a K/V layer
+    attention: CacheLayer  # a K/V layer with Rollback
 
     @property
     def lengths(self) -> jax.Array:
@@ -284,10 +283,10 @@ class HybridLayer(BatchMajorLayer):
 
     @property
     def overflowed(self) -> jax.Array:
-        return self.attention.overflowed
+        return self.attention.overflowed if has(self.attention, Overflow) else jnp.zeros(self.lengths.shape, bool)
 
     def exact_chunk_lengths(self) -> jax.Array | None:
-        return self.attention.exact_chunk_lengths()
+        return self.attention.exact_chunk_lengths() if has(self.attention, ChunkLimit) else None
 
     def rollback_hint(self, num_tokens: int) -> str:
         return self.linear.rollback_hint(num_tokens)
@@ -308,7 +307,7 @@ class HybridLayer(BatchMajorLayer):
 
     def grow(self, capacity: int) -> HybridLayer:
         """Grow a growing attention half (see ``DynamicLayer.grow``); others are unchanged."""
-        return self.replace(attention=self.attention.grow(capacity))
+        return self.replace(attention=self.attention.grow(capacity)) if has(self.attention, Growth) else self
 
     def rollback(self, num_tokens):
         # Clamp to the combined budget first (eagerly: an error), so both halves stay in step.
@@ -336,10 +335,11 @@ class PackedStateLayer(PackedRowsLayer, PackedState):
     slots: LinearAttentionLayer
 
     MEMORY_FORMULA = LinearAttentionLayer.MEMORY_FORMULA + "; B engine rows"
+    WHY_NOT = {
+        **PackedRowsLayer.WHY_NOT,
+        LinearState: "it serves the engine's packed batch: Cache.update_state(..., packed=PackedBatch)",
+    }
     kv_bytes = staticmethod(LinearAttentionLayer.kv_bytes)
-
-    def update_state_entry(self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None):
-        raise TypeError("PackedStateLayer serves the engine's packed batch: Cache.update_state(..., packed=PackedBatch)")
 
     def update_state_packed_entry(
         self, index, conv_inputs, positions, conv_fn: Callable, step_fn: Callable | None, packed: PackedBatch

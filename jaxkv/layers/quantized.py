@@ -49,7 +49,8 @@ from jaxkv.quantization import (
     PER_CHANNEL, PER_TOKEN, QuantizedTensor, QuantSpec, decode_codes, dequantize, empty_quantized, expand_scales,
     quantize,
 )  # fmt: skip
-from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_capacity, check_update_inputs, describe_extent
+from jaxkv.protocol import BatchMajorLayer, ChunkLimit, KVView, MaskInfo, Overflow, Refill, Rollback, check_capacity
+from jaxkv.protocol import check_update_inputs, describe_extent
 from jaxkv.protocol import entry, lengths_after, limit_rollback, ring_rollback_budget, visible_positions, write_slots
 from jaxkv.protocol import KV_AXES, SlotView, pytree_class
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
@@ -252,7 +253,7 @@ class Staging(NamedTuple):
 
 
 @pytree_class
-class QuantizedLayer(BatchMajorLayer):
+class QuantizedLayer(BatchMajorLayer, Rollback, Refill, Overflow, ChunkLimit):
     """Quantized K/V ``[B, H_kv, N, D·bits/8]`` codes + group scales, and an R-token residual.
 
     Full attention (``window`` None): N = ``max_length`` slots, slot p holds position p;

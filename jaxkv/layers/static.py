@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.protocol import PositionalLayer, check_capacity, check_update_inputs, pytree_class
+from jaxkv.protocol import PositionalLayer, Refill, Rollback, check_capacity, check_update_inputs, pytree_class
 
 
 @pytree_class
-class StaticLayer(PositionalLayer):
+class StaticLayer(PositionalLayer, Rollback, Refill):
     """K/V for full attention in a fixed buffer ``[B, H_kv, S_max, D]``.
 
     Attention sees the whole buffer; ``kv_positions`` hides slots not yet written. The

@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxkv.protocol import BatchMajorLayer, KVView, MaskInfo, check_update_inputs, describe_extent, entry
-from jaxkv.protocol import KV_AXES, lengths_after, limit_rollback, ring_rollback_budget, visible_positions
+from jaxkv.protocol import BatchMajorLayer, HeldTokens, KVView, MaskInfo, Refill, Rollback, check_update_inputs
+from jaxkv.protocol import KV_AXES, describe_extent, entry, lengths_after, ring_rollback_budget, visible_positions
 from jaxkv.protocol import pytree_class, write_slots
 from jaxkv.sharding import BATCH, KV_SLOTS, Axes
 
 
 @pytree_class
-class RingBufferLayer(BatchMajorLayer):
+class RingBufferLayer(BatchMajorLayer, Rollback, HeldTokens, Refill):
     """The ring shared by the windowed layers: ``[B, H_kv, span + R, D]``, slot ``p % (span + R)``
     holding position p. Subclasses name the span (``SPAN_NAME``, the ``MaskInfo`` field it sets)."""
 
@@ -128,9 +128,6 @@ class RingBufferLayer(BatchMajorLayer):
         all_keys = jnp.concatenate([entry(self.keys, index), jnp.where(real, keys, 0)], axis=2)
         all_values = jnp.concatenate([entry(self.values, index), jnp.where(real, values, 0)], axis=2)
         return KVView.of(all_keys, all_values, self.mask_info(kv_positions))
-
-    def rollback(self, num_tokens):
-        return self.replace(lengths=self.lengths - limit_rollback(self, num_tokens, self.lengths))
 
     def reset(self):
         return self.replace(
