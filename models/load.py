@@ -32,14 +32,14 @@ from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.models.tokenizer import Tokenizer
 from jaxkv.models.weight_cache import cache_dir, discard, file_sha256, read_checked, write_checked
-from jaxkv.models.weights import ModelConfig, load_gguf, load_safetensors_checkpoint, open_gguf
+from jaxkv.models.weights import CheckpointConfig, load_gguf, load_safetensors_checkpoint, open_gguf
 
 # Bump whenever load_gguf or Tokenizer.from_gguf would give another result for the same file,
 # or a config class reads its fields differently: older conversions are then not read.
 CONVERTER_VERSION = 1
 
 Model = Llama | Gemma3 | Qwen3_5 | Bart
-MODEL_CLASSES: dict[type[ModelConfig], type[Model]] = {
+MODEL_CLASSES: dict[type[CheckpointConfig], type[Model]] = {
     LlamaConfig: Llama, Gemma3Config: Gemma3, Qwen3_5Config: Qwen3_5, BartConfig: Bart,
 }  # fmt: skip
 CONFIG_CLASSES = {config_class.__name__: config_class for config_class in MODEL_CLASSES}
@@ -107,7 +107,7 @@ class Pretrained:
             model_kwargs |= {"mesh": mesh, "rules": rules}
         return model_class(config, params, **model_kwargs)
 
-    def _gguf_float32(self) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    def _gguf_float32(self) -> tuple[CheckpointConfig, dict[str, np.ndarray]]:
         """The GGUF's config and float32 host weights: the cached conversion, or converted now (and cached).
 
         Cache entries are replaced by rename, never rewritten in place, so the memory-mapped
@@ -125,7 +125,7 @@ class Pretrained:
         return cached
 
 
-def _read_weights(cache_file: Path) -> tuple[ModelConfig, dict[str, np.ndarray]] | None:
+def _read_weights(cache_file: Path) -> tuple[CheckpointConfig, dict[str, np.ndarray]] | None:
     """A cached conversion's config and weights; None if there is none, it is corrupt, or it
     holds a config this code no longer reads (then it is converted again)."""
     entry = read_checked(cache_file)

@@ -35,7 +35,7 @@ from jaxkv.models.llama import LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5Config
 
 DecoderOnlyConfig = LlamaConfig | Gemma3Config | Qwen3_5Config
-ModelConfig = DecoderOnlyConfig | BartConfig
+CheckpointConfig = DecoderOnlyConfig | BartConfig
 
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_qkv", "in_z", "in_b", "in_a", "out"}
@@ -259,7 +259,7 @@ def _checkpoint_files(directory: Path) -> dict[str | None, Path]:
 
 
 # config.json model_type -> the config class that reads it.
-HF_MODEL_TYPES: dict[str, type[ModelConfig]] = {
+HF_MODEL_TYPES: dict[str, type[CheckpointConfig]] = {
     "llama": LlamaConfig,
     "mistral": LlamaConfig,
     "qwen2": LlamaConfig,
@@ -269,7 +269,7 @@ HF_MODEL_TYPES: dict[str, type[ModelConfig]] = {
 }
 
 
-def read_hf_config(directory: str | Path) -> ModelConfig:
+def read_hf_config(directory: str | Path) -> CheckpointConfig:
     """The config class ``HF_MODEL_TYPES`` names for a checkpoint's ``config.json``, read from it."""
     path = Path(directory) / "config.json"
     if not path.is_file():
@@ -289,7 +289,7 @@ def read_hf_config(directory: str | Path) -> ModelConfig:
 
 def load_safetensors_checkpoint(
     directory: str | Path, dtype: Any = jnp.float32, place: Placement | None = None
-) -> tuple[ModelConfig, dict[str, jax.Array]]:
+) -> tuple[CheckpointConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a transformers checkpoint directory (``HF_MODEL_TYPES``: Llama,
     Mistral, Qwen2, Gemma 3 text, Qwen3.5 text, BART).
 

@@ -95,7 +95,7 @@ class DataConfig(Strict):
         return self.num_keys + self.num_values
 
 
-class ModelConfig(Strict):
+class MQARModelConfig(Strict):
     """The decoder's size (a ``LlamaConfig``; its vocabulary and context come from the data)."""
 
     hidden_size: PositiveInt = 64
@@ -130,7 +130,7 @@ class MQARConfig(Strict):
     """What ``jaxkv train-mqar`` trains (configs/mqar.yaml)."""
 
     data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
+    model: MQARModelConfig = MQARModelConfig()
     train: TrainConfig = TrainConfig()
     output: str = "results/mqar-model"  # checkpoint directory; --output overrides it
 

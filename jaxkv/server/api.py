@@ -102,12 +102,12 @@ class Metrics:
         self.gauges = {
             name: Gauge(f"jaxkv_{name}", help_text, registry=self.registry)
             for name, help_text in {
-                "running_requests": "samples holding a row",
-                "waiting_requests": "samples waiting for a row or pages",
+                "running_requests": "sequences holding a row",
+                "waiting_requests": "sequences waiting for a row or pages",
                 "pages_used": "pages in use over all pools",
                 "pages_free": "free pages over all pools (cached ones included)",
                 "prefix_cache_hit_rate": "prompt tokens served from the prefix cache",
-                "preemptions": "samples preempted since start",
+                "preemptions": "sequences preempted since start",
             }.items()
         }
 
@@ -201,7 +201,7 @@ class Server:
         return request_id, len(prompt)
 
     async def outputs(self, request: Request, request_id: int, queue: asyncio.Queue, n: int) -> AsyncIterator:
-        """The request's outputs until all ``n`` samples finished; aborts it if the client leaves."""
+        """The request's outputs until all ``n`` sequences finished; aborts it if the client leaves."""
         finished = 0
         try:
             while finished < n:
@@ -225,20 +225,20 @@ class Server:
 _API_FIELDS = {"prompt_ids": "prompt", "stop_token_ids": "stop_token_ids"}
 
 
-def usage(prompt_tokens: int, samples: Sequence[ChoiceStream]) -> dict:
-    """OpenAI's usage counts; ``prompt_tokens_details.cached_tokens``: the first sample's prompt
+def usage(prompt_tokens: int, streams: Sequence[ChoiceStream]) -> dict:
+    """OpenAI's usage counts; ``prompt_tokens_details.cached_tokens``: the first sequence's prompt
     tokens served from the prefix cache."""
-    completion = sum(len(s.tokens) for s in samples)
+    completion = sum(len(s.tokens) for s in streams)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": samples[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": streams[0].cached_tokens},
     }
 
 
 def completion_logprobs(tokenizer, entries: Sequence[dict]) -> dict | None:
-    """OpenAI completions' ``logprobs`` object for a sample's tokens."""
+    """OpenAI completions' ``logprobs`` object for a sequence's tokens."""
     return {
         "tokens": [tokenizer.decode([e["token"]], skip_special_tokens=False) for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -316,36 +316,36 @@ async def respond(server: Server, body: CompletionRequest | ChatRequest, request
     # Off the event loop: tokenizing and queueing may wait for the engine's current step.
     request_id, prompt_tokens = await asyncio.to_thread(server.submit, body, queue, loop)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    samples = [ChoiceStream() for _ in range(body.n)]
+    streams = [ChoiceStream() for _ in range(body.n)]
     started = time.perf_counter()
     outputs = server.outputs(request, request_id, queue, body.n)
     if body.stream:
-        chunks = stream_chunks(server, body, response_id, samples, outputs, prompt_tokens, chat, started)
+        chunks = stream_chunks(server, body, response_id, streams, outputs, prompt_tokens, chat, started)
         return StreamingResponse(chunks, media_type="text/event-stream")
     async for output in outputs:
-        samples[output.index].take(output)
+        streams[output.index].take(output)
     server.metrics.requests.labels("completed").inc()
-    return whole_response(server, body, response_id, samples, prompt_tokens, chat)
+    return whole_response(server, body, response_id, streams, prompt_tokens, chat)
 
 
 def whole_response(
-    server: Server, body, response_id: str, samples: Sequence[ChoiceStream], prompt_tokens: int, chat: bool
+    server: Server, body, response_id: str, streams: Sequence[ChoiceStream], prompt_tokens: int, chat: bool
 ):
     tokenizer, choices = server.tokenizer, []
-    for index, sample in enumerate(samples):
+    for index, stream in enumerate(streams):
         if chat:
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": sample.sent_text},
-                "finish_reason": sample.finish_reason,
-                "logprobs": chat_logprobs(tokenizer, sample.logprobs) if body.logprobs else None,
+                "message": {"role": "assistant", "content": stream.sent_text},
+                "finish_reason": stream.finish_reason,
+                "logprobs": chat_logprobs(tokenizer, stream.logprobs) if body.logprobs else None,
             }
         else:
             choice = {
                 "index": index,
-                "text": sample.sent_text,
-                "finish_reason": sample.finish_reason,
-                "logprobs": completion_logprobs(tokenizer, sample.logprobs) if body.logprobs is not None else None,
+                "text": stream.sent_text,
+                "finish_reason": stream.finish_reason,
+                "logprobs": completion_logprobs(tokenizer, stream.logprobs) if body.logprobs is not None else None,
             }
         choices.append(choice)
     return {
@@ -354,11 +354,11 @@ def whole_response(
         "created": int(time.time()),
         "model": server.model_name,
         "choices": choices,
-        "usage": usage(prompt_tokens, samples),
+        "usage": usage(prompt_tokens, streams),
     }
 
 
-async def stream_chunks(server: Server, body, response_id, samples, outputs, prompt_tokens, chat, started):
+async def stream_chunks(server: Server, body, response_id, streams, outputs, prompt_tokens, chat, started):
     """Server-sent events: a chunk per new piece of text, then usage if asked, then [DONE]."""
     created, tokenizer = int(time.time()), server.tokenizer
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -380,8 +380,8 @@ async def stream_chunks(server: Server, body, response_id, samples, outputs, pro
         )
     first_token = None
     async for output in outputs:
-        sample = samples[output.index]
-        text = sample.take(output)
+        stream = streams[output.index]
+        text = stream.take(output)
         if first_token is None and output.new_token_ids:
             first_token = time.perf_counter()
             server.metrics.ttft.observe(first_token - started)
@@ -404,12 +404,12 @@ async def stream_chunks(server: Server, body, response_id, samples, outputs, pro
             }
         yield event([choice])
     if first_token is not None:
-        generated = sum(len(s.tokens) for s in samples)
+        generated = sum(len(s.tokens) for s in streams)
         if generated > 1:
             server.metrics.tpot.observe((time.perf_counter() - first_token) / (generated - 1))
     server.metrics.requests.labels("completed").inc()
     if body.stream_options is not None and body.stream_options.include_usage:
-        yield event([], usage=usage(prompt_tokens, samples))
+        yield event([], usage=usage(prompt_tokens, streams))
     yield "data: [DONE]\n\n"
 
 

@@ -25,7 +25,8 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
-NULL_PAGE = 0
+from jaxkv.layers.paged import NULL_PAGE
+
 HASH_BYTES = 16
 
 Owner = Hashable
