@@ -78,7 +78,7 @@ class ModelRunner:
         rows = self.num_rows
         size = rows + prefill_size
         tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
-        sample_index = np.zeros(rows, np.int32)
+        sample_index, num_logprobs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         seeds, numbers, counters = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         row_sampling = [GREEDY] * rows
         decode_slot, prefill_slot = 0, rows
@@ -93,12 +93,12 @@ class ModelRunner:
             tokens[start:end] = seq.tokens[chunk.start : chunk.start + chunk.count]
             positions[start:end] = np.arange(chunk.start, chunk.start + chunk.count)
             token_rows[start:end] = row
-            sample_index[row] = end - 1
+            sample_index[row], num_logprobs[row] = end - 1, seq.options.logprobs
             seeds[row], numbers[row], counters[row] = seq.options.seed, seq.index, len(seq.output)
             row_sampling[row] = seq.options.sampling
         # A prefill chunk fills at most what the decode slots leave: the rows' [R, T] layout's T.
         packed = PackedBatch(token_rows, block_tables, single_tokens=rows, tokens_per_row=max(1, prefill_size))
         return StepInputs(
-            tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, seeds=seeds,
-            sample_numbers=numbers, counters=counters, sampling=RowSampling.stack(row_sampling),
+            tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, num_logprobs=num_logprobs,
+            seeds=seeds, sample_numbers=numbers, counters=counters, sampling=RowSampling.stack(row_sampling),
         )  # fmt: skip

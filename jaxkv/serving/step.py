@@ -25,6 +25,7 @@ class StepInputs:
     ``tokens`` ``[N]`` int32: the packed tokens; ``positions`` ``[N]`` int32: their absolute
     positions (-1: padding); ``packed``: each token's row and the block tables (``PackedBatch``);
     ``sample_index`` ``[R]`` int32: where each row's last token sits in the packed batch.
+    ``num_logprobs`` ``[R]`` int32: the top alternatives each row asks for (none: no top-k is computed).
     ``seeds`` ``[R]`` uint32, ``sample_numbers``, ``counters`` ``[R]`` int32: each row draws with
     the key of (request seed, sequence index, tokens drawn so far), so a sequence's tokens do not
     depend on what it was batched with or on a preemption. ``sampling``: per-row parameters ``[R]``.
@@ -34,6 +35,7 @@ class StepInputs:
     positions: jax.Array
     packed: PackedBatch
     sample_index: jax.Array
+    num_logprobs: jax.Array
     seeds: jax.Array
     sample_numbers: jax.Array
     counters: jax.Array
@@ -72,8 +74,17 @@ def serving_step(graphdef, state, cache: Cache, inputs: StepInputs, num_top: int
     tokens = sample_rows(logits, _row_keys(inputs), inputs.sampling)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_tokens = jax.lax.top_k(logprobs, num_top)
-    return StepOutputs(tokens, chosen, top_tokens.astype(jnp.int32), top_logprobs), cache
+
+    def top():
+        top_logprobs, top_tokens = jax.lax.top_k(logprobs, num_top)
+        return top_tokens.astype(jnp.int32), top_logprobs
+
+    def none():  # no row asked for alternatives: skip the top-k over the vocabulary
+        shape = (logits.shape[0], num_top)
+        return jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)
+
+    top_tokens, top_logprobs = jax.lax.cond(jnp.any(inputs.num_logprobs > 0), top, none)
+    return StepOutputs(tokens, chosen, top_tokens, top_logprobs), cache
 
 
 compiled_step = jax.jit(serving_step, static_argnames=("graphdef", "num_top"), donate_argnames=("cache",))
