@@ -327,6 +327,27 @@ def test_mqar_cells_run_on_their_checkpoint(tmp_path):
     assert {line["cache"]: line["metrics"]["evicted_fraction"] for line in lines}["full"] == 0.0
 
 
+def test_pyramidkv_plans_for_the_mqar_context_not_the_cache():
+    """MQAR compresses its 32-token context before the 16 queries (a 48-token cache): its
+    PyramidKV cells plan for the context, as kvpress does ([30, 2] at half of it, not SnapKV's
+    uniform 16 that the cache's length gives); the retrieval prompts differ in length per row, so
+    their cells plan for the cache's length."""
+    from jaxkv.research.experiment import cell_options
+
+    pyramid = {"name": "pyramidkv", "eviction": {"policy": "pyramidkv", "window": 2, "kernel_size": 3}}
+    config = ExperimentConfig.model_validate({
+        "models": ["smollm2"], "budgets": [0.5],
+        "tasks": [{"kind": "mqar", "checkpoint": "absent", "train_config": str(ROOT / "configs" / "mqar.yaml")},
+                  {"kind": "passkey", "contexts": [256]}],
+        "caches": [pyramid, {"name": "snapkv", "eviction": {"policy": "snapkv", "window": 2}}],
+    })  # fmt: skip
+    spec = cell_options(config, Cell("absent", "mqar", 32, "pyramidkv", 0.5, 0))["eviction"]
+    assert (spec.budget, spec.prompt_length) == (16, 32)
+    assert spec.resolved(48).layer_budgets(2) == [30, 2]
+    assert cell_options(config, Cell("smollm2", "passkey", 256, "pyramidkv", 0.5, 0))["eviction"].prompt_length is None
+    assert cell_options(config, Cell("absent", "mqar", 32, "snapkv", 0.5, 0))["eviction"].prompt_length is None
+
+
 def test_mqar_without_a_checkpoint_names_the_training_command(tmp_path):
     with pytest.raises(ValueError, match="jaxkv train-mqar"):
         ExperimentConfig.model_validate(GRID | {"tasks": [{"kind": "mqar", "checkpoint": str(tmp_path / "none")}]})

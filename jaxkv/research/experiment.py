@@ -21,7 +21,9 @@ A config (YAML, validated: an unknown key or a wrong type names the key and the 
 
 Cells: the plain and quantized caches run once per model, task context and seed; an eviction cache
 runs once per budget below 1.0, keeping ``max(1, int(budget * context))`` slots per row, K/V head and layer
-(``jaxkv.eviction.EvictionSpec``). Budget 1.0 of any policy is the uncompressed cache, so it is the
+(``jaxkv.eviction.EvictionSpec``; PyramidKV's mean over layers, its schedule planned for the task's
+prompt length where every row's is equal, MQAR's context, else for the context:
+``Task.prompt_length``). Budget 1.0 of any policy is the uncompressed cache, so it is the
 plain cache's cell, not one per policy. Cells run model by model (each model loads once), then cache
 by cache, each by capacity, across every grid of the command (``shape_order``): the cells of one
 compiled shape run in a row and compile once. A retrieval task prefills each batch of contexts once
@@ -77,14 +79,18 @@ class CacheChoice(Strict):
     def kind(self) -> str:
         return "eviction" if self.eviction else "quantized" if self.quantization else "full"
 
-    def options(self, budget: float, context: int) -> dict:
+    def options(self, budget: float, context: int, prompt_length: int | None = None) -> dict:
         """The cache keywords (``model.init_cache``, ``generate``) of this cache at ``budget`` (a
-        fraction of ``context`` tokens, eviction caches only)."""
+        fraction of ``context`` tokens, eviction caches only); PyramidKV's schedule planned for
+        ``prompt_length`` tokens (``Task.prompt_length``; None: the cache's length)."""
         if self.quantization is not None:
             return {"quantization": self.quantization.spec()}
-        if self.eviction is not None and budget < 1.0:
-            return {"eviction": self.eviction.spec(slots(budget, context))}
-        return {}
+        if self.eviction is None or budget >= 1.0:
+            return {}
+        spec = self.eviction.spec(slots(budget, context))
+        if self.eviction.policy == "pyramidkv":
+            spec = dataclasses.replace(spec, prompt_length=prompt_length)
+        return {"eviction": spec}
 
 
 class ExperimentConfig(Strict):
@@ -232,7 +238,7 @@ def run_grids(grids: list[tuple[ExperimentConfig, Path]], *, progress: bool = Tr
         if (index, cell.task) not in prepared:  # tasks of two grids may share a name
             prepared[index, cell.task] = task.prepare(tokenizer)
         start = time.perf_counter()
-        options = cache.options(cell.budget, cell.context)
+        options = cell_options(config, cell)
         metrics, kv_bytes = task.run(model, tokenizer, prepared[index, cell.task], cell.context, cell.seed, options)
         line = dataclasses.asdict(cell) | {
             "kind": cache.kind, "policy": cache.eviction.policy if cache.eviction else None,
@@ -266,6 +272,13 @@ def task_of(config: ExperimentConfig, cell: Cell) -> TaskConfig:
 
 def cache_of(config: ExperimentConfig, cell: Cell) -> CacheChoice:
     return next(cache for cache in config.caches if cache.name == cell.cache)
+
+
+def cell_options(config: ExperimentConfig, cell: Cell) -> dict:
+    """The cache keywords of ``cell``: its cache's at its budget of its context, PyramidKV planned
+    for its task's prompt length (``Task.prompt_length``)."""
+    prompt_length = task_of(config, cell).prompt_length(cell.context)
+    return cache_of(config, cell).options(cell.budget, cell.context, prompt_length)
 
 
 def cache_setting(config: ExperimentConfig, cell: Cell) -> str:

@@ -67,6 +67,13 @@ class Task(Strict):
     def label(self) -> str:
         return self.name or self.kind
 
+    def prompt_length(self, context: int) -> int | None:
+        """The tokens a cell's cache compresses in its first update when every row has as many
+        (PyramidKV plans its per-layer budgets for them, ``EvictionSpec.prompt_length``); None where
+        the rows' contexts differ in length (the retrieval tasks) or arrive in chunks (perplexity):
+        the schedule is then planned for the cache's ``context`` tokens."""
+        return None
+
 
 class PerplexityTask(Task):
     """Perplexity of ``windows`` windows of ``context`` + 1 corpus tokens per seed (seed s reads the
@@ -189,6 +196,11 @@ class MQARTask(Task):
     def contexts(self) -> list[int]:
         """The checkpoint's context length."""
         return [self.training_config().data.context_length]
+
+    def prompt_length(self, context: int) -> int:
+        """The context (``2 * num_pairs`` tokens, every example's) is prefilled and compressed in one
+        update before the queries: kvpress's prompt, whatever the queries add to the cache."""
+        return context
 
     def load(self):
         from jaxkv.research.mqar import CONFIG_FILE, load_checkpoint, train
