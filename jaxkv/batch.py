@@ -18,12 +18,14 @@ from typing import Any, Self
 import jax
 from flax import struct
 
+from jaxkv.protocol import Capability, pytree_class
+
 # Query tokens of one row that read their row's pages together: a prefill chunk's tokens come
 # in blocks of this many (gathering pages per token would read each page once per query token).
 QUERY_BLOCK = 16
 
 
-@struct.dataclass
+@pytree_class
 class PackedBatch:
     """One step's packed tokens as the layers see them.
 
@@ -41,8 +43,10 @@ class PackedBatch:
     tokens_per_row: int = struct.field(pytree_node=False)
 
 
-class PackedAttention(abc.ABC):
+class PackedAttention(Capability):
     """Capability of a layer that attends a packed batch (the engine's paged and per-row layers)."""
+
+    ACTION = "attend a packed batch"
 
     @abc.abstractmethod
     def attend_packed_entry(
@@ -52,8 +56,10 @@ class PackedAttention(abc.ABC):
         engine row ``packed.token_rows[i]``; returns the stack and the output ``[1, H_q, N, D]``."""
 
 
-class PackedState(abc.ABC):
+class PackedState(Capability):
     """Capability of a linear-attention layer fed a packed batch."""
+
+    ACTION = "take a packed batch's update_state"
 
     @abc.abstractmethod
     def update_state_packed_entry(
@@ -62,9 +68,11 @@ class PackedState(abc.ABC):
         """``update_state_entry`` of packed ``conv_inputs`` ``[1, N, C]`` at ``positions`` ``[1, N]``."""
 
 
-class PagedStorage(abc.ABC):
+class PagedStorage(Capability):
     """Capability of a layer whose K/V live in a page pool shared by the rows: ``pool`` names the
     block table it reads in a ``PackedBatch``; ``with_page_copies`` is a fork's copy-on-write."""
+
+    ACTION = "copy pages"
 
     @property
     @abc.abstractmethod

@@ -33,9 +33,26 @@ from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
-from jaxkv.protocol import CacheLayer, ChunkLimit, Eviction, Growth, KVView, LinearState, Overflow, Refill, Rollback
-from jaxkv.protocol import RowSelection, entry, has, is_traced, limit_rollback, missing, pytree_class, require
-from jaxkv.protocol import stacked_for_layers
+from jaxkv.protocol import (
+    CacheLayer,
+    ChunkLimit,
+    Eviction,
+    Growth,
+    KVView,
+    LinearState,
+    Overflow,
+    Refill,
+    Rollback,
+    RowSelection,
+    entry,
+    has,
+    is_traced,
+    limit_rollback,
+    missing,
+    pytree_class,
+    require,
+    stacked_for_layers,
+)
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
@@ -343,13 +360,7 @@ def first_entry_shapes(group: CacheLayer) -> CacheLayer:
     return jax.eval_shape(lambda g: jax.tree.map(lambda leaf: leaf[0], g), group)
 
 
-def _require_packed(stack: CacheLayer, capability: type) -> None:
-    """A packed batch reaches only layers built for it (``Cache.from_config(paging=...)``)."""
-    if not isinstance(stack, capability):
-        raise TypeError(
-            f"{type(stack).__name__} cannot take a packed batch (no {capability.__name__} capability): build "
-            "the cache with paging= (the serving engine's layers)"
-        )
+_PAGED_FIX = "build the cache with paging= (the serving engine's layers)"
 
 
 @pytree_class
@@ -546,7 +557,7 @@ class Cache:
         if packed is None:
             stack, out = stack.attend_entry(index, queries, keys, values, positions, read)
         else:
-            _require_packed(stack, PackedAttention)
+            require(stack, PackedAttention, _PAGED_FIX)
             stack, out = stack.attend_packed_entry(index, queries, keys, values, positions, read, packed)
         return self.with_group(group, stack), out
 
@@ -565,7 +576,7 @@ class Cache:
             )  # fmt: skip
             stack, outputs = stack.update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
         else:
-            _require_packed(stack, PackedState)
+            require(stack, PackedState, _PAGED_FIX)
             stack, outputs = stack.update_state_packed_entry(index, conv_inputs, positions, conv_fn, step_fn, packed)
         return self.with_group(group, stack), outputs
 
@@ -573,7 +584,7 @@ class Cache:
         """Pages copied in every paged group before a step writes: ``copies`` ``[K, 2]`` (source,
         destination) per pool name (``PagedStorage``; the engine's forks)."""
         for stack in self.groups:
-            _require_packed(stack, PagedStorage)
+            require(stack, PagedStorage, _PAGED_FIX)
         return self.replace(groups=tuple(stack.with_page_copies(copies) for stack in self.groups))
 
     def with_group(self, group: int, stack: CacheLayer) -> Cache:
@@ -788,7 +799,7 @@ class Cache:
 
     # --- display ------------------------------------------------------------------
     def __repr__(self) -> str:
-        if isinstance(self.groups[0], PagedStorage):  # rows and lengths are the engine's, on the host
+        if has(self.groups[0], PagedStorage):  # rows and lengths are the engine's, on the host
             rows = [f"Cache(paged, layers={len(self.layer_types)}, {human_bytes(self.nbytes)})"]
         else:
             lengths = "traced" if is_traced(self.lengths) else to_host(self.lengths).tolist()

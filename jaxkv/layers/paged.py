@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.batch import QUERY_BLOCK, PackedAttention, PackedBatch, PagedStorage
-from jaxkv.protocol import CacheLayer, MaskInfo, check_array, pytree_class
+from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes
 from jaxkv.softmax import attention_mask, softmax_init, softmax_step
@@ -246,6 +246,10 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
 
     MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
+    WHY_NOT = {
+        Rollback: "a paged layer keeps no lengths: the engine rolls a row back on the host",
+        RowSelection: "a paged layer has no rows: the engine forks a row on the host (copy-on-write pages)",
+    }
 
     @classmethod
     def create(
@@ -280,10 +284,6 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
 
     @property
     def max_length(self) -> None:
-        return None
-
-    @property
-    def max_rollback(self) -> None:
         return None
 
     @property
@@ -366,15 +366,9 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         page = jnp.where(stored, table[rows, jnp.clip(logical, 0, table.shape[1] - 1)], NULL_PAGE)
         return page, jnp.where(stored, tokens % self.page_size, 0)
 
-    def rollback(self, num_tokens) -> PagedLayer:
-        raise TypeError("a paged layer keeps no lengths: the engine rolls a row back on the host")
-
     def reset(self) -> PagedLayer:
         """Nothing per row to empty: rows are the host's (the pool's contents are masked by position)."""
         return self
-
-    def gather_rows(self, indices: jax.Array) -> PagedLayer:
-        raise TypeError("a paged layer has no rows: the engine forks a row on the host (copy-on-write)")
 
 
 def _flat(x: jax.Array) -> jax.Array:

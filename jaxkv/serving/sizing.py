@@ -15,6 +15,7 @@ import jax
 from jaxkv.batch import PagedStorage
 from jaxkv.cache import layer_types_of
 from jaxkv.layers.paged import FULL_POOL, SLIDING_POOL, Paging
+from jaxkv.protocol import has
 from jaxkv.sharding import BATCH, PAGES, Layout
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -87,7 +88,7 @@ def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
     )
     sizes, window, row_bytes = {FULL_POOL: 0, SLIDING_POOL: 0}, None, 0
     for group in probe.groups:
-        if not isinstance(group, PagedStorage):  # per-row slots: recurrent states, evicted K/V
+        if not has(group, PagedStorage):  # per-row slots: recurrent states, evicted K/V
             row_bytes += sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(group)) // devices
             continue
         window = group.window if group.pool == SLIDING_POOL else window

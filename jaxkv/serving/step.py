@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 from jaxkv.batch import PackedBatch
 from jaxkv.cache import Cache
 from jaxkv.decoding.sampling import RowSampling, sample_rows
+from jaxkv.protocol import pytree_class
 
 
-@struct.dataclass
+@pytree_class
 class StepInputs:
     """One step's packed batch and each row's draw.
 
@@ -42,7 +43,7 @@ class StepInputs:
     sampling: RowSampling
 
 
-@struct.dataclass
+@pytree_class
 class StepOutputs:
     """Per row ``[R]``: the drawn token (int32) and its log-probability (float32), and the top
     ``M`` alternatives ``[R, M]`` (int32 ids, float32 log-probabilities)."""
