@@ -58,19 +58,192 @@ def drop_compiled_executables():
     jax.clear_caches()
 
 
-# Seconds each of the slowest test files took on this 2-core machine (one full run, 2026-12-03:
-# 749 tests, 38 minutes). `--dist loadfile` hands whole files to the two workers in collection
+# Seconds each of the slowest test files took on this 2-core machine (one full run, 2026-12-05:
+# 1452 tests, 26.7 minutes). `--dist loadfile` hands whole files to the two workers in collection
 # order, so running alphabetically left one worker alone with the last big files for minutes;
 # longest first (the files not listed follow in their usual order) keeps both busy to the end.
 FILE_SECONDS = {
-    "test_engine.py": 320, "test_speculative.py": 264, "test_sharding.py": 241, "test_eviction.py": 227,
-    "test_engine_models.py": 223, "test_quantized.py": 181, "test_gemma3.py": 180, "test_experiment.py": 165,
-    "test_properties.py": 147, "test_models_toy.py": 135, "test_bench_serving.py": 132, "test_smollm2.py": 117,
-    "test_engine_sharding.py": 111, "test_server.py": 111, "test_bench_smoke.py": 109, "test_qwen3_5_parity.py": 87,
-    "test_beam.py": 78, "test_prefix_chat.py": 75, "test_mqar.py": 69, "test_sharding_table.py": 58,
+    "test_eviction.py": 310, "test_engine.py": 292, "test_speculative.py": 246, "test_sharding.py": 181,
+    "test_gemma3.py": 167, "test_engine_models.py": 141, "test_properties.py": 132, "test_experiment.py": 120,
+    "test_quantized.py": 117, "test_beam.py": 108, "test_bench_serving.py": 107, "test_server.py": 100,
+    "test_bench_smoke.py": 100, "test_engine_sharding.py": 96, "test_models_toy.py": 90, "test_prefix_chat.py": 85,
+    "test_smollm2.py": 73, "test_mqar.py": 66, "test_linear.py": 64, "test_eviction_parity.py": 61,
+    "test_llama_parity.py": 56, "test_encoder_decoder.py": 52,
 }  # fmt: skip
 
 
+# Markers across components (docs/testing.md). Each test folder is a component and marks its tests
+# with its name (`pytest -m serving`); these files also carry:
+PARITY_FILES = {  # compare with transformers or kvpress, the [parity] extra's oracles
+    "test_beam.py", "test_eviction_parity.py", "test_encoder_decoder.py", "test_layer_protocol.py", "test_linear.py",
+    "test_properties.py", "test_quantized.py", "test_gemma3.py", "test_llama_parity.py", "test_qwen3_5_parity.py",
+    "test_smollm2.py", "test_tokenizer.py", "test_weights.py", "test_cli_mesh.py",
+}  # fmt: skip
+MULTIDEVICE_FILES = {  # run on meshes of the 8 host devices, or several processes
+    "test_engine_sharding.py", "test_sharding.py", "test_sharding_table.py", "test_distributed.py", "test_cli_mesh.py",
+}  # fmt: skip
+SERVER_FILES = {"test_server.py", "test_load_test.py", "test_bench_serving.py"}  # start a server on 127.0.0.1
+# Tests (by file and function, every parametrization) over ~4 s each on this machine, their module
+# fixtures' loads counted: `pytest -m "not slow"` leaves them out (the quick tier).
+SLOW: dict[str, set[str]] = {
+    "test_beam.py": {
+        "test_beam_search_equals_transformers", "test_cli_beam_flags", "test_smollm2_beam_search_equals_transformers",
+    },
+    "test_behaviours.py": {"test_one_query_path_equals_the_batched_one"},
+    "test_bench_serving.py": {"test_engine_systems_on_a_tiny_llama", "test_static_and_transformers_on_a_tiny_llama"},
+    "test_bench_smoke.py": {"test_bench_decode_quantized_and_gpu_refusal", "test_bench_decode_tiny_jaxkv"},
+    "test_cli.py": {
+        "test_generate_smollm2_prints_text_and_timings", "test_prompt_lengths_share_compiled_code_within_a_bucket",
+        "test_prompt_too_long_is_refused_before_compiling",
+    },
+    "test_cli_mesh.py": {"test_mesh_gives_the_same_tokens_and_warns_once"},
+    "test_cli_options.py": {"test_serve_config_eviction"},
+    "test_container.py": {
+        "test_per_row_rollback_then_refeed_restores_the_cache",
+        "test_stacked_cache_in_a_scan_equals_unstacked_updates",
+    },
+    "test_distributed.py": {"test_two_processes_print_what_one_prints"},
+    "test_encoder_decoder.py": {
+        "test_beam_search_matches_transformers", "test_cross_attention_admits_exactly_the_encoder_tokens",
+        "test_greedy_generate_matches_transformers", "test_prefill_and_decode_logits_match_transformers",
+        "test_reorder_and_select_gather_rows_in_both_halves", "test_sampled_generate_draws_from_the_models_top_k",
+    },
+    "test_engine.py": {
+        "test_evicted_rows_equal_generate_with_the_same_policy",
+        "test_eviction_with_room_for_everything_serves_exactly", "test_hybrid_recurrent_states_live_in_row_slots",
+        "test_no_compile_after_warmup", "test_poisoned_free_pages_do_not_leak",
+        "test_preempted_requests_finish_with_the_same_tokens", "test_prefix_hit_equals_miss",
+        "test_quantized_pages_match_a_static_quantized_cache", "test_row_sampling_follows_each_rows_parameters",
+        "test_staggered_arrivals_equal_generate",
+    },
+    "test_engine_inputs.py": {
+        "test_stop_token_ids_add_to_the_end_of_sequence_token", "test_the_largest_top_k_and_seed_run",
+    },
+    "test_engine_models.py": {
+        "test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate",
+        "test_smollm2_32_requests_arriving_over_time_equal_generate", "test_stop_strings_with_the_real_tokenizer",
+    },
+    "test_engine_sharding.py": {
+        "test_greedy_tokens_equal_generate", "test_quantized_pages_on_a_mesh_equal_generate",
+        "test_rows_need_not_divide_the_data_axis_without_per_row_slots",
+    },
+    "test_eviction.py": {
+        "test_an_observed_prefill_refills_plain_rings_and_quantized_caches",
+        "test_attention_slot_mass_sums_to_the_weighted_queries", "test_compression_ratio_zero_builds_the_full_cache",
+        "test_evicting_an_observed_prefill_equals_prefilling_at_the_budget",
+        "test_gemma3_evicts_its_full_layers_and_keeps_its_sliding_rings",
+        "test_generate_and_beam_search_run_with_eviction", "test_h2o_scores_are_the_accumulated_attention_mass",
+        "test_large_budget_matches_full_cache__with_jit", "test_large_budget_matches_full_cache__without_jit",
+        "test_model_greedy_tokens_with_a_budget_holding_everything",
+        "test_outputs_attend_over_kept_slots_and_new_tokens",
+        "test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget",
+        "test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget",
+        "test_rollback_and_speculative_decoding_refuse_eviction",
+        "test_snapkv_scores_are_the_pooled_observation_window_mass",
+        "test_streaming_llm_keeps_sinks_and_the_most_recent_tokens",
+    },
+    "test_eviction_parity.py": {
+        "test_scored_policy_keeps_kvpress_positions", "test_streaming_llm_keeps_kvpress_positions",
+    },
+    "test_experiment.py": {
+        "test_every_cache_of_a_context_shares_one_prefill", "test_mqar_cells_run_on_their_checkpoint",
+        "test_perplexity_windows_are_seeded_and_batched", "test_smoke_grid_end_to_end_and_resumes",
+    },
+    "test_gemma3.py": {
+        "test_early_exit_matches_transformers_first_layers", "test_gguf_config_and_params_equal_transformers",
+        "test_gguf_tokenizer_equals_transformers", "test_greedy_generate_matches_transformers",
+        "test_greedy_generation_equals_transformers", "test_prefill_and_decode_logits_match_transformers",
+    },
+    "test_hugepages.py": {"test_small_arrays_are_left_alone_and_model_weights_are_moved"},
+    "test_layer_protocol.py": {
+        "test_a_quantized_ring_counts_its_budget_from_the_store", "test_nan_padding_never_reaches_a_product",
+        "test_repeated_rollbacks_share_a_ring_budget",
+    },
+    "test_linear.py": {
+        "test_container_builds_routes_and_gathers_rows", "test_every_state_kind__with_jit",
+        "test_every_state_kind__without_jit", "test_rollback_beyond_budget",
+        "test_rollback_then_refeed_equals_never_fed", "test_state_bytes_do_not_grow_with_length",
+    },
+    "test_llama_parity.py": {
+        "test_early_exit_matches_transformers_first_layers", "test_greedy_generate_matches_transformers",
+        "test_out_in_layout_reads_scanned_weights_in_place_at_batch_one",
+        "test_prefill_and_decode_logits_match_transformers",
+    },
+    "test_load_test.py": {"test_quick_run_completes_every_request_over_http_and_in_process"},
+    "test_models_toy.py": {
+        "test_demo_runs_and_checks_itself", "test_dynamic__with_jit", "test_dynamic__without_jit",
+        "test_stacked__with_jit", "test_stacked__without_jit", "test_static__with_jit",
+    },
+    "test_mqar.py": {"test_training_reaches_95_percent_recall_and_saves_its_outputs"},
+    "test_pages.py": {"runTest"},
+    "test_prefix_chat.py": {
+        "test_cache_file_loads_in_another_process", "test_cache_file_round_trip_in_process",
+        "test_chat_cli_keeps_the_cache_across_turns_and_files",
+        "test_chat_turns_continue_the_cache_and_equal_a_full_prefill",
+        "test_shared_prefix_equals_whole_prompt_and_stays_usable",
+    },
+    "test_properties.py": {
+        "test_chunked__with_jit", "test_chunked__without_jit", "test_dynamic__with_jit", "test_dynamic__without_jit",
+        "test_dynamic_blocked_attention__with_jit", "test_dynamic_blocked_attention__without_jit",
+        "test_sliding_window__with_jit", "test_sliding_window__without_jit", "test_static__with_jit",
+        "test_static__without_jit", "test_static_blocked_attention__with_jit",
+        "test_static_blocked_attention__without_jit",
+    },
+    "test_quantized.py": {
+        "test_beam_reorder_equals_reordering_before_quantizing",
+        "test_blocked_reads_equal_dequantizing_the_whole_cache", "test_cli_generates_with_a_quantized_cache",
+        "test_decode_step_reads_the_store_in_blocks_and_the_residual_once",
+        "test_eager_ragged_prefill_then_decode__without_jit", "test_full_attention__with_jit",
+        "test_generate_with_an_int8_cache_equals_full_precision", "test_rollback_within_and_past_the_residual",
+        "test_round_trip_error_is_bounded_per_group", "test_sliding_window__with_jit",
+    },
+    "test_qwen3_5_parity.py": {
+        "test_greedy_and_sampled_generate", "test_prefill_decode_and_rollback_logits_match_transformers",
+        "test_speculative_greedy_equals_plain_greedy",
+    },
+    "test_readme.py": {"test_api_example_runs"},
+    "test_server.py": {
+        "test_32_concurrent_streams_complete", "test_backpressure_answers_503_with_retry_after",
+        "test_chat_completion_applies_the_template",
+        "test_greedy_completion_equals_the_engine_and_streams_the_same_text", "test_models_and_health",
+        "test_seeded_samples_are_reproducible_and_stop_strings_cut", "test_sigterm_drains_requests_in_flight",
+    },
+    "test_sharding.py": {
+        "test_compiled_loops_never_move_a_cache_leaf", "test_reorder_and_rollback_keep_the_sharding",
+        "test_sharded_models_equal_one_device", "test_smollm2_data_parallel_equals_one_device",
+    },
+    "test_sharding_table.py": {"test_the_script_tables_the_real_models"},
+    "test_smollm2.py": {
+        "test_ragged_batch_greedy_equals_transformers", "test_stop_token_ends_the_row",
+        "test_unbatched_rows_equal_batched_and_decode_text",
+    },
+    "test_speculative.py": {
+        "test_acceptance_rule_keeps_the_target_distribution",
+        "test_greedy_equals_plain_greedy_for_every_cache_and_drafter",
+        "test_greedy_equals_plain_greedy_with_quantized_caches",
+        "test_identical_draft_model_accepts_everything_and_rows_stop_at_capacity",
+        "test_real_gemma3_prompt_lookup_past_the_window_equals_plain_greedy",
+        "test_sampled_generation_follows_the_target_distribution", "test_verification_stops_at_the_next_flush",
+    },
+    "test_weights.py": {
+        "test_smollm2_gguf_config_matches_transformers", "test_smollm2_gguf_params_equal_transformers",
+        "test_smollm2_logits_match_transformers", "test_tiny_logits_match_transformers",
+    },
+}  # fmt: skip
+
+
+def _markers(item) -> list[str]:
+    name, function = item.path.name, item.originalname
+    marks = [item.path.parent.name]
+    marks += ["parity"] * (name in PARITY_FILES) + ["multidevice"] * (name in MULTIDEVICE_FILES)
+    marks += ["server"] * (name in SERVER_FILES) + ["slow"] * (function in SLOW.get(name, ()))
+    return marks
+
+
 def pytest_collection_modifyitems(items):
-    """Longest-running files first (``FILE_SECONDS``); a file's own tests keep their order."""
+    """Markers (``_markers``), then longest-running files first (``FILE_SECONDS``); a file's own
+    tests keep their order."""
+    for item in items:
+        for mark in _markers(item):
+            item.add_marker(mark)
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # a stable sort

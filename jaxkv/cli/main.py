@@ -620,7 +620,7 @@ COMMANDS = {
 
 
 # The modules a command needs beyond the core install, by the extra of pyproject.toml that installs them
-# (tests/test_architecture.py checks these against pyproject).
+# (tests/app/test_architecture.py checks these against pyproject).
 EXTRAS = {"serve": ("fastapi", "uvicorn", "prometheus_client"), "research": ("optax", "matplotlib", "gensim")}
 COMMAND_EXTRAS = {"serve": "serve", "experiment": "research", "train-mqar": "research"}
 

@@ -28,7 +28,7 @@ from jaxkv.research.tasks import (
     split_prompt,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "configs" / "experiments"
 GRID = {
     "models": ["smollm2"],
@@ -283,7 +283,7 @@ def test_answers_parse_to_their_first_number(text, number):
 def test_perplexity_windows_are_seeded_and_batched():
     """Seed s reads the windows after seed s - 1's; a corpus too short is an error naming the fix;
     windows batched as rows score as each alone. (Chunked feeding against one forward, and int8:
-    tests/test_quantized.py.)"""
+    tests/layers/test_quantized.py.)"""
     from jaxkv.models.llama import Llama, LlamaConfig
 
     ids = np.arange(20, dtype=np.int32)

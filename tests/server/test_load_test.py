@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
 
 
 def run_script(*options: str, timeout: float) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ from jaxkv.models.llama import Llama
 from jaxkv.models.load import Pretrained, load_pretrained
 from jaxkv.models.weight_cache import cache_dir, file_sha256, read_checked, write_checked
 from jaxkv.models.weights import load_gguf
-from tests.test_tokenizer import TINY_MERGES, TINY_TOKENS
+from tests.models.test_tokenizer import TINY_MERGES, TINY_TOKENS
 
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 2, 16, 32, 2, 1, 8
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

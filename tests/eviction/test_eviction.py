@@ -6,7 +6,7 @@ update's output is softmax attention over exactly the slots kept before it plus 
 computed here in NumPy; the scores the layer keeps equal the policies' definitions recomputed
 here (H2O's accumulated mass, SnapKV's pooled window mass, key norms); StreamingLLM keeps sinks
 and the most recent tokens at any chunking. kvpress itself is the oracle of
-``tests/test_eviction_parity.py``.
+``tests/eviction/test_eviction_parity.py``.
 """
 
 import dataclasses
@@ -289,7 +289,7 @@ def test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget(n
 
 
 def test_pyramidkv_budgets_follow_the_prompt_length_of_the_cache():
-    """kvpress's schedule for SmolLM2's 30 layers (``tests/test_eviction_parity.py`` compares it with
+    """kvpress's schedule for SmolLM2's 30 layers (``tests/eviction/test_eviction_parity.py`` compares it with
     kvpress at every depth): the first layer capped at the prompt minus the window, the last raised
     by as much, the mean kept, no layer over the prompt. The prompt length is the cache's
     ``max_length`` unless the spec names one; with neither (a cache that grows), no cap."""

@@ -14,7 +14,7 @@ from jaxkv import Cache
 from jaxkv.config import CacheConfig, ConfigError, load_config
 from jaxkv.models.toy import ToyConfig, ToyDecoder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def forward(graphdef, state, tokens, positions, cache):

@@ -21,7 +21,7 @@ from jaxkv.research.mqar import (
 from jaxkv.eviction import EvictionSpec
 from jaxkv.quantization import QuantSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "mqar.yaml"
 
 

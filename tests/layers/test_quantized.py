@@ -396,7 +396,7 @@ def test_shipped_configs_validate():
     from jaxkv.config import load_config
     from jaxkv.research.experiment import ExperimentConfig
 
-    configs = Path(__file__).resolve().parents[1] / "configs"
+    configs = Path(__file__).resolve().parents[2] / "configs"
     int4 = load_config(configs / "smollm2-int4.yaml", GenerateConfig).cache.quantization_spec()
     assert int4 == QuantSpec(nbits=4, axis_key=PER_CHANNEL, axis_value=PER_TOKEN)
     grid = load_config(configs / "experiments" / "perplexity.yaml", ExperimentConfig)

@@ -27,7 +27,7 @@ from jaxkv.models.defaults import DEFAULT_MODELS, resolve_model
 from jaxkv.models.llama import Llama, param_shapes
 from jaxkv.models.load import Pretrained, load_pretrained
 from jaxkv.models.weights import load_gguf, load_safetensors_checkpoint, unpermute_rope_rows
-from tests.test_weight_cache import assert_same_weights
+from tests.models.test_weight_cache import assert_same_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(2)

@@ -201,5 +201,5 @@ def test_cli_beam_flags(capsys):
     assert "deterministic beam search" in capsys.readouterr().err
     assert main([*argv, "--num-beams", "2", "--num-return-sequences", "3"]) == 2
     assert "exceeds num_beams" in capsys.readouterr().err
-    shipped = load_config(Path(__file__).parents[1] / "configs" / "smollm2-beam.yaml", GenerateConfig)
+    shipped = load_config(Path(__file__).parents[2] / "configs" / "smollm2-beam.yaml", GenerateConfig)
     assert (shipped.num_beams, shipped.early_stopping, shipped.num_return_sequences) == (4, True, 2)

@@ -315,7 +315,7 @@ def test_real_gemma3_prompt_lookup_past_the_window_equals_plain_greedy():
     """Gemma 3 270M, a 600+ token prompt: the sliding layers' 512-token rings (plus k
     rollback slots) wrap during prefill and decode while rounds roll back."""
     from jaxkv.models.load import load_pretrained
-    from tests.test_gemma3 import PARAGRAPH
+    from tests.models.test_gemma3 import PARAGRAPH
 
     model, tokenizer = load_pretrained("gemma3")
     prompt = tokenizer.encode(PARAGRAPH * 7 + "In summary, the printing press")

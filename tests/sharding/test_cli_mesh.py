@@ -19,7 +19,7 @@ import transformers
 from jaxkv.cli.main import build_parser, main, resolve_config, resolve_serve_config
 from jaxkv.config import ConfigError, MeshConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 WORDS = ["[UNK]", "</s>"] + [f"w{i}" for i in range(62)]
 PROMPTS = ["w3 w4 w5", "w9 w10"]
 KV_WARNING = "kv_heads (2) is not divisible by mesh axis 'model' of size 4"

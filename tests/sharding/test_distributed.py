@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.test_cli_mesh import KV_WARNING, generate_argv, one_error_line, run, save_tiny_checkpoint
+from tests.sharding.test_cli_mesh import KV_WARNING, generate_argv, one_error_line, run, save_tiny_checkpoint
 
 LAUNCH = ["launch", "--num-processes", "2", "--devices-per-process", "4"]
 

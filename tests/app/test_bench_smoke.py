@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_decode.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
 
 
 def test_bench_decode_tiny_jaxkv(tmp_path):

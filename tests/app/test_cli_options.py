@@ -56,7 +56,7 @@ def test_config_file_quantization_can_be_turned_off_by_the_old_flag(tmp_path):
 def test_serve_config_file_and_flags():
     """``jaxkv serve --config``: the YAML validated, flags on top; a typo names the key and the file."""
     parse = build_parser().parse_args
-    path = Path(__file__).resolve().parents[1] / "configs" / "serve.yaml"
+    path = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
     config = resolve_serve_config(parse(["serve", "--config", str(path), "--port", "9001"]))
     assert (config.model, config.kv_memory, config.port, config.prefix_caching) == ("smollm2", "512MiB", 9001, True)
     off = resolve_serve_config(parse(["serve", "--no-prefix-caching"]))
