@@ -6,6 +6,11 @@ Both run SmolLM2-135M (float32, greedy) on prompts of 64 random tokens. ``genera
 is its decode loop's seconds over its steps (``max_new_tokens`` 65 minus 1 prefill token);
 the engine's is the median of ``Engine.step`` calls once every row decodes (its prefills
 done, warmed up). Prints one JSON line per repeat and the medians.
+
+Against an older commit: ``git worktree add /tmp/base REV``, link ``/tmp/base/jaxkv/models`` to
+``/tmp/base/models``, and run this file with ``/tmp/base`` first on ``sys.path`` and the editable
+install's finder removed from ``sys.meta_path`` (before 7fd3080 the engine's dict was ``samples``).
+Interleave the two and keep the machine quiet: under load both steps double.
 """
 
 from __future__ import annotations
