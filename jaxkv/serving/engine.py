@@ -214,21 +214,24 @@ class Engine:
         prepared or run fails the requests it held, each with finish reason 'error' and the
         error's message; the engine takes the next request as before."""
         chunks = self.scheduler.schedule()
-        if chunks:
-            try:
-                outputs = self.runner.run(chunks, self._block_tables(), self.pending_copies)
-            except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
-                self._fail({chunk.seq.request_id for chunk in chunks}, error)
-            else:
-                self.pending_copies = {}
-                self.scheduler.computed(chunks)
-                forks = fork_sequences(self.scheduler, self.sequences, not self.has_states)
-                for child in forks.children:
-                    self.outputs.add(child)
-                self.pending_copies = forks.copies  # before a first sequence can finish and free its pages
-                self._record_usage()
-                return self._take_final() + [self._advance(chunk, outputs) for chunk in chunks]
-        return self._take_final()
+        if not chunks:
+            return self._take_final()
+        try:
+            outputs = self.runner.run(chunks, self._block_tables(), self.pending_copies)
+        except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
+            self._fail({chunk.seq.request_id for chunk in chunks}, error)
+            return self._take_final()
+        self.scheduler.computed(chunks)
+        self._fork()  # before a first sequence can finish and free its pages
+        self._record_usage()
+        return self._take_final() + [self._advance(chunk, outputs) for chunk in chunks]
+
+    def _fork(self) -> None:
+        """Start the further sequences of ``n > 1`` requests; their page copies run with the next step."""
+        forks = fork_sequences(self.scheduler, self.sequences, not self.has_states)
+        for child in forks.children:
+            self.outputs.add(child)
+        self.pending_copies = forks.copies
 
     def _fail(self, request_ids: set[int], error: Exception) -> None:
         """End every sequence of ``request_ids`` with finish reason 'error'. The step's page copies

@@ -141,9 +141,8 @@ class KVCacheManager:
         computed (or, for a sequence being admitted, after the prefix ``hit``, whose pages it now
         shares). None, and nothing changed, when a pool is short of pages."""
         if hit is not None:
-            for pool in self.pools:
-                if hit.num_tokens:
-                    pool.manager.share(seq.key, hit.pages[pool.name])
+            for name, pages in hit.pages.items():  # empty without a hit
+                self._pool(name).manager.share(seq.key, pages)
             seq.num_registered = hit.num_tokens // self.page_size
         start = seq.num_computed if hit is None else hit.num_tokens
         for pool in self.pools:  # pages a window has left go first: they may be what the others need
@@ -194,6 +193,9 @@ class KVCacheManager:
         for pool in self.pools:
             pool.manager.free(seq.key)
         seq.num_registered = 0
+
+    def _pool(self, name: str) -> PagePool:
+        return next(pool for pool in self.pools if pool.name == name)
 
     def _chain(self, seq: SequenceState, num_pages: int) -> list[bytes]:
         """The hash chain of ``seq``'s first ``num_pages`` full pages (extended as it grows)."""
