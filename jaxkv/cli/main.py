@@ -550,7 +550,7 @@ def run_serve(args) -> int:
     name = config.served_model_name or config.model
     print(f"jaxkv serve: {name} ready at http://{config.host}:{config.port}/v1 (compiled in "
           f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)  # fmt: skip
-    serve(Server(EngineThread(engine).start(), tokenizer, name, config.max_waiting), config.host, config.port)
+    serve(Server(EngineThread(engine, config.max_waiting).start(), tokenizer, name), config.host, config.port)
     return 0
 
 

@@ -5,9 +5,11 @@
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's chat
 template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). The engine
 steps in its own thread (``EngineThread``); each request's outputs reach its handler through
-an asyncio queue. Bad requests get an OpenAI-style error body and a 4xx status naming the
-field; past ``max_waiting`` queued requests the server answers 503 with ``Retry-After``; a
-client that disconnects aborts its request.
+an asyncio queue. The bodies are ``jaxkv.server.schemas``; every error is OpenAI's shape with
+a 4xx naming the field (``jaxkv.server.errors``); past ``max_waiting`` queued requests the
+server answers 503 with ``Retry-After``; a client that disconnects aborts its request; a
+request that fails in the engine answers 500 (or an error event in its stream) and leaves
+the others running; ``/health`` answers 503 once the engine thread has stopped.
 """
 
 from __future__ import annotations
@@ -19,75 +21,18 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 
-from jaxkv.decoding.sampling import Sampling
-from jaxkv.serving.engine_thread import EngineThread
+from jaxkv.server.errors import APIError, error_body, install_handlers, parse_json, read_body, validated
+from jaxkv.server.schemas import ChatRequest, CompletionRequest
+from jaxkv.serving.engine_thread import EngineThread, EngineUnavailable
 from jaxkv.serving.requests import RequestError, RequestOutput
 
-
-# --- request bodies (OpenAI's fields; an unknown field is an error naming it) -----------------
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
-class CommonParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    max_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)  # 0 or -1: all tokens (vLLM's -1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    cache_salt: str | None = None  # extension: only requests with the same salt share prefix pages
-    user: str | None = None
-
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, max(self.top_k, 0), self.top_p, self.min_p)
-
-    def stops(self) -> tuple[str, ...]:
-        return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-
-class CompletionRequest(CommonParams):
-    prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0)
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatRequest(CommonParams):
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-
-
-# --- errors ----------------------------------------------------------------------------------
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def error_response(status: int, message: str, param: str | None, kind: str, headers=None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
+ENDED = ("abort", "error")  # finish reasons that end a whole request (every sequence of it)
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -148,10 +93,11 @@ class ChoiceStream:
 
 
 class Server:
-    """The engine runner, the tokenizer and the model's name behind the HTTP endpoints."""
+    """The engine thread, the tokenizer and the model's name behind the HTTP endpoints."""
 
-    def __init__(self, runner: EngineThread, tokenizer, model_name: str, max_waiting: int = 64):
-        self.runner, self.tokenizer, self.model_name, self.max_waiting = runner, tokenizer, model_name, max_waiting
+    def __init__(self, runner: EngineThread, tokenizer, model_name: str):
+        self.runner, self.tokenizer, self.model_name = runner, tokenizer, model_name
+        self.max_model_len = runner.engine.max_model_len
         self.metrics = Metrics()
 
     # --- admission ---------------------------------------------------------------------------
@@ -164,39 +110,43 @@ class Server:
                 "not_found_error",
             )
         if isinstance(body, ChatRequest):
-            messages = [m.model_dump() for m in body.messages]
             try:
-                text = self.tokenizer.apply_chat_template(messages)
+                text = self.tokenizer.apply_chat_template(body.chat())
             except Exception as error:  # a template without a chat format, or one that refuses the roles
                 raise APIError(400, f"the model's chat template cannot format these messages: {error}", "messages")
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        if isinstance(body.prompt, str):
-            return self.tokenizer.encode(body.prompt)
-        return list(body.prompt)
+            prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        if len(prompt) >= self.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt is {len(prompt)} tokens; the context holds {self.max_model_len} (prompt plus output)",
+                body.api_field("prompt_ids"),
+            )
+        return prompt
 
     def submit(self, body: CompletionRequest | ChatRequest, queue: asyncio.Queue, loop) -> tuple[int, int]:
         """Queue the request on the engine; returns its id and prompt length. Errors name the field."""
         prompt = self.prompt_ids(body)
-        stats = self.runner.stats()
-        if stats["num_waiting"] >= self.max_waiting:
-            raise APIError(503, f"{stats['num_waiting']} requests are waiting; retry later", None, "server_busy")
-        top = body.logprobs if isinstance(body, CompletionRequest) else (body.top_logprobs or 0)
+        default = self.max_model_len - len(prompt) if isinstance(body, ChatRequest) else COMPLETION_MAX_TOKENS
+        limit = body.token_limit()
         options = dict(
             sampling=body.sampling(),
-            max_tokens=body.max_tokens or 16,
+            max_tokens=default if limit is None else limit,
             stop=body.stops(),
+            ignore_eos=body.ignore_eos,
             seed=body.seed,
             cache_salt=body.cache_salt,
             n=body.n,
-            logprobs=top or 0,
+            logprobs=body.num_logprobs(),
         )
         try:
             request_id = self.runner.submit(
                 prompt, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), **options
             )
         except RequestError as error:
-            raise APIError(400, str(error), _API_FIELDS.get(error.param, error.param)) from None
-        except RuntimeError as error:
+            raise APIError(400, str(error), body.api_field(error.param)) from None
+        except EngineUnavailable as error:
             raise APIError(503, str(error), None, "server_busy") from None
         return request_id, len(prompt)
 
@@ -211,18 +161,17 @@ class Server:
                     if await request.is_disconnected():
                         raise asyncio.CancelledError from None
                     continue
-                finished += output.finished
+                finished = n if output.finish_reason in ENDED else finished + output.finished
                 yield output
-                if output.finished and output.finish_reason == "abort":
-                    finished = n
         except (asyncio.CancelledError, GeneratorExit):
             self.runner.abort(request_id)
             self.metrics.requests.labels("disconnected").inc()
             raise
 
 
-# Engine argument -> the API field a client set.
-_API_FIELDS = {"prompt_ids": "prompt", "stop_token_ids": "stop_token_ids"}
+def engine_error(output: RequestOutput) -> APIError:
+    """A request that failed in the engine (finish reason 'error'): a 500 with the engine's reason."""
+    return APIError(500, f"the request failed in the engine: {output.error}", None, "server_error")
 
 
 def usage(prompt_tokens: int, streams: Sequence[ChoiceStream]) -> dict:
@@ -257,55 +206,35 @@ def chat_logprobs(tokenizer, entries: Sequence[dict]) -> dict:
 
 def create_app(server: Server) -> FastAPI:
     """The FastAPI application over ``server``."""
-    app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(APIError)
-    async def api_error(_, error: APIError):
-        headers = {"Retry-After": "1"} if error.status == 503 else None
-        server.metrics.requests.labels(f"error_{error.status}").inc()
-        return error_response(error.status, error.message, error.param, error.kind, headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_, error: RequestValidationError):
-        first = error.errors()[0]
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {message}"
-        server.metrics.requests.labels("error_400").inc()
-        return error_response(
-            400, f"{'.'.join(location) or 'body'}: {message}", ".".join(location) or None, "invalid_request_error"
-        )
-
-    @app.exception_handler(Exception)
-    async def internal(_, error: Exception):
-        """A bug still answers in OpenAI's shape, without a traceback (uvicorn logs it)."""
-        server.metrics.requests.labels("error_500").inc()
-        return error_response(500, f"internal error: {type(error).__name__}", None, "server_error")
+    app = FastAPI(title="jaxkv", docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app, lambda status: server.metrics.requests.labels(f"error_{status}").inc())
 
     @app.get("/health")
     async def health():
+        if not server.runner.alive:
+            return JSONResponse({"status": "engine stopped", "error": server.runner.failure}, status_code=503)
         if not server.runner.accepting:
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxkv"}],
-        }
+        card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "jaxkv",
+                "max_model_len": server.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(server.metrics.render(server.runner.stats()), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = validated(CompletionRequest, parse_json(await read_body(request)))
         return await respond(server, body, request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = validated(ChatRequest, parse_json(await read_body(request)))
         return await respond(server, body, request, chat=True)
 
     return app
@@ -322,8 +251,12 @@ async def respond(server: Server, body: CompletionRequest | ChatRequest, request
     if body.stream:
         chunks = stream_chunks(server, body, response_id, streams, outputs, prompt_tokens, chat, started)
         return StreamingResponse(chunks, media_type="text/event-stream")
+    failed = None
     async for output in outputs:
         streams[output.index].take(output)
+        failed = output if output.finish_reason == "error" else failed
+    if failed is not None:
+        raise engine_error(failed)
     server.metrics.requests.labels("completed").inc()
     return whole_response(server, body, response_id, streams, prompt_tokens, chat)
 
@@ -359,58 +292,55 @@ def whole_response(
 
 
 async def stream_chunks(server: Server, body, response_id, streams, outputs, prompt_tokens, chat, started):
-    """Server-sent events: a chunk per new piece of text, then usage if asked, then [DONE]."""
-    created, tokenizer = int(time.time()), server.tokenizer
+    """Server-sent events: a chunk per new piece of text (with usage, if continuous usage was
+    asked), then usage if asked, then [DONE]; a request that fails in the engine ends with an
+    error event (OpenAI's error body) before [DONE]."""
+    created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(choices: list, **extra) -> str:
-        chunk = {
-            "id": response_id,
-            "object": kind,
-            "created": created,
-            "model": server.model_name,
-            "choices": choices,
-            **extra,
-        }
+    def event(choices: list, with_usage: bool = body.continuous_usage()) -> str:
+        chunk = {"id": response_id, "object": kind, "created": created, "model": server.model_name, "choices": choices}
+        if with_usage:
+            chunk["usage"] = usage(prompt_tokens, streams)
         return f"data: {json.dumps(chunk)}\n\n"
 
     if chat:
         yield event(
             [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(body.n)]
         )
-    first_token = None
+    first_token = failure = None
     async for output in outputs:
-        stream = streams[output.index]
-        text = stream.take(output)
+        text = streams[output.index].take(output)
         if first_token is None and output.new_token_ids:
             first_token = time.perf_counter()
             server.metrics.ttft.observe(first_token - started)
-        if not text and not output.finished:
-            continue
-        new = list(output.logprobs)
-        if chat:
-            choice = {
-                "index": output.index,
-                "delta": {"content": text} if text else {},
-                "finish_reason": output.finish_reason if output.finished else None,
-                "logprobs": chat_logprobs(tokenizer, new) if body.logprobs else None,
-            }
-        else:
-            choice = {
-                "index": output.index,
-                "text": text,
-                "finish_reason": output.finish_reason if output.finished else None,
-                "logprobs": completion_logprobs(tokenizer, new) if body.logprobs is not None else None,
-            }
-        yield event([choice])
-    if first_token is not None:
-        generated = sum(len(s.tokens) for s in streams)
-        if generated > 1:
-            server.metrics.tpot.observe((time.perf_counter() - first_token) / (generated - 1))
-    server.metrics.requests.labels("completed").inc()
-    if body.stream_options is not None and body.stream_options.include_usage:
-        yield event([], usage=usage(prompt_tokens, streams))
+        if output.finish_reason == "error":
+            failure = engine_error(output)
+        elif text or output.finished:
+            yield event([chunk_choice(server.tokenizer, body, output, text, chat)])
+    if failure is not None:
+        server.metrics.requests.labels("error_500").inc()
+        yield f"data: {json.dumps(error_body(failure.message, failure.param, failure.kind))}\n\n"
+    else:
+        if first_token is not None:
+            generated = sum(len(s.tokens) for s in streams)
+            if generated > 1:
+                server.metrics.tpot.observe((time.perf_counter() - first_token) / (generated - 1))
+        server.metrics.requests.labels("completed").inc()
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield event([], with_usage=True)
     yield "data: [DONE]\n\n"
+
+
+def chunk_choice(tokenizer, body, output: RequestOutput, text: str, chat: bool) -> dict:
+    """One streamed choice: the sequence's new ``text``, and its finish and logprobs."""
+    new, finish_reason = list(output.logprobs), output.finish_reason if output.finished else None
+    if chat:
+        logprobs = chat_logprobs(tokenizer, new) if body.logprobs else None
+        return {"index": output.index, "delta": {"content": text} if text else {}, "finish_reason": finish_reason,
+                "logprobs": logprobs}  # fmt: skip
+    logprobs = completion_logprobs(tokenizer, new) if body.logprobs is not None else None
+    return {"index": output.index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def serve(server: Server, host: str, port: int, log_level: str = "warning") -> None:

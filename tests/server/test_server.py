@@ -4,56 +4,18 @@ SmolLM2-135M), the official ``openai`` client, plain HTTP for what the client ca
 import concurrent.futures
 import json
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-
-from jaxkv.decoding.generate import generate
 from jaxkv.models.load import load_pretrained
 
-MODEL = "smollm2"
+from jaxkv.decoding.generate import generate
+from tests.server.conftest import MODEL
+
 PROMPT = "The three primary colors are"
 MAX_TOKENS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server():
-    """The server process and its base URL; stopped with SIGTERM (it drains, then exits 0)."""
-    port = free_port()
-    cli = Path(sys.executable).with_name("jaxkv")
-    command = [str(cli), "serve", "--model", MODEL, "--port", str(port), "--kv-memory", "128MiB",
-               "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
-               "--max-waiting", "40"]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the server did not report ready in 300 s")
-    yield proc, url
-    if proc.poll() is None:  # test_sigterm_drains stops it first
-        proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +199,48 @@ def test_cache_salt_keeps_tenants_apart(client):
 
     first_a, first_b, again_a = cached("tenant-1"), cached("tenant-2"), cached("tenant-1")
     assert first_a == 0 and first_b == 0 and again_a > 0
+
+
+def test_chat_takes_text_parts_and_max_completion_tokens(client):
+    """OpenAI's current chat fields: ``content`` as a list of text parts, ``max_completion_tokens``
+    (``max_tokens`` is its deprecated alias); the reply equals the one to the plain form."""
+    text = "List three fruits."
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=8,
+                                           temperature=0)  # fmt: skip
+    parts = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "text",
+                                           "text": text}]}], max_completion_tokens=8, temperature=0)  # fmt: skip
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.completion_tokens == plain.usage.completion_tokens == 8
+
+
+def test_what_guidellm_sends_ignore_eos_and_usage_in_every_chunk(server):
+    """guidellm's request: text parts, ``max_completion_tokens``, ``stop: null``, ``ignore_eos``
+    and ``stream_options.continuous_usage_stats``: every chunk carries the usage so far, and the
+    output runs past the end-of-sequence token the model would stop at."""
+    url = server[1]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}],
+            "max_completion_tokens": 40, "temperature": 0, "stop": None}  # fmt: skip
+    short = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    assert short["choices"][0]["finish_reason"] == "stop" and short["usage"]["completion_tokens"] < 40
+    streaming = body | {"ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=streaming, timeout=120) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 40
+    assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(chunk["usage"]["prompt_tokens"] == short["usage"]["prompt_tokens"] for chunk in chunks)
+
+
+def test_sampling_options_this_server_does_not_implement(client):
+    """vLLM's ``min_tokens`` and ``repetition_penalty`` (and OpenAI's penalties) are taken at
+    their neutral value, which clients send explicitly, and refused otherwise, naming the field."""
+    neutral = {"min_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
+    done = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, extra_body=neutral)
+    assert done.usage.completion_tokens == 4
+    for field, value in {"min_tokens": 2, "repetition_penalty": 1.2}.items():
+        with pytest.raises(openai.BadRequestError, match=field):
+            client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={field: value})
 
 
 def test_sigterm_drains_requests_in_flight(server):
