@@ -1,0 +1,92 @@
+"""guidellm 0.8.1, a load-testing tool for OpenAI-compatible servers, against ``jaxkv serve``
+on loopback: a bounded benchmark (concurrent streams, a fixed number of requests) finishes
+with zero errors.
+
+guidellm lives in its own virtual environment, not in the test extra: it pins ``click~=8.4``
+(the project's environment has a newer click) and brings sanic, faker, datasets and its own
+torch requirement, none of which the project's environment should change. The test creates
+that environment once (about 1.5 GB, 2 minutes) under the jaxkv cache directory
+(``~/.cache/jaxkv/guidellm-0.8.1``, or under ``$XDG_CACHE_HOME``) and reuses it after. guidellm
+runs offline: its tokenizer is a directory written from the embedded SmolLM2 GGUF's tokenizer
+(``tokenizer.json`` and ``tokenizer_config.json``, which transformers' ``AutoTokenizer`` reads).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from jaxkv.models.load import Pretrained
+from jaxkv.models.weight_cache import cache_dir
+
+from tests.server.conftest import MODEL
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+GUIDELLM = "guidellm==0.8.1"
+TORCH = "torch==2.13.0"  # the parity extra's pin: its CPU wheel where the machine has one, not a CUDA build
+REQUESTS, STREAMS, PROMPT_TOKENS, OUTPUT_TOKENS = 16, 4, 64, 32
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def guidellm_python() -> Path:
+    """The Python of guidellm's environment, created on first use: built beside its final place
+    and renamed into it, so a half-built environment is never taken for a ready one."""
+    home = cache_dir() / GUIDELLM.replace("==", "-")
+    if not home.is_dir():
+        building = home.with_name(f"{home.name}.building-{os.getpid()}")
+        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)
+        install = [str(building / "bin" / "python"), "-m", "pip", "install", "-q", GUIDELLM, TORCH]
+        subprocess.run(install, check=True, timeout=1800)
+        try:
+            building.rename(home)
+        except OSError:  # another run finished first
+            shutil.rmtree(building)
+    return home / "bin" / "python"
+
+
+def write_tokenizer_dir(path: Path, model: str = MODEL) -> Path:
+    """A transformers tokenizer directory for ``model``'s embedded tokenizer (its GGUF's)."""
+    tokenizer = Pretrained(model).tokenizer(required=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
+              "eos_token": tokenizer.eos_tokens[0], "chat_template": tokenizer.chat_template}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def guidellm_command(python: Path, url: str, tokenizer: Path, out: Path, *, streams: int, requests: int,
+                     prompt_tokens: int, output_tokens: int) -> list[str]:  # fmt: skip
+    """A chat-completions benchmark: ``streams`` concurrent streams, ``requests`` in all, synthetic
+    prompts of ``prompt_tokens`` and outputs of exactly ``output_tokens`` (guidellm sends ignore_eos)."""
+    return [
+        str(python), "-m", "guidellm", "run",
+        "--backend", f"kind=openai_http,target={url},model={MODEL}",
+        "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+        "--profile", f"kind=concurrent,streams={streams}",
+        "--constraint", f"kind=max_requests,count={requests}",
+        "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+        "--output", f"kind=json,path={out}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+
+
+def test_a_bounded_guidellm_benchmark_has_no_errors(server, tmp_path):
+    python = guidellm_python()
+    tokenizer = write_tokenizer_dir(tmp_path / "tokenizer")
+    out = tmp_path / "benchmarks.json"
+    command = guidellm_command(python, server[1], tokenizer, out, streams=STREAMS, requests=REQUESTS,
+                               prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS)  # fmt: skip
+    env = os.environ | OFFLINE | {"GUIDELLM__DEFAULT_RESULTS_DIR": str(tmp_path)}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=env, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (benchmark,) = json.loads(out.read_text())["benchmarks"]
+    totals = benchmark["metrics"]["request_totals"]
+    assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
+    assert totals["successful"] == REQUESTS, totals
+    output = benchmark["metrics"]["output_token_count"]["successful"]
+    assert output["total_sum"] == REQUESTS * OUTPUT_TOKENS, output
