@@ -1,11 +1,11 @@
 """jaxkv: functional KV caches for JAX."""
 
 from jaxkv.attention import attention, attention_mask, cached_attention
-from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec, LayerType, layer_types_of
+from jaxkv.cache import LAYER_TYPES, Cache, LayerBuilder, LayerSpec, LayerType, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
-from jaxkv.eviction import EvictionSpec, Observer
+from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
-from jaxkv.layers.evicting import EvictingLayer, ObserverLayer
+from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.quantization import QuantSpec
@@ -36,13 +36,12 @@ __all__ = [
     "HeldTokens",
     "HybridLayer",
     "KVView",
+    "LayerBuilder",
     "LayerSpec",
     "LayerType",
     "LinearAttentionLayer",
     "LinearState",
     "MaskInfo",
-    "Observer",
-    "ObserverLayer",
     "Overflow",
     "QuantSpec",
     "QuantizedLayer",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +25,9 @@ import numpy as np
 from flax import struct
 
 from jaxkv.batch import PackedAttention, PackedBatch, PackedState, PagedStorage
-from jaxkv.eviction import EvictionSpec, Observer
+from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
-from jaxkv.layers.evicting import EvictingLayer, ObserverLayer, PackedEvictingLayer
+from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -41,7 +41,6 @@ from jaxkv.protocol import (
     KVView,
     LinearState,
     Overflow,
-    Refill,
     Rollback,
     RowSelection,
     entry,
@@ -82,8 +81,6 @@ class LayerSpec:
     paging: Paging | None = None
     # Keep full-attention K/V in a budget of slots, evicting by a policy (jaxkv.layers.evicting).
     eviction: EvictionSpec | None = None
-    # Hold every token and what each eviction policy ranks by, to refill other caches from (jaxkv.eviction.Observer).
-    observer: Observer | None = None
     num_layers: int = 1  # the model's layers (PyramidKV spreads its budget over them)
 
     def __post_init__(self):
@@ -96,20 +93,6 @@ class LayerSpec:
         object.__setattr__(self, "state_shapes", tuple(tuple(shape) for shape in self.state_shapes))
         if self.eviction is not None and self.eviction.is_uncompressed():
             object.__setattr__(self, "eviction", None)  # a ratio of 0 evicts nothing: the plain layers
-        if self.observer is not None:
-            others = [name for name in ("quantization", "paging", "eviction") if getattr(self, name) is not None]
-            if others or self.full_attention != "static" or self.max_length is None:
-                raise ValueError(
-                    f"an Observer cache holds plain K/V of max_length tokens: pass max_length, full_attention='static' "
-                    f"and no {' or '.join(others) or 'quantization, paging or eviction'}; refill the cache you want "
-                    f"from it (Cache.refilled)"
-                )
-
-
-def _observer_layer(spec: LayerSpec) -> CacheLayer:
-    return ObserverLayer.create(
-        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.observer.window, spec.dtype
-    )
 
 
 def _paged_layer(spec: LayerSpec, window: int | None = None) -> CacheLayer:
@@ -142,8 +125,6 @@ def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
 
 
 def _full_attention_storage(spec: LayerSpec) -> CacheLayer:
-    if spec.observer is not None:
-        return _observer_layer(spec)
     if spec.eviction is not None:
         return _evicting_layer(spec)
     if spec.paging is not None:
@@ -168,10 +149,8 @@ def _sliding_layer(spec: LayerSpec) -> CacheLayer:
         return _paged_layer(spec, spec.sliding_window)
     if spec.quantization is not None:
         return _quantized_layer(spec, window=spec.sliding_window, rollback_slots=spec.rollback_slots)
-    # An observer's ring spans max_length, so it still holds every token for a refill (its mask keeps the window).
-    extra = max(spec.max_length - spec.sliding_window, 0) if spec.observer is not None else 0
     return SlidingWindowLayer.create(
-        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.sliding_window, spec.dtype, spec.rollback_slots + extra
+        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.sliding_window, spec.dtype, spec.rollback_slots
     )
 
 
@@ -184,8 +163,6 @@ def _chunked_layer(spec: LayerSpec) -> CacheLayer:
         raise ValueError(
             "quantization covers full and sliding attention; chunked_attention layers are not quantized yet"
         )
-    if spec.observer is not None:
-        raise ValueError("an Observer covers full and sliding attention; chunked_attention layers are not observed")
     return ChunkedLayer.create(
         spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.attention_chunk_size, spec.dtype, spec.rollback_slots
     )
@@ -222,10 +199,9 @@ def _check_hybrid_options(spec: LayerSpec) -> None:
             "paging keeps linear-attention states in their own layers (linear_attention, conv); a hybrid layer "
             "(hybrid, hybrid_sliding) is not paged"
         )
-    if spec.eviction is not None or spec.observer is not None:
+    if spec.eviction is not None:
         raise ValueError(
-            "eviction (and its Observer) covers full_attention layers; a hybrid layer (hybrid, hybrid_sliding) keeps "
-            "all its K/V"
+            "eviction covers full_attention layers; a hybrid layer (hybrid, hybrid_sliding) keeps all its K/V"
         )
 
 
@@ -277,6 +253,16 @@ LAYER_TYPES: dict[str, LayerType] = {
     "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
 }
 FULL_ATTENTION_KINDS = tuple(LAYER_TYPES["full_attention"].storage)
+
+
+class LayerBuilder(Protocol):
+    """Builds a cache's layers in place of ``LAYER_TYPES``' builders (``Cache.from_layer_types``'
+    ``layer_builder``): for caches whose layers do what no registered type does, such as the
+    research package's, which record the attention each token receives."""
+
+    def build(self, layer_type: str, spec: LayerSpec) -> CacheLayer:
+        """The single layer of ``layer_type`` (a key of ``LAYER_TYPES``) for ``spec``; a type it
+        leaves as it is: ``LAYER_TYPES[layer_type].build(spec)``."""
 
 
 def _config_value(config, key, default=None):
@@ -335,12 +321,17 @@ def check_layer_types(layer_types: Sequence[str]) -> None:
         raise ValueError(f"unknown layer type(s) {unknown}; known layer types: {sorted(LAYER_TYPES)}")
 
 
-def build_groups(layer_types: Sequence[str], spec: LayerSpec, period: int) -> tuple[CacheLayer, ...]:
-    """Group g: layer type ``layer_types[g]`` built once and repeated for layers g, g + period, ..."""
+def build_groups(
+    layer_types: Sequence[str], spec: LayerSpec, period: int, layer_builder: LayerBuilder | None = None
+) -> tuple[CacheLayer, ...]:
+    """Group g: layer type ``layer_types[g]`` built once (by ``layer_builder``, else its
+    ``LAYER_TYPES`` builder) and repeated for layers g, g + period, ..."""
     groups = []
     for g in range(period):
         indices = list(range(g, len(layer_types), period))
-        groups.append(stacked_for_layers(LAYER_TYPES[layer_types[g]].build(spec), indices, len(layer_types)))
+        kind = layer_types[g]
+        layer = LAYER_TYPES[kind].build(spec) if layer_builder is None else layer_builder.build(kind, spec)
+        groups.append(stacked_for_layers(layer, indices, len(layer_types)))
     return tuple(groups)
 
 
@@ -404,7 +395,7 @@ class Cache:
         quantization: QuantSpec | None = None,
         paging: Paging | None = None,
         eviction: EvictionSpec | None = None,
-        observer: Observer | None = None,
+        layer_builder: LayerBuilder | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
     ) -> Cache:
@@ -426,9 +417,8 @@ class Cache:
         evicting by its policy (``EvictingLayer``; models attend through ``cached_attention``);
         a compression ratio of 0 builds the uncompressed layers. With ``paging`` (the serving
         engine) they are ``PackedEvictingLayer``: a budget of slots per engine row, no pages.
-        ``observer``: an ``Observer`` keeps every token of full-attention layers with what each
-        eviction policy ranks by (``ObserverLayer``) and sliding rings spanning ``max_length``: a
-        prefill into it is then turned into any cache of the model by ``refilled``.
+        ``layer_builder``: builds every layer in place of ``LAYER_TYPES``' builders
+        (``LayerBuilder``: ``layer_builder.build(layer_type, spec)``, the options above in ``spec``).
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a
@@ -442,14 +432,14 @@ class Cache:
             sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
             rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
             state_shapes=state_shapes, quantization=quantization, paging=paging, eviction=eviction,
-            observer=observer, num_layers=len(layer_types),
+            num_layers=len(layer_types),
         )  # fmt: skip
         check_layer_types(layer_types)
         period = pattern_period(layer_types) if stacked else len(layer_types)
         layout = None if mesh is None else Layout.create(mesh, rules)
 
         def build() -> Cache:
-            return cls(build_groups(layer_types, spec, period), tuple(layer_types), period, layout)
+            return cls(build_groups(layer_types, spec, period, layer_builder), tuple(layer_types), period, layout)
 
         if layout is None:
             return build()
@@ -762,27 +752,6 @@ class Cache:
             for g, group in enumerate(self.groups)
         )
         return self.replace(groups=groups).constrained()
-
-    def refilled(self, target: Cache) -> Cache:
-        """``target`` (an empty cache of the same model and rows, built with any options) holding
-        this cache's tokens as one update of them would leave it (``Refill.filled_from``): a
-        plain, quantized or ring layer stores the K/V as given, an evicting layer keeps its budget
-        by its policy's scores. This cache must hold every token the target may attend to and the
-        scores its policies rank by: a prefill into an ``Observer`` cache. So one prefill serves a
-        grid of caches, each compressing the same context after the context's own attention read
-        it in full precision."""
-        if (target.layer_types, target.period) != (self.layer_types, self.period):
-            raise ValueError(
-                f"Cache.refilled: the target has layer types {target.layer_types} in groups of {target.period}, this "
-                f"cache {self.layer_types} in groups of {self.period}; build both for one model (both stacked or not)"
-            )
-        target._require(Refill)
-        num_layers = len(self.layer_types)
-        groups = tuple(
-            empty.filled_from(source, self.group_layers(g), num_layers)
-            for g, (source, empty) in enumerate(zip(self.groups, target.groups))
-        )
-        return target.replace(groups=groups).constrained()
 
     def _require(self, capability: type) -> None:
         """A ``TypeError`` naming the first layer without ``capability`` (a check of the classes)."""

@@ -32,11 +32,7 @@ exactly the full cache's outputs.
 A sweep of budgets needs one prefill per policy, not one per budget: prefill with ``observer``
 (a budget that holds every token, scored as the policy scores), then ``Cache.evict(spec)`` cuts the
 held slots to each budget by the stored scores, which is the cache that prefilling at that budget
-in one update gives. A sweep of policies needs one prefill in all: an ``Observer`` cache
-(``jaxkv.layers.evicting.ObserverLayer``) holds every token with what each policy ranks by, and
-``Cache.refilled(target)`` turns it into any cache of the same model: each policy at each budget,
-the plain cache, a quantized one (each fed the prefill's K/V, as if its attention had read them
-in full precision).
+in one update gives.
 """
 
 from __future__ import annotations
@@ -214,20 +210,6 @@ def _pyramid_budgets(mean: float, prompt_length: float, window: int, beta: float
         return [max(1, round(mean))] * num_layers
     step = (high - low) / (num_layers - 1) if num_layers > 1 else 0.0
     return [round(high - layer * step) for layer in range(num_layers)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Observer:
-    """A prefill every policy can be cut from (``Cache.from_config(observer=...)``): full-attention
-    layers keep every token and record both attention scorings, SnapKV's (the last ``window``
-    queries: the window of the ``snapkv``/``pyramidkv`` specs it will serve) and H2O's (every
-    query); sliding layers keep every token too (a ring spanning ``max_length``)."""
-
-    window: int = DEFAULT_WINDOW
-
-    def __post_init__(self):
-        if self.window < 1:
-            raise ValueError(f"Observer: window must be at least 1 query, got {self.window}")
 
 
 def window_query_weights(positions: jax.Array, lengths: jax.Array, window: int) -> jax.Array:

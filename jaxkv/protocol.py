@@ -45,7 +45,8 @@ capability)"); ``WHY_NOT`` lets a layer say why and what to use instead.
 * ``Eviction``: ``evict_to(spec, ...)``, cut to an ``EvictionSpec``'s budget (``Cache.evict``).
 * ``DepthBudgets``: ``for_layers``, entries that differ by depth (PyramidKV's budgets).
 * ``HeldTokens`` and ``Refill``: a source hands its tokens over (``held_entry``), a target
-  is filled from a source (``filled_from``): ``Cache.refilled``.
+  is filled from a source (``filled_from``): one prefill refilled into many caches
+  (``jaxkv.research.observer.refill``).
 * ``LinearState``: ``update_state``/``update_state_entry`` (``jaxkv.layers.linear``).
 * ``Overflow``: ``overflowed``, rows written past a fixed capacity under jit.
 * ``ChunkLimit``: ``exact_chunk_lengths``, the longest update that shows every query what
@@ -386,7 +387,7 @@ class DepthBudgets(Capability):
 
 
 class HeldTokens(Capability):
-    """Hands its stored tokens to another cache (the source of ``Cache.refilled``)."""
+    """Hands its stored tokens to another cache (the source of a refill)."""
 
     ACTION = "hand its tokens to another cache"
 
@@ -397,7 +398,7 @@ class HeldTokens(Capability):
 
 
 class Refill(Capability):
-    """Filled from another cache's layer (the target of ``Cache.refilled``)."""
+    """Filled from another cache's layer (the target of a refill)."""
 
     ACTION = "be refilled from another cache"
 
@@ -408,7 +409,7 @@ class Refill(Capability):
         them from an observer's scores instead (``EvictingLayer.filled_from``)."""
         require(
             source, HeldTokens, "refill from a cache whose layers hold every token: an Observer prefill "
-            "(Cache.from_config(observer=Observer(...)))"
+            "(layer_builder=jaxkv.research.observer.Observer(...))"
         )  # fmt: skip
         # Mapped over the entries, not looped: one layer's update compiles once, whatever the depth.
         held = jax.vmap(lambda layer: jax.tree.map(lambda leaf: leaf[None], layer).held_entry(0))(source)
@@ -489,7 +490,7 @@ KV_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS, HEAD_DIM)  # [B, H_kv, S, D]
 
 
 class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
-    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention, the observer)."""
+    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention, and the like)."""
 
     @property
     def capacity(self) -> int:

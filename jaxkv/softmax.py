@@ -127,7 +127,7 @@ def read_whole(q: Queries, kv: KVView, query_weights: jax.Array | None = None):
     ``[B, T]``, also the slot mass ``[B, H_kv, S]``: each slot's attention probability summed
     over the query heads of its K/V head and over the queries, query t weighted by
     ``query_weights[:, t]`` (what an evicting layer's policy scores by). Weights ``[B, T, K]``
-    give K masses ``[B, H_kv, S, K]`` from the one softmax (``ObserverLayer``'s two scorings)."""
+    give K masses ``[B, H_kv, S, K]`` from the one softmax (two eviction scorings from one pass)."""
     q = q.for_view(kv)
     logits = q.scores(kv.keys, kv.mask_info.kv_positions)
     peak = jnp.max(logits, axis=-1, keepdims=True)

@@ -128,7 +128,6 @@ SLOW: dict[str, set[str]] = {
         "test_rows_need_not_divide_the_data_axis_without_per_row_slots",
     },
     "test_eviction.py": {
-        "test_an_observed_prefill_refills_plain_rings_and_quantized_caches",
         "test_attention_slot_mass_sums_to_the_weighted_queries", "test_compression_ratio_zero_builds_the_full_cache",
         "test_evicting_an_observed_prefill_equals_prefilling_at_the_budget",
         "test_gemma3_evicts_its_full_layers_and_keeps_its_sliding_rings",
@@ -137,7 +136,6 @@ SLOW: dict[str, set[str]] = {
         "test_model_greedy_tokens_with_a_budget_holding_everything",
         "test_outputs_attend_over_kept_slots_and_new_tokens",
         "test_pyramidkv_holds_its_mean_budget_and_equals_one_cache_per_layer_budget",
-        "test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget",
         "test_rollback_and_speculative_decoding_refuse_eviction",
         "test_snapkv_scores_are_the_pooled_observation_window_mass",
         "test_streaming_llm_keeps_sinks_and_the_most_recent_tokens",
@@ -175,6 +173,10 @@ SLOW: dict[str, set[str]] = {
         "test_stacked__with_jit", "test_stacked__without_jit", "test_static__with_jit",
     },
     "test_mqar.py": {"test_training_reaches_95_percent_recall_and_saves_its_outputs"},
+    "test_observer.py": {
+        "test_an_observed_prefill_refills_plain_rings_and_quantized_caches",
+        "test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget",
+    },
     "test_pages.py": {"runTest"},
     "test_prefix_chat.py": {
         "test_cache_file_loads_in_another_process", "test_cache_file_round_trip_in_process",

@@ -17,10 +17,9 @@ the rest of its slots from its partner's entry, and the stack holds what the lay
 ``L`` times the first layer's budget. An update reads both entries (``entry_view``: ``2E`` slots,
 the partner's at position -1) and writes back only the slots the layer owns (``store_entry``).
 
-``ObserverLayer`` is what a sweep of policies prefills into: every token held, slot = position,
-with both attention scorings recorded from the one softmax; ``evict_to`` then builds any policy's
-``EvictingLayer`` at any budget from it (``Cache.refilled``), each the layer a prefill at that
-budget leaves.
+``kept_stack`` cuts slots held with their scores (``Candidates``) to a spec's budgets: an evicting
+layer's own (``evict_to``), or those of any layer that holds every token with the scores a policy
+ranks by (``filled_from`` cuts an empty evicting layer from such a source's ``evict_to``).
 
 What cannot be undone: evicted K/V are gone. The layers have no ``Rollback``, so a rollback
 of any token is an error eagerly and a no-op under jit, and speculative decoding (which rolls back
@@ -37,10 +36,24 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.batch import PackedAttention, PackedBatch
-from jaxkv.eviction import DEFAULT_WINDOW, EvictionSpec, key_norm_scores, window_query_weights, window_scores
-from jaxkv.protocol import KV_AXES, BatchMajorLayer, DepthBudgets, Eviction, KVView, MaskInfo, PackedRowsLayer
-from jaxkv.protocol import PositionalLayer, Refill, Rollback, check_capacity, check_update_inputs, entry
-from jaxkv.protocol import lengths_after, pytree_class, require, stacked_for_layers
+from jaxkv.eviction import EvictionSpec, key_norm_scores, window_query_weights, window_scores
+from jaxkv.protocol import (
+    KV_AXES,
+    BatchMajorLayer,
+    DepthBudgets,
+    Eviction,
+    KVView,
+    MaskInfo,
+    PackedRowsLayer,
+    Refill,
+    Rollback,
+    check_update_inputs,
+    entry,
+    lengths_after,
+    pytree_class,
+    require,
+    stacked_for_layers,
+)
 from jaxkv.sharding import BATCH, KV_HEADS, KV_SLOTS, Axes
 
 # read(queries [B, H_q, T, D], view, positions [B, T], query_weights [B, T] or None)
@@ -329,8 +342,8 @@ class EvictingLayer(BatchMajorLayer, Eviction, DepthBudgets, Refill):
         budgets: each layer keeps the best of the slots it holds by their stored scores (sinks and
         ``spec``'s window always), in new arrays of ``max(spec.layer_budgets(num_layers))`` slots.
         ``spec`` must score as this layer's spec does (``EvictionSpec.scoring``) and not keep more
-        slots than the layer has; a ``compression_ratio`` resolves against the slots held (the
-        observer's ``max_length``), not the tokens seen. From a layer that evicted nothing yet
+        slots than the layer has; a ``compression_ratio`` resolves against the slots held, not the
+        tokens seen. From a layer that evicted nothing yet
         (``EvictionSpec.observer``), this is the layer that one update of the same tokens at
         ``spec``'s budget leaves; from one that did evict, it evicts again from what is left."""
         if spec.scoring() != self.spec.scoring():
@@ -343,11 +356,12 @@ class EvictingLayer(BatchMajorLayer, Eviction, DepthBudgets, Refill):
         return kept_stack(spec, self.keys.shape[-2], slots, held.lengths, layer_indices, num_layers)
 
     def filled_from(self, source, layer_indices: list[int], num_layers: int) -> EvictingLayer:
-        """This (empty) stack's spec cut from ``source``'s scores (``source.evict_to``): an
-        ``ObserverLayer`` (or an evicting layer of the same scoring) holding the tokens."""
+        """This (empty) stack's spec cut from ``source``'s scores (``source.evict_to``): a layer with
+        ``Eviction`` holding the tokens with the scores its policy ranks by (an evicting layer of the
+        same scoring, or one that holds every token)."""
         require(
             source, Eviction, "an evicting layer is filled from the attention its policy ranks by: prefill into an "
-            "Observer cache (Cache.from_config(observer=Observer(...)))"
+            "Observer cache (layer_builder=jaxkv.research.observer.Observer(...))"
         )  # fmt: skip
         return source.evict_to(self.spec, layer_indices, num_layers)
 
@@ -387,122 +401,6 @@ def kept_stack(
     target = stacked_for_layers(empty, layer_indices, num_layers)
     kept = jax.vmap(lambda layer, c, lengths: layer.keep(c, c.old_scores, lengths))(target.entry_views(), held, lengths)
     return target.from_entry_views(kept)
-
-
-@pytree_class
-class ObserverLayer(PositionalLayer, Eviction):
-    """Full attention over every token, slot ``p`` holding position ``p`` (as ``StaticLayer``),
-    recording what each eviction policy ranks tokens by, so that one prefill serves every policy
-    and budget (``evict_to``; ``jaxkv.eviction.Observer``): ``[B, H_kv, S, D]``.
-
-    Per slot: ``window_mass``, the attention the observation window (a row's last ``window``
-    positions) of the latest update gave it, averaged over those queries and over the query heads
-    of its K/V head (SnapKV's score before pooling); ``accumulated_mass``, the attention every
-    query gave it, summed (H2O's); ``rescored`` ``[B]``: whether that update brought the row a
-    whole window (SnapKV then leaves the window's own slots unscored). Both come from the one
-    softmax attention computes (``read`` with two query weightings). Cut from a layer filled in one
-    update (a prefill), ``evict_to(spec)`` is the layer a prefill at ``spec``'s budget leaves; an
-    update that brings less than a window (decoding) adds its queries' mass to its new slots only.
-    """
-
-    keys: jax.Array  # [B, H_kv, S, D]
-    values: jax.Array  # [B, H_kv, S, D]
-    lengths: jax.Array  # [B] int32
-    window_mass: jax.Array  # [B, H_kv, S] float32
-    accumulated_mass: jax.Array  # [B, H_kv, S] float32
-    rescored: jax.Array  # [B] bool
-    window: int = struct.field(pytree_node=False, default=DEFAULT_WINDOW)
-
-    WHY_NOT = {
-        Rollback: "an observer cannot undo the attention it recorded; refill a cache from it (Cache.refilled) first"
-    }
-
-    @classmethod
-    def create(cls, batch_size, num_kv_heads, head_dim, max_length: int, window: int, dtype=jnp.float32):
-        if max_length <= 0:
-            raise ValueError(f"ObserverLayer: max_length must be positive, got {max_length}")
-        shape = (batch_size, num_kv_heads, max_length)
-        return cls(
-            keys=jnp.zeros((*shape, head_dim), dtype),
-            values=jnp.zeros((*shape, head_dim), dtype),
-            lengths=jnp.zeros((batch_size,), jnp.int32),
-            window_mass=jnp.zeros(shape, jnp.float32),
-            accumulated_mass=jnp.zeros(shape, jnp.float32),
-            rescored=jnp.zeros((batch_size,), bool),
-            window=window,
-        )
-
-    def logical_axes(self):
-        return super().logical_axes().replace(
-            window_mass=HEAD_SLOT_AXES, accumulated_mass=HEAD_SLOT_AXES, rescored=Axes(BATCH)
-        )
-
-    def update_entry(self, index, keys, values, positions):
-        raise TypeError(
-            "ObserverLayer records the attention each token receives: store and attend in one call with "
-            "jaxkv.attention.cached_attention(cache, layer_idx, queries, keys, values, positions), not Cache.update"
-        )
-
-    def attend_entry(self, index, queries, keys, values, positions, read: Read):
-        """Store ``keys``/``values`` ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]``, attend ``queries``
-        ``[B, H_q, T, D]`` over every held slot and record both masses; returns the stack and the output."""
-        positions = check_update_inputs(self, index, keys, values, positions)
-        check_capacity(self, positions, self.capacity)
-        before = entry(self.lengths, index)
-        layer, view = self.write(index, keys, values, positions)
-        lengths = entry(layer.lengths, index)
-        real = positions >= 0
-        window_weights = window_query_weights(positions, lengths, self.window)
-        out, mass = read(queries, view, positions, jnp.stack([window_weights, real.astype(jnp.float32)], axis=-1))
-        window_new = mass[..., 0] / (queries.shape[1] // keys.shape[1])  # the mean over the query heads
-        rescored = jnp.sum(real, axis=1) >= self.window
-        fresh = view.mask_info.kv_positions >= before[:, None]  # [B, S]: the slots this update wrote
-        old = entry(self.window_mass, index)
-        window_mass = jnp.where(
-            rescored[:, None, None], window_new, old + jnp.where(fresh[:, None], window_new, 0.0)
-        )  # fmt: skip
-        layer = layer.replace(
-            window_mass=layer.window_mass.at[index].set(window_mass),
-            accumulated_mass=layer.accumulated_mass.at[index].add(mass[..., 1]),
-            rescored=layer.rescored.at[index].set(rescored | entry(self.rescored, index)),
-        )
-        return layer, out
-
-    def policy_scores(self, spec: EvictionSpec, positions: jax.Array) -> jax.Array:
-        """``[L, B, H_kv, S]`` float32: every held slot's score under ``spec``'s policy (higher is
-        kept), as a prefill into ``spec``'s layer would have scored it; ``positions`` ``[L, B, H_kv, S]``."""
-        if spec.policy == "streaming_llm":
-            return positions.astype(jnp.float32)
-        if spec.policy == "key_norm":
-            return key_norm_scores(self.keys)
-        if spec.policy == "h2o":
-            return self.accumulated_mass
-        scores = lambda mass, positions, lengths, rescored: window_scores(  # noqa: E731
-            mass, positions, lengths, self.window, rescored, spec.kernel_size, 1
-        )  # the mass is already the mean over the query heads
-        return jax.vmap(scores)(self.window_mass, positions, self.lengths, self.rescored)
-
-    def evict_to(self, spec: EvictionSpec, layer_indices: list[int], num_layers: int) -> EvictingLayer:
-        """This stack (leaves ``[L, ...]``) cut to ``spec``'s budgets by ``spec``'s policy: an
-        ``EvictingLayer`` stack (see ``kept_stack``). SnapKV's and PyramidKV's window must be the
-        observer's."""
-        if spec.observation_window not in (None, self.window):
-            raise ValueError(
-                f"an observer of window {self.window} cannot score {spec.policy!r} with window "
-                f"{spec.observation_window}: prefill with Observer(window={spec.observation_window})"
-            )
-        slot = jnp.arange(self.capacity, dtype=jnp.int32)
-        positions = jnp.where(slot < self.lengths[..., None], slot, -1)[:, :, None]  # [L, B, 1, S]
-        positions = jnp.broadcast_to(positions, self.window_mass.shape)
-        held = Candidates(self.keys, self.values, positions, self.policy_scores(spec, positions))
-        return kept_stack(spec, self.capacity, held, self.lengths, layer_indices, num_layers)
-
-    @property
-    def max_length(self) -> int:
-        return self.capacity
-
-    def describe(self) -> str:
-        return f"observer window={self.window}"
 
 
 @pytree_class

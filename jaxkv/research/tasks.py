@@ -28,7 +28,6 @@ of a grid answers the same prompts.
 from __future__ import annotations
 
 import abc
-
 import dataclasses
 import functools
 import re
@@ -43,8 +42,9 @@ from flax import nnx
 from pydantic import Field, PositiveInt, model_validator
 
 from jaxkv.config import Strict, load_config
+from jaxkv.eviction import EvictionSpec
 from jaxkv.research.corpus import corpus_text
-from jaxkv.eviction import EvictionSpec, Observer
+from jaxkv.research.observer import Observer, refill
 
 Depth = Annotated[float, Field(ge=0.0, le=1.0)]
 
@@ -264,7 +264,7 @@ class Haystack:
 class ContextPrefills:
     """The context prefills of a retrieval task's cells on one model: each batch of contexts is
     prefilled once, into an ``Observer`` cache (every token held, with what each eviction policy
-    ranks by), and every cell's cache is refilled from it (``Cache.refilled``): the plain cache,
+    ranks by), and every cell's cache is refilled from it (``jaxkv.research.observer``): the plain cache,
     each quantized format and each policy at each budget. An evicting cache so refilled is the
     one a prefill at its budget gives (the context is one update); a quantized one stores the
     prefill's K/V as its own update would, the context's own attention having read them in full
@@ -282,8 +282,8 @@ class ContextPrefills:
         observed = self.caches.setdefault((context, *key), {})
         observer = observer_for(cache_options.get("eviction"), observed)
         if observer not in observed:
-            observed[observer] = prefill_prefix(model, contexts, max_length=context, observer=observer)
-        return refill(observed[observer], model.init_cache(len(contexts), context, **cache_options))
+            observed[observer] = prefill_prefix(model, contexts, max_length=context, layer_builder=observer)
+        return _compiled_refill(observed[observer], model.init_cache(len(contexts), context, **cache_options))
 
 
 def observer_for(eviction: EvictionSpec | None, observed: dict) -> Observer:
@@ -295,7 +295,7 @@ def observer_for(eviction: EvictionSpec | None, observed: dict) -> Observer:
 
 
 # One compile per target cache shape: refilling eagerly would compile each of its ops apart.
-refill = jax.jit(lambda source, target: source.refilled(target))
+_compiled_refill = jax.jit(refill)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +444,9 @@ def retrieval_metrics(
     """Greedy answers of ``examples`` through caches built with ``cache_options`` (a capacity of
     ``context`` tokens): per batch of ``batch_size`` rows the contexts are prefilled once (by
     ``prefills``, shared by every cache of the grid; ``seed`` names the examples there) and
-    refilled into the cell's cache, then the questions are decoded from it. A short last batch is padded with copies of its first
-    example (every batch has one shape: one compile), whose answers are dropped.
+    refilled into the cell's cache, then the questions are decoded from it. A short last batch is
+    padded with copies of its first example (every batch has one shape: one compile), whose answers
+    are dropped.
 
     Returns the metrics (accuracy overall and per requested depth, the answers, the generated
     texts and the numbers parsed from them) and the K/V bytes the cache holds per row

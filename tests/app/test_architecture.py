@@ -154,6 +154,17 @@ def test_the_scheduler_never_touches_pages():
     assert importers == ["input_processor", "kv_manager"]
 
 
+def test_only_the_applications_import_research():
+    """Research code (the observer cache and its refill, the tasks, the trainer) stays out of the core:
+    besides the research package itself, only the benchmarks and the command line import it."""
+    importers = {
+        unit(module_name(path))
+        for path in library_files()
+        if any(m.split(".")[:2] == ["jaxkv", "research"] for m in imported_modules(path, module_name(path)))
+    }
+    assert importers <= {"jaxkv.research", "jaxkv.bench", "jaxkv.cli"}, importers
+
+
 def test_the_checker_sees_a_wrong_way_import(tmp_path, monkeypatch):
     """The rule is live: a layer module importing the container is reported."""
     bad = ROOT / "jaxkv" / "layers" / "static.py"

@@ -23,7 +23,7 @@ from jaxkv.attention import attention, cached_attention
 from jaxkv.decoding.beam import beam_search
 from jaxkv.decoding.generate import generate
 from jaxkv.decoding.speculative import PromptLookup, generate_speculative
-from jaxkv.eviction import POLICIES, EvictionSpec, Observer
+from jaxkv.eviction import POLICIES, EvictionSpec
 from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.memory import storage_rows
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
@@ -444,61 +444,6 @@ def test_evicting_an_observed_prefill_equals_prefilling_at_the_budget(model, pol
     questions = [[4, 5, 6], [7, 8]]
     want = generate(model, questions, max_new_tokens=6, cache=direct).tokens
     np.testing.assert_array_equal(generate(model, questions, max_new_tokens=6, cache=observed.evict(spec)).tokens, want)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget(model, policy):
-    """One prefill into an Observer cache (every token held, both attention scorings recorded)
-    refilled into each policy's cache, under jit: every layer holds what a prefill at that budget
-    keeps (positions, K/V, scores), and greedy decoding from both gives the same tokens."""
-    from jaxkv.decoding.generate import prefill_prefix
-
-    spec = SWEEP_SPECS[policy]
-    window = spec.observation_window or 5  # any window serves the other policies
-    direct = prefill_prefix(model, SWEEP_PROMPTS, max_length=32, eviction=spec)
-    observed = prefill_prefix(model, SWEEP_PROMPTS, max_length=32, observer=Observer(window))
-    refilled = jax.jit(lambda source, target: source.refilled(target))(observed, model.init_cache(2, 32, eviction=spec))
-    chex.assert_trees_all_equal_shapes_and_dtypes(refilled, direct)
-    for got, want in zip(refilled.layers, direct.layers):
-        np.testing.assert_array_equal(got.slot_positions, want.slot_positions)
-        chex.assert_trees_all_close((got.keys, got.values, got.scores, got.lengths),
-                                    (want.keys, want.values, want.scores, want.lengths), atol=1e-5)  # fmt: skip
-    questions = [[4, 5, 6], [7, 8]]
-    want = generate(model, questions, max_new_tokens=6, cache=direct).tokens
-    np.testing.assert_array_equal(generate(model, questions, max_new_tokens=6, cache=refilled).tokens, want)
-
-
-def test_an_observed_prefill_refills_plain_rings_and_quantized_caches():
-    """Gemma 3's sliding rings span the whole context in the observer and are cut to the window on
-    refilling: the plain cache equals the plain prefill. A quantized cache stores the observed K/V
-    (the next token's logits within int8's error of the plain cache's); the observer names what
-    it cannot be combined with, a window it did not observe and a rollback."""
-    from jaxkv.decoding.generate import prefill_prefix
-
-    gemma = Gemma3(Gemma3Config(**TINY_GEMMA), seed=0)
-    observed = prefill_prefix(gemma, SWEEP_PROMPTS, max_length=32, observer=Observer(3))
-    assert observed.layer(0).keys.shape[2] == 32 and observed.layer(1).describe() == "observer window=3"
-    plain = prefill_prefix(gemma, SWEEP_PROMPTS, max_length=32)
-    chex.assert_trees_all_close(observed.refilled(gemma.init_cache(2, 32)), plain, atol=1e-5)
-    int8 = QuantSpec(nbits=8, q_group_size=8, residual_length=4)
-    quantized = observed.refilled(gemma.init_cache(2, 32, quantization=int8))
-    tokens = jnp.asarray([[4], [7]], jnp.int32)
-    want, _ = gemma(tokens, plain.next_positions(1), plain)
-    got, _ = gemma(tokens, quantized.next_positions(1), quantized)
-    error = float(jnp.max(jnp.abs(got - want)))
-    assert 0 < error < 0.01 * float(jnp.max(jnp.abs(want))), error  # int8 codes, not the plain K/V
-    assert generate(gemma, [[4, 5, 6], [7, 8]], max_new_tokens=4, cache=quantized).tokens.shape == (2, 4)
-    with pytest.raises(ValueError, match="an Observer cache holds plain K/V"):
-        gemma.init_cache(1, 32, observer=Observer(), quantization=int8)
-    with pytest.raises(ValueError, match=r"prefill with Observer\(window=2\)"):
-        observed.refilled(gemma.init_cache(2, 32, eviction=EvictionSpec("snapkv", budget=8, window=2)))
-    llama = Llama(LlamaConfig(**TINY_LLAMA), seed=0)
-    with pytest.raises(TypeError, match="prefill into an Observer cache"):
-        llama.init_cache(2, 32).refilled(llama.init_cache(2, 32, eviction=EvictionSpec("h2o", budget=8)))
-    with pytest.raises(ValueError, match="observer cannot undo"):
-        observed.rollback(1)
-    with pytest.raises(ValueError, match="layer types"):
-        observed.refilled(llama.init_cache(2, 32))
 
 
 def test_evict_keeps_sliding_rings_and_names_what_it_cannot_do(model):

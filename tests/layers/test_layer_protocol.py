@@ -28,7 +28,6 @@ from jaxkv import (
     HybridLayer,
     LinearAttentionLayer,
     LinearState,
-    Observer,
     Overflow,
     QuantizedLayer,
     QuantSpec,
@@ -42,6 +41,7 @@ from jaxkv import (
 from jaxkv.layers.paged import Paging
 from jaxkv.memory import formula_table, layer_class, storage_rows
 from jaxkv.protocol import has
+from jaxkv.research.observer import Observer, refill
 from tests.oracle import full_attention
 
 WINDOW, HEAD_DIM = 4, 4
@@ -93,7 +93,7 @@ EVICTION = EvictionSpec("h2o", budget=8)
 BUILT_KINDS = {
     **KINDS,
     "evicting": {"layer_types": ["full_attention"], "max_length": 8, "eviction": EVICTION},
-    "observer": {"layer_types": ["full_attention"], "max_length": 8, "observer": Observer()},
+    "observer": {"layer_types": ["full_attention"], "max_length": 8, "layer_builder": Observer()},
     "linear": {"layer_types": ["linear_attention"], **LINEAR},
     "paged": {"layer_types": ["full_attention"], "paging": PAGING},
     "packed_evicting": {"layer_types": ["full_attention"], "paging": PAGING, "eviction": EVICTION},
@@ -195,9 +195,9 @@ def test_an_operation_names_the_layer_and_the_capability_it_lacks():
     with pytest.raises(ValueError, match=r"StaticLayer cannot be cut to an eviction budget \(no Eviction capab"):
         static.evict(EVICTION)
     with pytest.raises(TypeError, match=r"ObserverLayer cannot be refilled from another cache \(no Refill capab"):
-        static.refilled(built("observer", batch=2))
+        refill(static, built("observer", batch=2))
     with pytest.raises(TypeError, match=r"QuantizedLayer cannot hand its tokens to another cache \(no HeldTokens"):
-        built("quantized", batch=2).refilled(static)
+        refill(built("quantized", batch=2), static)
     with pytest.raises(TypeError, match=r"PackedStateLayer cannot take update_state \(no LinearState capab.*packed"):
         packed_state.update_state(0, jnp.zeros((2, 1, 3)), packed_state.next_positions(1), conv_fn, step_fn)
     with pytest.raises(TypeError, match=r"StaticLayer cannot take update_state \(no LinearState capability\)"):

@@ -20,8 +20,9 @@ import pytest
 
 import jaxkv
 import models
-from jaxkv import Cache, CacheLayer, ChunkedLayer, EvictionSpec, MaskInfo, Observer, QuantSpec, SlidingWindowLayer
+from jaxkv import Cache, CacheLayer, ChunkedLayer, EvictionSpec, MaskInfo, QuantSpec, SlidingWindowLayer
 from jaxkv.layers.paged import Paging
+from jaxkv.research.observer import Observer
 
 SPAN, HEAD_DIM = 4, 4
 LINEAR = {"conv_width": 2, "conv_channels": 3, "state_shapes": ((3,),)}
@@ -34,7 +35,7 @@ BUILDS = {
     "chunked": (["chunked_attention"], {}),
     "quantized": (["full_attention"], {"quantization": QuantSpec(nbits=8, q_group_size=4, residual_length=4)}),
     "evicting": (["full_attention"], {"eviction": EvictionSpec("h2o", budget=8)}),
-    "observer": (["full_attention"], {"observer": Observer()}),
+    "observer": (["full_attention"], {"layer_builder": Observer()}),
     "paged": (["full_attention"], {"paging": PAGING}),
     "packed_evicting": (["full_attention"], {"paging": PAGING, "eviction": EvictionSpec("h2o", budget=8)}),
     "linear": (["linear_attention"], LINEAR),
