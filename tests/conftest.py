@@ -49,6 +49,34 @@ def parse_each_gguf_once() -> None:
 parse_each_gguf_once()
 
 
+# Most tests run tiny models for a few steps: XLA's compile is most of their time (about 85% in
+# the engine's tests) and its LLVM optimizations never pay for themselves there. They compile with
+# `jax_disable_most_optimizations` (LLVM at -O0: about 40% less compile time; results may differ
+# from optimized code in the last bit, so a comparison never mixes the two). The files in
+# OPTIMIZED_FILES run real weights for many tokens and compile as users do. The environment
+# variable carries the file's setting to the processes its tests start (docs/testing.md).
+OPTIMIZED_FILES = {
+    "test_smollm2.py", "test_engine_models.py", "test_mqar.py", "test_server.py", "test_load_test.py",
+    "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py",
+}  # fmt: skip
+
+
+def _optimize(optimized: bool) -> None:
+    jax.config.update("jax_disable_most_optimizations", not optimized)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if optimized else "1"
+
+
+_optimize(False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def full_optimization_for_real_weights(request):
+    """The module's XLA optimization setting (autouse: before its other fixtures compile anything)."""
+    _optimize(request.path.name in OPTIMIZED_FILES)
+    yield
+    _optimize(False)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def drop_compiled_executables():
     """After each test file, drop JAX's compiled executables: a worker process would
@@ -58,17 +86,19 @@ def drop_compiled_executables():
     jax.clear_caches()
 
 
-# Seconds each of the slowest test files took on this 2-core machine (one full run, 2026-12-05:
-# 1452 tests, 26.7 minutes). `--dist loadfile` hands whole files to the two workers in collection
-# order, so running alphabetically left one worker alone with the last big files for minutes;
-# longest first (the files not listed follow in their usual order) keeps both busy to the end.
+# Seconds each of the slowest test files took on this 2-core machine (one full run, 2026-12-05,
+# other work beside it; the server files as optimized before). `--dist loadfile` hands whole files
+# to the two workers in collection order, so running alphabetically left one worker alone with the
+# last big files for minutes; longest first (the files not listed follow in their usual order)
+# keeps both busy to the end.
 FILE_SECONDS = {
-    "test_eviction.py": 310, "test_engine.py": 292, "test_speculative.py": 246, "test_sharding.py": 181,
-    "test_gemma3.py": 167, "test_engine_models.py": 141, "test_properties.py": 132, "test_experiment.py": 120,
-    "test_quantized.py": 117, "test_beam.py": 108, "test_bench_serving.py": 107, "test_server.py": 100,
-    "test_bench_smoke.py": 100, "test_engine_sharding.py": 96, "test_models_toy.py": 90, "test_prefix_chat.py": 85,
-    "test_smollm2.py": 73, "test_mqar.py": 66, "test_linear.py": 64, "test_eviction_parity.py": 61,
-    "test_llama_parity.py": 56, "test_encoder_decoder.py": 52,
+    "test_speculative.py": 228, "test_sharding.py": 210, "test_gemma3.py": 193, "test_engine.py": 175,
+    "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 149, "test_quantized.py": 127,
+    "test_engine_sharding.py": 117, "test_beam.py": 113, "test_server.py": 110, "test_bench_serving.py": 108,
+    "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 89, "test_mqar.py": 82,
+    "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
+    "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
+    "test_layer_protocol.py": 45, "test_container.py": 45,
 }  # fmt: skip
 
 
@@ -82,7 +112,10 @@ PARITY_FILES = {  # compare with transformers or kvpress, the [parity] extra's o
 MULTIDEVICE_FILES = {  # run on meshes of the 8 host devices, or several processes
     "test_engine_sharding.py", "test_sharding.py", "test_sharding_table.py", "test_distributed.py", "test_cli_mesh.py",
 }  # fmt: skip
-SERVER_FILES = {"test_server.py", "test_load_test.py", "test_bench_serving.py"}  # start a server on 127.0.0.1
+SERVER_FILES = {  # start a server on 127.0.0.1
+    "test_server.py", "test_load_test.py", "test_bench_serving.py", "test_hostile_inputs.py", "test_failures.py",
+    "test_guidellm.py",
+}  # fmt: skip
 # Tests (by file and function, every parametrization) over ~4 s each on this machine, their module
 # fixtures' loads counted: `pytest -m "not slow"` leaves them out (the quick tier).
 SLOW: dict[str, set[str]] = {
