@@ -57,7 +57,7 @@ parse_each_gguf_once()
 # variable carries the file's setting to the processes its tests start (docs/testing.md).
 OPTIMIZED_FILES = {
     "test_smollm2.py", "test_engine_models.py", "test_mqar.py", "test_server.py", "test_load_test.py",
-    "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py",
+    "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
 }  # fmt: skip
 
 
@@ -92,13 +92,13 @@ def drop_compiled_executables():
 # last big files for minutes; longest first (the files not listed follow in their usual order)
 # keeps both busy to the end.
 FILE_SECONDS = {
-    "test_speculative.py": 228, "test_sharding.py": 210, "test_gemma3.py": 193, "test_engine.py": 175,
+    "test_speculative.py": 169, "test_sharding.py": 210, "test_gemma3.py": 193, "test_engine.py": 175,
     "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 149, "test_quantized.py": 127,
     "test_engine_sharding.py": 117, "test_beam.py": 113, "test_server.py": 110, "test_bench_serving.py": 108,
     "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 89, "test_mqar.py": 82,
     "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
-    "test_layer_protocol.py": 45, "test_container.py": 45,
+    "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
 }  # fmt: skip
 
 
@@ -257,9 +257,9 @@ SLOW: dict[str, set[str]] = {
         "test_greedy_equals_plain_greedy_for_every_cache_and_drafter",
         "test_greedy_equals_plain_greedy_with_quantized_caches",
         "test_identical_draft_model_accepts_everything_and_rows_stop_at_capacity",
-        "test_real_gemma3_prompt_lookup_past_the_window_equals_plain_greedy",
         "test_sampled_generation_follows_the_target_distribution", "test_verification_stops_at_the_next_flush",
     },
+    "test_speculative_gemma3.py": {"test_real_gemma3_prompt_lookup_past_the_window_equals_plain_greedy"},
     "test_weights.py": {
         "test_smollm2_gguf_config_matches_transformers", "test_smollm2_gguf_params_equal_transformers",
         "test_smollm2_logits_match_transformers", "test_tiny_logits_match_transformers",
