@@ -58,6 +58,7 @@ parse_each_gguf_once()
 OPTIMIZED_FILES = {
     "test_smollm2.py", "test_engine_models.py", "test_mqar.py", "test_server.py", "test_load_test.py",
     "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
+    "test_sharding_smollm2.py",
 }  # fmt: skip
 
 
@@ -92,13 +93,14 @@ def drop_compiled_executables():
 # last big files for minutes; longest first (the files not listed follow in their usual order)
 # keeps both busy to the end.
 FILE_SECONDS = {
-    "test_speculative.py": 169, "test_sharding.py": 210, "test_gemma3.py": 193, "test_engine.py": 175,
+    "test_speculative.py": 169, "test_sharding.py": 160, "test_gemma3.py": 193, "test_engine.py": 175,
     "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 149, "test_quantized.py": 127,
     "test_engine_sharding.py": 117, "test_beam.py": 113, "test_server.py": 110, "test_bench_serving.py": 108,
     "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 89, "test_mqar.py": 82,
     "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
+    "test_sharding_smollm2.py": 18,
 }  # fmt: skip
 
 
@@ -110,7 +112,8 @@ PARITY_FILES = {  # compare with transformers or kvpress, the [parity] extra's o
     "test_smollm2.py", "test_tokenizer.py", "test_weights.py", "test_cli_mesh.py",
 }  # fmt: skip
 MULTIDEVICE_FILES = {  # run on meshes of the 8 host devices, or several processes
-    "test_engine_sharding.py", "test_sharding.py", "test_sharding_table.py", "test_distributed.py", "test_cli_mesh.py",
+    "test_engine_sharding.py", "test_sharding.py", "test_sharding_smollm2.py", "test_sharding_table.py",
+    "test_distributed.py", "test_cli_mesh.py",
 }  # fmt: skip
 SERVER_FILES = {  # start a server on 127.0.0.1
     "test_server.py", "test_load_test.py", "test_bench_serving.py", "test_hostile_inputs.py", "test_failures.py",
@@ -245,8 +248,9 @@ SLOW: dict[str, set[str]] = {
     },
     "test_sharding.py": {
         "test_compiled_loops_never_move_a_cache_leaf", "test_reorder_and_rollback_keep_the_sharding",
-        "test_sharded_models_equal_one_device", "test_smollm2_data_parallel_equals_one_device",
+        "test_sharded_models_equal_one_device",
     },
+    "test_sharding_smollm2.py": {"test_smollm2_data_parallel_equals_one_device"},
     "test_sharding_table.py": {"test_the_script_tables_the_real_models"},
     "test_smollm2.py": {
         "test_ragged_batch_greedy_equals_transformers", "test_stop_token_ends_the_row",

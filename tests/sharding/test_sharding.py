@@ -3,7 +3,8 @@ greedy tokens as on one device for every mesh shape and cache kind, each device 
 the K/V, and compiled loops that keep the cache where it was allocated.
 
 The tiny configs have 8 (Llama) and 4 (Gemma 3) K/V heads so that the ``model`` axis shards them;
-the real models' 3 and 1 K/V heads take the replicated path (a warning) and shard over ``data``.
+the real SmolLM2's 3 K/V heads take the replicated path and shard over ``data``:
+test_sharding_smollm2.py (real weights, compiled with full optimization).
 """
 
 import functools
@@ -21,7 +22,6 @@ from jaxkv.decoding.generate import generate
 from jaxkv.decoding.speculative import PromptLookup, SelfSpeculation, generate_speculative
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
-from jaxkv.models.load import load_pretrained
 from jaxkv.quantization import QuantSpec
 from jaxkv import sharding
 from jaxkv.sharding import Layout, make_mesh, parse_mesh
@@ -228,17 +228,3 @@ def test_compiled_loops_never_move_a_cache_leaf(name, compiled_runs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Some donated buffers were not usable" would fail here
         strategy(model)
-
-
-def test_smollm2_data_parallel_equals_one_device():
-    """SmolLM2, batch 8 over 8 devices on ``data`` (its 3 K/V heads take no ``model`` axis): the
-    single-device greedy tokens."""
-    prompts = [[1, 504, 3458, 314, 4289, 8, 2121 + i, 30][: 3 + i] for i in range(8)]
-    reference, _ = load_pretrained("smollm2")
-    expected = generate(reference, prompts, max_new_tokens=12)
-    model, _ = load_pretrained("smollm2", mesh=make_mesh({"data": 8, "model": 1}))
-    assert model.layers["wq"][...].sharding.is_fully_replicated
-    result = generate(model, prompts, max_new_tokens=12)
-    np.testing.assert_array_equal(result.tokens, expected.tokens)
-    held = result.cache.device_bytes()
-    assert set(held.values()) == {result.cache.nbytes // 8}
