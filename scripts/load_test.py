@@ -6,6 +6,7 @@ this process, to price the HTTP layer.
     python scripts/load_test.py                                     # starts its own server, 64 requests
     python scripts/load_test.py --url http://127.0.0.1:8000         # a running server (same engine options!)
     python scripts/load_test.py --quick --out /tmp/load.json        # smoke run
+    python scripts/load_test.py --server jaxkv vllm                 # jaxkv serve and vLLM's server, one after the other
 
 Loopback only: the server is started on 127.0.0.1 (a free port), and ``--url`` must name
 127.0.0.1, localhost or ::1. Bounded in count and time: ``--requests`` requests, each with
@@ -23,6 +24,13 @@ Runs, each with at most ``--concurrency`` requests in flight (a new one starts w
   ``openai.AsyncOpenAI``; a request's first token is its first chunk with a choice, its
   inter-token latencies (ITL) the gaps between such chunks (a chunk may carry more than one
   token when text is held back), its finish the end of the stream.
+* ``--server vllm`` / ``vllm-matched`` (HTTP, the same clients): vLLM's OpenAI server
+  (``python -m vllm.entrypoints.openai.api_server`` from the venv ``jaxkv.bench.vllm_env``
+  makes on first use; skipped with the reason when it cannot be made) on 127.0.0.1 and a free
+  port, float32, with the same K/V memory; ``vllm`` keeps vLLM's own batching settings,
+  ``vllm-matched`` takes the engine options (its block size rounded up to a multiple of 32).
+  With a vLLM server, every run loads the float32 checkpoint folder that vLLM loads, so all
+  run the same weights.
 * in-process: ``Engine`` with the same options (``--kv-memory``, ``--page-size``,
   ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--max-model-len``), warmed up, stepped
   by this process; a token's time is the end of the step that produced it.
@@ -61,16 +69,24 @@ from typing import IO
 
 import httpx
 import openai
+import psutil
 
 from jaxkv.bench.decode import cpu_cores, fmt, worker_env
 from jaxkv.bench.serving import (
     Clock, ServingRequest, WorkloadShape, make_workload, percentile, token_source, workload_summary,
 )  # fmt: skip
+from jaxkv.bench.vllm_env import VENV, VllmUnavailable, engine_args, ensure_checkpoint, ensure_venv, server_flags
+from jaxkv.serving.sizing import parse_bytes
 
 LOOPBACK_NAMES = ("localhost",)  # and every loopback address (127.0.0.0/8, ::1)
 TARGET_OVERHEAD = 0.10
 HTTP, ENGINE = "http", "engine"
-SYSTEMS = {HTTP: "jaxkv serve (HTTP, openai client)", ENGINE: "jaxkv engine (in-process)"}
+VLLM_SERVERS = ("vllm", "vllm-matched")
+SERVERS = ("jaxkv", *VLLM_SERVERS)
+SYSTEMS = {
+    HTTP: "jaxkv serve (HTTP, openai client)", "vllm": "vLLM serve, its defaults (HTTP, openai client)",
+    "vllm-matched": "vLLM serve, jaxkv's settings (HTTP, openai client)", ENGINE: "jaxkv engine (in-process)",
+}  # fmt: skip
 WARM_UP_TOKENS = 2
 SERVER_STOP_TIMEOUT = 120  # seconds the server may take to drain and exit after SIGTERM
 LOG_TAIL = 3000  # characters of the server's log shown when it fails
@@ -161,6 +177,16 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     return command + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
 
 
+def vllm_serve_command(args: argparse.Namespace, port: int, server: str) -> list[str]:
+    """vLLM's OpenAI server from its venv, on the float32 checkpoint, with ``engine_args``' settings."""
+    settings = engine_args(server, args.model, kv_memory_bytes=parse_bytes(args.kv_memory), page_size=args.page_size,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
+    if args.max_model_len is not None:
+        settings["max_model_len"] = args.max_model_len
+    return [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
+            str(port), *server_flags(settings)]  # fmt: skip
+
+
 def log_tail(log: IO[str]) -> str:
     log.seek(0)
     return log.read()[-LOG_TAIL:]
@@ -182,7 +208,9 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float, log: IO[str]) -
 
 
 def stop_server(proc: subprocess.Popen, log: IO[str]) -> int:
-    """SIGTERM (the server drains, then exits 0); killed if it has not exited in SERVER_STOP_TIMEOUT s."""
+    """SIGTERM (the server drains, then exits 0); killed if it has not exited in SERVER_STOP_TIMEOUT s.
+    Its descendants still alive afterwards (vLLM's engine core) are killed too."""
+    descendants = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
     try:
@@ -191,28 +219,34 @@ def stop_server(proc: subprocess.Popen, log: IO[str]) -> int:
         proc.kill()
         status = proc.wait()
         print(f"[load] the server did not exit {SERVER_STOP_TIMEOUT} s after SIGTERM; killed", file=sys.stderr)
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    for child in alive:
+        child.kill()
     if status != 0:
         print(f"[load] the server exited with {status}:\n{log_tail(log)}", file=sys.stderr)
     return status
 
 
 @contextlib.contextmanager
-def local_server(args: argparse.Namespace, report: dict) -> Iterator[str]:
-    """``jaxkv serve`` on 127.0.0.1 and a free port with the engine options; yields its URL once
-    ``/health`` answers; stops it on exit and puts its exit status in ``report['server_exit']``."""
+def local_server(args: argparse.Namespace, server: str, report: dict) -> Iterator[str]:
+    """``jaxkv serve`` (or vLLM's server) on 127.0.0.1 and a free port with the engine options;
+    yields its URL once ``/health`` answers; stops it on exit. Its start-up seconds and exit status
+    go in ``report``: ``server_startup_s``/``server_exit`` for jaxkv, ``vllm_servers[server]`` for vLLM."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    print(f"[load] starting jaxkv serve on {url} ...", file=sys.stderr, flush=True)
+    command = serve_command(args, port) if server == "jaxkv" else vllm_serve_command(args, port, server)
+    print(f"[load] starting {server} on {url} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(serve_command(args, port), stdout=log, stderr=subprocess.STDOUT, env=worker_env())
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=worker_env())
+        entry = report if server == "jaxkv" else report.setdefault("vllm_servers", {}).setdefault(server, {})
         try:
             wait_ready(proc, url, args.startup_timeout, log)
-            report["server_startup_s"] = time.perf_counter() - start
-            print(f"[load] ready in {report['server_startup_s']:.1f} s", file=sys.stderr, flush=True)
+            entry["server_startup_s"] = time.perf_counter() - start
+            print(f"[load] ready in {entry['server_startup_s']:.1f} s", file=sys.stderr, flush=True)
             yield url
         finally:
-            report["server_exit"] = stop_server(proc, log)
+            entry["server_exit"] = stop_server(proc, log)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,6 +321,7 @@ def run_http(url: str, requests: list[ServingRequest], args: argparse.Namespace)
 def build_engine(args: argparse.Namespace):
     """The engine ``jaxkv serve`` builds for these options, warmed up (every step shape compiled)."""
     from jaxkv.models.load import load_pretrained
+
     from jaxkv.serving import Engine
 
     model, tokenizer = load_pretrained(args.model)
@@ -380,6 +415,7 @@ def print_report(title: str, table: str, cost: dict, report: dict) -> None:
 
 
 def succeeded(rows: list[dict], report: dict) -> bool:
+    """Every request completed, and jaxkv serve exited 0 (vLLM's exit status is reported, not judged)."""
     return all(row["errors"] == 0 and row["completed"] == row["planned"] for row in rows) and (
         report.get("server_exit", 0) == 0
     )
@@ -393,7 +429,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--url", help="a running server (loopback only); default: start one on a free port")
+    parser.add_argument("--url", help="a running jaxkv server (loopback only); default: start one on a free port")
+    parser.add_argument("--server", nargs="+", choices=SERVERS, default=["jaxkv"],
+                        help="servers started here, one after the other (vllm: vLLM's defaults; vllm-matched: "
+                        "the engine options)")  # fmt: skip
+    parser.add_argument("--vllm-venv", type=Path, default=VENV, help="vLLM's venv (made on first use)")
+    parser.set_defaults(vllm_python=None)  # its python, once prepare_vllm has made the venv
     parser.add_argument("--model", default="smollm2", help="the served model (its tokenizer cuts the prompts)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight at once (both runs)")
@@ -426,6 +467,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--min-prompt must not exceed --max-prompt")
     if min(args.timeout, args.request_timeout, args.startup_timeout) <= 0:
         parser.error("--timeout, --request-timeout and --startup-timeout must be positive")
+    if args.url is not None and args.server != ["jaxkv"]:
+        parser.error("--url names a running jaxkv server; --server starts servers here: give one or the other")
     if args.url is not None and not is_loopback(urllib.parse.urlsplit(args.url).hostname or ""):
         parser.error(f"--url {args.url}: the load test runs on loopback only; give http://127.0.0.1:PORT "
                      "(or localhost, [::1]), or leave --url out to start a server here")  # fmt: skip
@@ -439,12 +482,29 @@ def build_requests(args: argparse.Namespace) -> list[ServingRequest]:
     return make_workload("random", token_source(args.model), shape, args.seed)
 
 
-def http_traces(args: argparse.Namespace, requests: list[ServingRequest], report: dict) -> list[Trace]:
+def http_traces(args: argparse.Namespace, server: str, requests: list[ServingRequest], report: dict) -> list[Trace]:
     """The HTTP run against ``--url``, or against a server started (and stopped) here."""
     if args.url is not None:
         return run_http(args.url.rstrip("/"), requests, args)
-    with local_server(args, report) as url:
+    with local_server(args, server, report) as url:
         return run_http(url, requests, args)
+
+
+def prepare_vllm(args: argparse.Namespace, report: dict) -> None:
+    """With a vLLM server asked for: ``args.vllm_python`` (its venv, made on first use) and
+    ``args.model`` the float32 checkpoint folder every run loads; when the venv cannot be made,
+    the vLLM servers leave ``args.server`` and the reason goes in ``report['skipped']``."""
+    wanted = [s for s in args.server if s in VLLM_SERVERS]
+    if not wanted:
+        return
+    try:
+        args.vllm_python = ensure_venv(args.vllm_venv)
+    except VllmUnavailable as error:
+        report["skipped"] = f"vLLM is unavailable, so {', '.join(wanted)} are skipped: {error}"
+        print(f"[load] {report['skipped']}", file=sys.stderr, flush=True)
+        args.server = [s for s in args.server if s not in VLLM_SERVERS]
+        return
+    args.model = str(ensure_checkpoint(args.model))
 
 
 def make_row(system: str, traces: list[Trace], planned: int) -> dict:
@@ -456,15 +516,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     requests = build_requests(args)
     report: dict = dict(machine_before=machine())
-    rows = [make_row(HTTP, http_traces(args, requests, report), len(requests))]
+    prepare_vllm(args, report)
+    rows = [make_row(HTTP if server == "jaxkv" else server, http_traces(args, server, requests, report), len(requests))
+            for server in args.server]  # fmt: skip
     rows.append(make_row(ENGINE, run_engine(requests, args), len(requests)))
     report["machine_after"] = machine()
-    cost = overhead(*rows)
+    http = next((row for row in rows if row["system"] == HTTP), None)
+    cost = overhead(http, rows[-1]) if http is not None else dict(value=None, passed=None, display="not measured")
     table = markdown_table(rows)
     title = (f"{args.model}, {args.requests} requests, concurrency {args.concurrency}, prompts "
              f"{args.min_prompt}-{args.max_prompt} tokens, max_tokens {args.max_tokens}, seed {args.seed}")  # fmt: skip
     print_report(title, table, cost, report)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}  # vllm_python too
     report.update(settings=settings, workload=workload_summary(requests), rows=rows, overhead=cost,
                   table_markdown=table, total_seconds=time.perf_counter() - start)  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

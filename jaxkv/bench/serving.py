@@ -66,11 +66,11 @@ meaningful on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -80,9 +80,29 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxkv.bench import vllm_worker
+
 # Sibling scripts: model loading, sizes and report helpers are bench_decode's, the text perplexity's.
 from jaxkv.bench.decode import (
-    TINY, cpu_cores, environment, fmt, hf_model, hf_sizes, jaxkv_model, peak_rss_mib, print_targets, worker_env,
+    TINY,
+    cpu_cores,
+    environment,
+    fmt,
+    hf_model,
+    hf_sizes,
+    jaxkv_model,
+    peak_rss_mib,
+    print_targets,
+    worker_env,
+)  # fmt: skip
+from jaxkv.bench.vllm_env import VENV, VllmUnavailable, engine_args, ensure_checkpoint, ensure_venv
+from jaxkv.bench.vllm_worker import (
+    Clock,
+    Record,
+    ServingRequest,
+    check_lengths,
+    process_tree_cpu_seconds,
+    timed_drive,
 )  # fmt: skip
 
 MODULE = "jaxkv.bench.serving"  # workers run as `python -m MODULE --worker SPEC`
@@ -92,8 +112,11 @@ SYSTEMS = {
     "engine-no-prefix": "jaxkv engine, no prefix cache",
     "static": "jaxkv static batches",
     "hf": "transformers CB (CPU)",
+    "vllm": "vLLM (its defaults)",
+    "vllm-matched": "vLLM (jaxkv's settings)",
 }
 ENGINE_SYSTEMS = ("engine", "engine-no-prefix")
+VLLM_SYSTEMS = ("vllm", "vllm-matched")  # not run unless named: the first use installs vLLM (~5 min)
 WORKLOADS = ("random", "shared-prefix")
 # --quick: a smoke run's defaults (flags given explicitly still win).
 QUICK = dict(
@@ -106,6 +129,7 @@ TARGET_VS_STATIC = 1.5
 TARGET_WASTED = 0.04
 TARGET_PREFIX_TTFT = 3.0
 TARGET_PREFIX_COST = 0.02
+TARGET_VS_VLLM = 1.2  # engine / vLLM at its defaults, output tok/s, on each workload (issue 38)
 # Statistics every system reports (None where it does not apply or is not measured).
 STAT_KEYS = (
     "peak_kv_bytes", "wasted_slot_fraction", "prefix_hit_rate", "num_compiled", "xla_compiles_warmup",
@@ -115,16 +139,6 @@ STAT_KEYS = (
 
 # ----------------------------------------------------------------------------------------------
 # workload
-
-
-@dataclasses.dataclass(frozen=True)
-class ServingRequest:
-    """One request of a workload: when it arrives (seconds after the run start), its prompt
-    (token ids) and exactly how many tokens it generates."""
-
-    arrival: float
-    prompt: list[int]
-    max_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,16 +248,6 @@ def workload_summary(requests: list[ServingRequest]) -> dict:
 # records and metrics
 
 
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """What one request saw, in seconds since the run start."""
-
-    arrival: float
-    first_token: float
-    finish: float
-    output_tokens: int
-
-
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (linear interpolation), None for no values."""
     return float(np.percentile(values, q)) if len(values) else None
@@ -264,54 +268,6 @@ def summarize(records: Sequence[Record]) -> dict:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1000 * seconds
-
-
-class Clock:
-    """Seconds since the run started; waits for arrivals."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def since_start(self, perf_counter_time: float) -> float:
-        return perf_counter_time - self.start
-
-    def sleep_until(self, t: float) -> None:
-        delay = t - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-
-class TokenTally:
-    """A request's first-token and finish times, from outputs seen as they come."""
-
-    def __init__(self, arrival: float):
-        self.arrival = arrival
-        self.first_token: float | None = None
-        self.finish: float | None = None
-        self.tokens = 0
-
-    def observe(self, now: float, new_tokens: int, finished: bool) -> None:
-        if new_tokens and self.first_token is None:
-            self.first_token = now
-        self.tokens += new_tokens
-        if finished:
-            self.finish = now
-
-    def record(self) -> Record:
-        if self.first_token is None or self.finish is None:
-            raise RuntimeError(f"a request arriving at {self.arrival:.3f} s never finished ({self.tokens} tokens)")
-        return Record(self.arrival, self.first_token, self.finish, self.tokens)
-
-
-def check_lengths(records: list[Record], requests: list[ServingRequest], system: str) -> None:
-    """Every request generated exactly its drawn number of tokens (end-of-sequence is ignored)."""
-    wrong = [(i, r.output_tokens, q.max_tokens) for i, (r, q) in enumerate(zip(records, requests))
-             if r.output_tokens != q.max_tokens]  # fmt: skip
-    if wrong:
-        raise RuntimeError(f"{system}: requests (index, generated, asked) {wrong[:5]} did not generate as asked")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +291,8 @@ class CompileCounter:
 
 
 def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
-    """The jaxkv engine: warm-up, then requests added as they arrive and one ``step()`` at a time."""
+    """The jaxkv engine: warm-up, then requests added as they arrive and one ``step()`` at a time
+    (``vllm_worker.drive``, as for vLLM)."""
     import jax
 
     from jaxkv.serving import Engine  # check_args made sure it imports
@@ -350,32 +307,28 @@ def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
     start = time.perf_counter()
     engine.warmup()
     warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
-    records = drive_engine(engine, requests)
+    result = timed_drive(EngineRequests(engine), requests, spec["system"])
     stats = dict.fromkeys(STAT_KEYS) | engine.stats()
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
-    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend())
+    return result | dict(stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend())
 
 
-def drive_engine(engine, requests: list[ServingRequest]) -> list[Record]:
-    """Add each request once its arrival time has passed; step while any is unfinished."""
-    clock = Clock()
-    pending = collections.deque(range(len(requests)))
-    tallies = [TokenTally(r.arrival) for r in requests]
-    index_of = {}
-    while pending or engine.has_unfinished():
-        while pending and requests[pending[0]].arrival <= clock.now():
-            i = pending.popleft()
-            index_of[engine.add_request(requests[i].prompt, max_tokens=requests[i].max_tokens, ignore_eos=True)] = i
-        if not engine.has_unfinished():
-            clock.sleep_until(requests[pending[0]].arrival)
-            continue
-        outputs = engine.step()
-        now = clock.now()
-        for out in outputs:
-            tallies[index_of[out.request_id]].observe(now, len(out.new_token_ids), out.finished)
-    records = [t.record() for t in tallies]
-    check_lengths(records, requests, "engine")
-    return records
+class EngineRequests:
+    """``jaxkv.serving.Engine`` as ``vllm_worker.drive`` sees it: greedy, end-of-sequence ignored."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.index_of: dict = {}
+
+    def submit(self, index: int, request: ServingRequest) -> None:
+        request_id = self.engine.add_request(request.prompt, max_tokens=request.max_tokens, ignore_eos=True)
+        self.index_of[request_id] = index
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        return [(self.index_of[out.request_id], list(out.new_token_ids), out.finished) for out in self.engine.step()]
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
 
 
 class StepTimes:
@@ -402,11 +355,13 @@ def worker_static(spec: dict, requests: list[ServingRequest]) -> dict:
     for batch in distinct_shapes(batches):
         generate_static(model, batch, steps)
     warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
+    cpu_start = process_tree_cpu_seconds()
     records, generations = drive_static(model, batches, steps)
+    cpu_seconds = process_tree_cpu_seconds() - cpu_start
     check_lengths(records, requests, "static")
     stats = static_stats(batches, generations)
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
-    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend())
+    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend(), cpu_s=cpu_seconds)
 
 
 def batch_shape(batch: list[ServingRequest]) -> tuple[int, int, int]:
@@ -473,13 +428,16 @@ def worker_hf(spec: dict, requests: list[ServingRequest]) -> dict:
         try:
             warm_up_hf(manager, requests[0].prompt[: spec["page_size"] - 1])  # less than a page: nothing to share
             warmup_seconds = time.perf_counter() - start
+            cpu_start = process_tree_cpu_seconds()
             records = drive_hf(manager, requests)
+            cpu_seconds = process_tree_cpu_seconds() - cpu_start
         finally:
             manager.stop(block=True)
     check_lengths(records, requests, "hf")
     stats = dict.fromkeys(STAT_KEYS) | dict(peak_kv_bytes=num_blocks * spec["page_size"] * kv_bytes_per_token)
     return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend="cpu", num_blocks=num_blocks,
-                attn_implementation=model.config._attn_implementation, threads=torch.get_num_threads())  # fmt: skip
+                attn_implementation=model.config._attn_implementation, threads=torch.get_num_threads(),
+                cpu_s=cpu_seconds)  # fmt: skip
 
 
 def start_hf_manager(model, spec: dict, num_blocks: int):
@@ -557,14 +515,30 @@ def worker_main(spec_path: Path) -> int:
 # parent
 
 
-def run_worker(spec: dict, *, timeout: float | None, verbose: bool) -> dict:
+@dataclasses.dataclass(frozen=True)
+class VllmSetup:
+    """What the vLLM systems run on: the python of vLLM's venv and the float32 checkpoint folder
+    (which the jaxkv systems load too, so every system runs the same weights)."""
+
+    python: Path
+    checkpoint: Path
+
+
+def worker_command(spec: dict, spec_path: Path, vllm: VllmSetup | None) -> list[str]:
+    """jaxkv systems: this module under this python; vLLM's: ``vllm_worker.py`` under its venv's python."""
+    if spec["system"] in VLLM_SYSTEMS:
+        return [str(vllm.python), str(Path(vllm_worker.__file__)), str(spec_path)]
+    return [sys.executable, "-m", MODULE, "--worker", str(spec_path)]
+
+
+def run_worker(spec: dict, vllm: VllmSetup | None, *, timeout: float | None, verbose: bool) -> dict:
     """``spec`` run by a fresh worker; its result, or ``{"error": ...}``."""
     print(f"[bench] {spec['label']} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec | {"result_path": str(result_path)}))
-        command = [sys.executable, "-m", MODULE, "--worker", str(spec_path)]
+        command = worker_command(spec, spec_path, vllm)
         output = None if verbose else subprocess.PIPE
         try:
             proc = subprocess.run(
@@ -582,23 +556,115 @@ def run_worker(spec: dict, *, timeout: float | None, verbose: bool) -> dict:
     return result
 
 
-def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list[ServingRequest]) -> dict:
-    return dict(
-        system=system, workload=kind, label=f"{kind} / {system}", model=args.model, dtype=args.dtype,
+def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list[ServingRequest],
+                vllm: VllmSetup | None) -> dict:  # fmt: skip
+    """A worker's spec. With vLLM among the systems, every system loads its checkpoint folder."""
+    model = args.model if vllm is None else str(vllm.checkpoint)
+    spec = dict(
+        system=system, workload=kind, label=f"{kind} / {system}", model=model, dtype=args.dtype,
         model_kwargs={}, threads=args.threads, kv_memory_mib=args.kv_memory_mib, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=system == "engine", static_batch=args.static_batch, max_output=args.max_output,
         requests=[dataclasses.asdict(r) for r in requests],
     )  # fmt: skip
+    if system in VLLM_SYSTEMS:
+        spec.update(
+            engine_args=engine_args(system, vllm.checkpoint, kv_memory_bytes=args.kv_memory_mib * 2**20,
+                                    page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens),
+            warm_up_requests=min(args.max_num_seqs, len(requests)), stat_keys=STAT_KEYS,
+        )  # fmt: skip
+    return spec
 
 
-def run_system(args: argparse.Namespace, system: str, kind: str, requests: list[ServingRequest]) -> dict:
-    """One row: the worker's result with its metrics (``summarize``) merged in."""
-    result = run_worker(system_spec(args, system, kind, requests), timeout=args.worker_timeout, verbose=args.verbose)
-    row = dict(workload=kind, system=system, **result)
-    if "error" not in row:
-        row.update(summarize([Record(**r) for r in row["records"]]))
-    return row
+def run_once(args: argparse.Namespace, spec: dict, vllm: VllmSetup | None) -> dict:
+    """One run in a fresh worker: its result with its metrics (``summarize``), CPU milliseconds
+    per output token and the machine's 1-minute load average as it started."""
+    load = os.getloadavg()[0]
+    result = run_worker(spec, vllm, timeout=args.worker_timeout, verbose=args.verbose) | dict(load_1min=load)
+    if "error" in result:
+        return result
+    metrics = summarize([Record(**r) for r in result["records"]])
+    return result | metrics | dict(cpu_ms_per_token=1000 * result["cpu_s"] / metrics["output_tokens"])
+
+
+# Metrics a row reports as the median over its runs (output tok/s also with its min and max).
+REPEATED_METRICS = (
+    "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "cpu_ms_per_token",
+)  # fmt: skip
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Medians of ``REPEATED_METRICS`` over the successful runs, output tok/s's min and max, and
+    how many runs succeeded and failed (no successful run: the last error)."""
+    ok = [r for r in runs if "error" not in r]
+    counts = dict(repeats=len(ok), failed_runs=len(runs) - len(ok))
+    if not ok:
+        return counts | dict(error=runs[-1]["error"])
+    medians = {key: _median([r[key] for r in ok]) for key in REPEATED_METRICS}
+    tok_s = [r["output_tok_s"] for r in ok]
+    return counts | medians | dict(output_tok_s_min_max=[min(tok_s), max(tok_s)])
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return float(np.median(present)) if present else None
+
+
+def make_row(kind: str, system: str, runs: list[dict]) -> dict:
+    """A table row: the median run (by output tok/s: its records, stats and token ids) with the
+    medians over all runs (``aggregate``) and every run under ``runs``."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["output_tok_s"])
+    middle = ok[(len(ok) - 1) // 2] if ok else {}
+    return dict(workload=kind, system=system) | middle | aggregate(runs) | dict(runs=runs)
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> int:
+    """How many requests generated the same token ids in both runs."""
+    return sum(a == b for a, b in zip(reference, other, strict=True))
+
+
+def add_agreement(rows: list[dict]) -> None:
+    """Each row with token ids gets ``agreement``: its runs' fewest requests whose greedy tokens
+    equal the reference engine's (``engine``, else ``engine-no-prefix``; its median run), of all."""
+    for kind in {r["workload"] for r in rows}:
+        reference = find_row(rows, kind, "engine") or find_row(rows, kind, "engine-no-prefix")
+        if reference is None:
+            continue
+        for row in rows:
+            runs = [r for r in row.get("runs", []) if "token_ids" in r]
+            if row["workload"] == kind and row is not reference and runs:
+                equal = min(greedy_agreement(reference["token_ids"], r["token_ids"]) for r in runs)
+                row["agreement"] = dict(equal=equal, total=len(reference["token_ids"]), reference=reference["system"])
+
+
+def run_all(args: argparse.Namespace, workloads: dict, vllm: VllmSetup | None) -> list[dict]:
+    """Per workload, ``--repeat`` rounds of every system (a fresh worker each), then one row per system."""
+    rows = []
+    for kind, requests in workloads.items():
+        specs = {system: system_spec(args, system, kind, requests, vllm) for system in args.systems}
+        runs = {system: [] for system in args.systems}
+        for _ in range(args.repeat):
+            for system, spec in specs.items():
+                runs[system].append(run_once(args, spec, vllm))
+        rows += [make_row(kind, system, runs[system]) for system in args.systems]
+    add_agreement(rows)
+    return rows
+
+
+def prepare_vllm(args: argparse.Namespace) -> tuple[VllmSetup | None, dict[str, str]]:
+    """With a vLLM system selected: its venv and the checkpoint folder (made on first use), and
+    ``{}``; or, when the venv cannot be made, None and each vLLM system's reason to be skipped."""
+    wanted = [s for s in args.systems if s in VLLM_SYSTEMS]
+    if not wanted:
+        return None, {}
+    try:
+        python = ensure_venv(args.vllm_venv)
+    except VllmUnavailable as error:
+        reason = f"vLLM is unavailable, so {', '.join(wanted)} are skipped: {error}"
+        print(f"[bench] {reason}", file=sys.stderr, flush=True)
+        return None, dict.fromkeys(wanted, reason)
+    return VllmSetup(python, ensure_checkpoint(args.model)), {}
 
 
 def find_row(rows: list[dict], kind: str, system: str) -> dict | None:
@@ -648,30 +714,37 @@ def check_targets(rows: list[dict]) -> list[dict]:
                      "engine)", metric("shared-prefix", "engine-no-prefix", "ttft_p50_s"),
                      metric("shared-prefix", "engine", "ttft_p50_s"), TARGET_PREFIX_TTFT),
         cost,
+        *[ratio_target(f"{kind}: engine >= {TARGET_VS_VLLM:g}x vLLM (its defaults) output tok/s",
+                       tok_s(kind, "engine"), tok_s(kind, "vllm"), TARGET_VS_VLLM) for kind in WORKLOADS],
     ]  # fmt: skip
 
 
 TABLE_HEADER = (
     "workload", "system", "output tok/s", "req/s", "TTFT p50 s", "TTFT p99 s", "TPOT p50 ms", "TPOT p99 ms",
-    "peak K/V MiB", "wasted K/V %", "prefix hits %", "compiles",
+    "CPU ms / out tok", "greedy = engine", "peak K/V MiB", "wasted K/V %", "prefix hits %", "compiles",
 )  # fmt: skip
 
 
 def table_cells(row: dict) -> list[str]:
+    """A row's cells; with several runs, output tok/s is the median (min-max), the others medians."""
     if "error" in row:
-        return [row["workload"], SYSTEMS[row["system"]], f"failed: {row['error'][:60]}"] + ["-"] * 9
-    stats = row["stats"]
+        return [row["workload"], SYSTEMS[row["system"]], f"failed: {row['error'][:60]}"] + ["-"] * 11
+    stats, agreement = row["stats"], row.get("agreement")
+    tok_s = fmt(row["output_tok_s"], ".1f")
+    if row["repeats"] > 1:
+        tok_s += " ({:.1f}-{:.1f})".format(*row["output_tok_s_min_max"])
     return [
-        row["workload"], SYSTEMS[row["system"]], fmt(row["output_tok_s"], ".1f"), fmt(row["requests_s"], ".2f"),
+        row["workload"], SYSTEMS[row["system"]], tok_s, fmt(row["requests_s"], ".2f"),
         fmt(row["ttft_p50_s"], ".2f"), fmt(row["ttft_p99_s"], ".2f"), fmt(row["tpot_p50_ms"], ".1f"),
-        fmt(row["tpot_p99_ms"], ".1f"), fmt(stats["peak_kv_bytes"], ".1f", 2**-20),
-        fmt(stats["wasted_slot_fraction"], ".1f", 100), fmt(stats["prefix_hit_rate"], ".1f", 100),
-        fmt(stats["num_compiled"], ".0f"),
+        fmt(row["tpot_p99_ms"], ".1f"), fmt(row["cpu_ms_per_token"], ".1f"),
+        "-" if agreement is None else f"{agreement['equal']}/{agreement['total']}",
+        fmt(stats["peak_kv_bytes"], ".1f", 2**-20), fmt(stats["wasted_slot_fraction"], ".1f", 100),
+        fmt(stats["prefix_hit_rate"], ".1f", 100), fmt(stats["num_compiled"], ".0f"),
     ]  # fmt: skip
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 10) + "|"]
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 12) + "|"]
     lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -726,7 +799,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2", help=f"default model name, .gguf, checkpoint or {TINY}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="every system")
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
-    parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=list(SYSTEMS),
+        default=[s for s in SYSTEMS if s not in VLLM_SYSTEMS],
+        help="default: all but vLLM's (the first vLLM run installs it, ~5 min)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each system, each in a fresh worker: rows report medians (and output tok/s's min-max)",
+    )
+    parser.add_argument("--vllm-venv", type=Path, default=VENV, help="vLLM's venv (made on first use)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at once)")
@@ -756,8 +842,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if min(args.requests, args.min_prompt, args.min_output, args.system_prompts, args.static_batch) < 1:
-        parser.error("--requests, --min-prompt, --min-output, --system-prompts and --static-batch must be positive")
+    if min(args.requests, args.min_prompt, args.min_output, args.system_prompts, args.static_batch, args.repeat) < 1:
+        parser.error(
+            "--requests, --min-prompt, --min-output, --system-prompts, --static-batch and --repeat must be positive"
+        )
     if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
         parser.error("--min-prompt/--min-output must not exceed --max-prompt/--max-output")
     if not args.rate > 0:
@@ -817,8 +905,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker is not None:
         return worker_main(args.worker)
     start = time.perf_counter()
+    vllm, skipped = prepare_vllm(args)
+    args.systems = [s for s in args.systems if s not in skipped]
+    if not args.systems:
+        print("[bench] no system left to run", file=sys.stderr)
+        return 1
     workloads = build_workloads(args)
-    rows = [run_system(args, system, kind, requests) for kind, requests in workloads.items() for system in args.systems]
+    rows = run_all(args, workloads, vllm)
     targets = check_targets(rows)
     table = markdown_table(rows)
     rate = "all at once" if math.isinf(args.rate) else f"{args.rate:g} req/s"
@@ -828,6 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings=json_settings(args),
         environment=environment(args), workloads={k: workload_summary(v) for k, v in workloads.items()},
         rows=rows, targets=targets, table_markdown=table, total_seconds=time.perf_counter() - start,
+        skipped=skipped, checkpoint=None if vllm is None else str(vllm.checkpoint),
     )  # fmt: skip
     write_outputs(args, report, list(workloads), title)
     return 0

@@ -73,6 +73,9 @@ SIBLINGS = {
 PACKAGE_EXTRAS = {"jaxkv.server": "serve", "jaxkv.research": "research", "jaxkv.bench": "bench"}
 # Import name -> distribution name, where they differ by more than `-`/`_`/case.
 DISTRIBUTIONS = {"yaml": "pyyaml"}
+# Modules run by another environment's python, with the imports that environment provides (not jaxkv's
+# dependencies): the serving benchmark's vLLM worker runs in vLLM's own venv (jaxkv.bench.vllm_env).
+OTHER_ENVIRONMENTS = {"jaxkv.bench.vllm_worker": {"vllm"}}
 
 
 def module_name(path: Path) -> str:
@@ -207,7 +210,7 @@ def undeclared_imports() -> list[str]:
     for path in library_files():
         name = module_name(path)
         extra = PACKAGE_EXTRAS.get(unit(name))
-        for module in sorted(third_party_imports(path)):
+        for module in sorted(third_party_imports(path) - OTHER_ENVIRONMENTS.get(name, set())):
             if distribution(module) not in core | extras.get(extra, set()):
                 where = "the core dependencies" + (f" or the {extra!r} extra" if extra else "")
                 problems.append(f"{name} imports {module}: declare {distribution(module)} in {where} (pyproject.toml)")
@@ -256,7 +259,8 @@ def test_the_core_imports_without_any_extra():
     """Every module outside server/, research/ and bench/ imports with no extra's module installed, and a
     command needing an extra stops with the pip command that installs it."""
     _, extras = declared()
-    blocked = {"fastapi", "uvicorn", "prometheus_client", "optax", "matplotlib", "gensim", "torch", "transformers"}
+    blocked = {"fastapi", "uvicorn", "prometheus_client", "optax", "matplotlib", "gensim", "torch", "transformers",
+               "psutil"}  # fmt: skip
     assert {distribution(module) for module in blocked} == set().union(*(extras[e] for e in PACKAGE_EXTRAS.values()))
     blocked = sorted(blocked - {"optax"})  # flax.nnx imports optax (flax requires it): every install has it
     names = [module_name(path) for path in library_files()]

@@ -83,16 +83,6 @@ def test_summarize_computes_rates_and_latencies(bench):
     assert bench.percentile([], 50) is None
 
 
-def test_token_tally_records_first_token_and_finish(bench):
-    tally = bench.TokenTally(arrival=0.5)
-    tally.observe(1.0, 0, False)  # a step that only prefilled part of the prompt
-    tally.observe(2.0, 1, False)
-    tally.observe(3.0, 2, True)
-    assert tally.record() == bench.Record(0.5, 2.0, 3.0, 3)
-    with pytest.raises(RuntimeError, match="never finished"):
-        bench.TokenTally(arrival=0.0).record()
-
-
 def test_check_lengths_names_the_wrong_requests(bench):
     requests = [bench.ServingRequest(0.0, [1, 2], 3), bench.ServingRequest(0.0, [1], 2)]
     records = [bench.Record(0.0, 1.0, 2.0, 3), bench.Record(0.0, 1.0, 2.0, 1)]
@@ -112,7 +102,7 @@ def test_static_batches_compile_once_per_shape(bench):
 def test_targets_and_table(bench):
     def row(kind, system, tok_s, ttft, **stats):
         return dict(workload=kind, system=system, output_tok_s=tok_s, requests_s=1.0, ttft_p50_s=ttft,
-                    ttft_p99_s=ttft, tpot_p50_ms=10.0, tpot_p99_ms=20.0,
+                    ttft_p99_s=ttft, tpot_p50_ms=10.0, tpot_p99_ms=20.0, cpu_ms_per_token=12.5, repeats=1,
                     stats=dict.fromkeys(bench.STAT_KEYS) | stats)  # fmt: skip
 
     rows = [
@@ -123,18 +113,25 @@ def test_targets_and_table(bench):
         row("shared-prefix", "engine", 400.0, 0.2),
         row("shared-prefix", "engine-no-prefix", 300.0, 0.5),
         dict(workload="shared-prefix", system="hf", error="exit 1: boom"),
-    ]
+        row("shared-prefix", "vllm", 350.0, 0.3) | dict(repeats=3, output_tok_s_min_max=[340.0, 360.0],
+                                                        agreement=dict(equal=63, total=64, reference="engine")),
+    ]  # fmt: skip
     targets = bench.check_targets(rows)
-    # 3x HF, 2x static, 3% wasted, TTFT only 2.5x lower with prefix caching, 1% slower at 0% hits
-    assert [t["passed"] for t in targets] == [True, True, True, False, True], targets
-    cost = targets[-1]
+    # 3x HF, 2x static, 3% wasted, TTFT only 2.5x lower with prefix caching, 1% slower at 0% hits; no vLLM on
+    # random, and 400 / 350 = 1.14x vLLM on shared-prefix
+    assert [t["passed"] for t in targets] == [True, True, True, False, True, None, False], targets
+    assert targets[-1]["value"] == pytest.approx(400 / 350)
+    cost = targets[4]
     assert cost["value"] == pytest.approx(300 / 303) and "0.0% prefix hits" in cost["display"]
     assert bench.check_targets(rows[2:4])[0]["passed"] is None  # no engine row: not measured
     table = bench.markdown_table(rows).splitlines()
     assert len(table) == 2 + len(rows)
     assert table[2].startswith("| random | jaxkv engine | 300.0 | 1.00 | 0.10 |")
-    assert table[2].endswith("| 3.0 | 0.0 | 6 |")  # wasted %, hits %, compiles
-    assert "failed: exit 1: boom" in table[-1]
+    assert table[2].endswith("| 12.5 | - | - | 3.0 | 0.0 | 6 |")  # CPU ms/token, agreement, K/V, wasted %, hits %
+    assert "failed: exit 1: boom" in table[-2]
+    # vLLM over 3 runs: median (min-max) output tok/s, 63 of 64 requests with the engine's greedy tokens
+    assert table[-1].startswith("| shared-prefix | vLLM (its defaults) | 350.0 (340.0-360.0) | 1.00 |")
+    assert "| 12.5 | 63/64 |" in table[-1]
 
 
 def test_quick_sets_defaults_that_flags_override(bench):
