@@ -18,6 +18,15 @@ TINY_GEMMA = dict(
     num_key_value_heads=2, head_dim=8, sliding_window=4, query_pre_attn_scalar=8, max_position_embeddings=512,
     layer_types=("sliding_attention", "full_attention"),  # Gemma 3's mix, in a pattern short enough to compile fast
 )  # fmt: skip
+# A paragraph of English; seven copies run the real models past Gemma 3's 512-token window.
+PARAGRAPH = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based inks and a wooden press adapted from those used for "
+    "wine making. Books, which had been copied by hand for centuries, could now be produced quickly "
+    "and cheaply, and within fifty years presses were working in more than two hundred European "
+    "cities. Literacy spread, scholars shared their findings faster, and the Reformation carried "
+    "its arguments across borders in printed pamphlets. "
+)
 
 
 def make_layer(kind, *, batch=1, heads=1, head_dim=1, span=4, max_length=24, rollback_slots=0):

@@ -4,10 +4,11 @@ with full optimization (``OPTIMIZED_FILES`` in tests/conftest.py: real weights, 
 the tiny models' cases are in test_speculative.py.
 """
 
+from jaxkv.models.load import load_pretrained
+
 from jaxkv.decoding.generate import generate
 from jaxkv.decoding.speculative import PromptLookup, generate_speculative
-from jaxkv.models.load import load_pretrained
-from tests.models.test_gemma3 import PARAGRAPH
+from tests.cases import PARAGRAPH
 
 
 def test_real_gemma3_prompt_lookup_past_the_window_equals_plain_greedy():

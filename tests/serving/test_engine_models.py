@@ -7,7 +7,7 @@ import numpy as np
 from jaxkv.models.load import load_pretrained
 from jaxkv.serving import Engine
 from tests.cases import greedy_reference, run_arrivals
-from tests.models.test_gemma3 import PARAGRAPH
+from tests.cases import PARAGRAPH
 
 NEW_TOKENS = 16
 TOPICS = ["rivers", "bread", "volcanoes", "chess", "bees", "glass", "trains", "comets"]
