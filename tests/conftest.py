@@ -58,7 +58,7 @@ parse_each_gguf_once()
 OPTIMIZED_FILES = {
     "test_smollm2.py", "test_engine_models.py", "test_mqar.py", "test_server.py", "test_load_test.py",
     "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
-    "test_sharding_smollm2.py", "test_gemma3_gguf.py",
+    "test_sharding_smollm2.py", "test_gemma3_gguf.py", "test_beam_smollm2.py",
 }  # fmt: skip
 
 
@@ -95,21 +95,22 @@ def drop_compiled_executables():
 FILE_SECONDS = {
     "test_speculative.py": 169, "test_sharding.py": 160, "test_gemma3.py": 50, "test_engine.py": 175,
     "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 149, "test_quantized.py": 127,
-    "test_engine_sharding.py": 117, "test_beam.py": 113, "test_server.py": 110, "test_bench_serving.py": 108,
+    "test_engine_sharding.py": 117, "test_beam.py": 25, "test_server.py": 110, "test_bench_serving.py": 108,
     "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 89, "test_mqar.py": 82,
     "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
-    "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 144,
+    "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 144, "test_beam_smollm2.py": 62,
 }  # fmt: skip
 
 
 # Markers across components (docs/testing.md). Each test folder is a component and marks its tests
 # with its name (`pytest -m serving`); these files also carry:
 PARITY_FILES = {  # compare with transformers or kvpress, the [parity] extra's oracles
-    "test_beam.py", "test_eviction_parity.py", "test_encoder_decoder.py", "test_layer_protocol.py", "test_linear.py",
-    "test_properties.py", "test_quantized.py", "test_gemma3.py", "test_gemma3_gguf.py", "test_llama_parity.py",
-    "test_qwen3_5_parity.py", "test_smollm2.py", "test_tokenizer.py", "test_weights.py", "test_cli_mesh.py",
+    "test_beam.py", "test_beam_smollm2.py", "test_eviction_parity.py", "test_encoder_decoder.py",
+    "test_layer_protocol.py", "test_linear.py", "test_properties.py", "test_quantized.py", "test_gemma3.py",
+    "test_gemma3_gguf.py", "test_llama_parity.py", "test_qwen3_5_parity.py", "test_smollm2.py", "test_tokenizer.py",
+    "test_weights.py", "test_cli_mesh.py",
 }  # fmt: skip
 MULTIDEVICE_FILES = {  # run on meshes of the 8 host devices, or several processes
     "test_engine_sharding.py", "test_sharding.py", "test_sharding_smollm2.py", "test_sharding_table.py",
@@ -123,8 +124,9 @@ SERVER_FILES = {  # start a server on 127.0.0.1
 # fixtures' loads counted: `pytest -m "not slow"` leaves them out (the quick tier).
 SLOW: dict[str, set[str]] = {
     "test_beam.py": {
-        "test_beam_search_equals_transformers", "test_cli_beam_flags", "test_smollm2_beam_search_equals_transformers",
+        "test_beam_search_equals_transformers", "test_cli_beam_flags",
     },
+    "test_beam_smollm2.py": {"test_smollm2_beam_search_equals_transformers"},
     "test_behaviours.py": {"test_one_query_path_equals_the_batched_one"},
     "test_bench_serving.py": {"test_engine_systems_on_a_tiny_llama", "test_static_and_transformers_on_a_tiny_llama"},
     "test_bench_smoke.py": {"test_bench_decode_quantized_and_gpu_refusal", "test_bench_decode_tiny_jaxkv"},
