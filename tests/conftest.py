@@ -59,6 +59,7 @@ OPTIMIZED_FILES = {
     "test_smollm2.py", "test_engine_models.py", "test_mqar.py", "test_server.py", "test_load_test.py",
     "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
     "test_sharding_smollm2.py", "test_gemma3_gguf.py", "test_beam_smollm2.py",
+    "test_experiment_smoke.py",
 }  # fmt: skip
 
 
@@ -96,11 +97,12 @@ FILE_SECONDS = {
     "test_speculative.py": 169, "test_sharding.py": 160, "test_gemma3.py": 50, "test_engine.py": 175,
     "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 149, "test_quantized.py": 127,
     "test_engine_sharding.py": 117, "test_beam.py": 25, "test_server.py": 110, "test_bench_serving.py": 108,
-    "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 89, "test_mqar.py": 82,
+    "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
     "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
     "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 144, "test_beam_smollm2.py": 62,
+    "test_experiment_smoke.py": 62,
 }  # fmt: skip
 
 
@@ -183,8 +185,9 @@ SLOW: dict[str, set[str]] = {
     },
     "test_experiment.py": {
         "test_every_cache_of_a_context_shares_one_prefill", "test_mqar_cells_run_on_their_checkpoint",
-        "test_perplexity_windows_are_seeded_and_batched", "test_smoke_grid_end_to_end_and_resumes",
+        "test_perplexity_windows_are_seeded_and_batched",
     },
+    "test_experiment_smoke.py": {"test_smoke_grid_end_to_end_and_resumes"},
     "test_gemma3.py": {
         "test_early_exit_matches_transformers_first_layers", "test_greedy_generate_matches_transformers",
         "test_prefill_and_decode_logits_match_transformers",
