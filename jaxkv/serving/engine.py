@@ -22,6 +22,8 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 
+import jax
+
 from jaxkv.batch import QUERY_BLOCK
 from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
@@ -30,7 +32,7 @@ from jaxkv.layers.paged import Paging
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.input_processor import InputProcessor
 from jaxkv.serving.kv_manager import KVCacheManager
-from jaxkv.serving.model_runner import ModelRunner, prefill_buckets
+from jaxkv.serving.model_runner import ModelRunner, prefill_buckets, step_shapes
 from jaxkv.serving.output_processor import OutputProcessor
 from jaxkv.serving.parallel_sampling import fork_sequences
 from jaxkv.serving.requests import Completion, RequestError, RequestOutput, SequenceState
@@ -45,8 +47,9 @@ class EngineConfig:
     ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``); under a mesh, over all
     devices (each holds its share: pages over ``data``, K/V heads over ``model``).
     ``page_size``: tokens per page.
-    ``max_num_seqs``: rows decoding at once (each step has a decode slot per row; under a mesh a
-    multiple of the ``data`` axis).
+    ``max_num_seqs``: rows running at once (under a mesh a multiple of the ``data`` axis); a step
+    that prefills has a decode slot per row, a decode-only step the smallest of the halvings of
+    ``max_num_seqs`` down to 8 that holds its rows (``step_shapes``).
     ``max_num_batched_tokens``: prefill-chunk tokens per step besides the decodes (a multiple of
     ``QUERY_BLOCK``; also the largest prefill bucket).
     ``max_model_len``: the longest prompt plus output (default: the model's ``max_position_embeddings``).
@@ -86,6 +89,10 @@ class EngineConfig:
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
         return prefill_buckets(self.max_num_batched_tokens)
+
+    def step_shapes(self) -> tuple[tuple[int, int], ...]:
+        """The compiled steps' ``(decode slots, prefill size)`` (``model_runner.step_shapes``)."""
+        return step_shapes(self.max_num_seqs, self.max_num_batched_tokens)
 
 
 class Engine:
@@ -213,18 +220,21 @@ class Engine:
         """Schedule, run one compiled step, process its outputs. A failure while the step is
         prepared or run fails the requests it held, each with finish reason 'error' and the
         error's message; the engine takes the next request as before."""
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return self._take_final()
+        with jax.profiler.TraceAnnotation("engine.schedule"):
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return self._take_final()
+            block_tables = self._block_tables()
         try:
-            outputs = self.runner.run(chunks, self._block_tables(), self.pending_copies)
+            outputs = self.runner.run(chunks, block_tables, self.pending_copies)
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
-        self.scheduler.computed(chunks)
-        self._fork()  # before a first sequence can finish and free its pages
-        self._record_usage()
-        return self._take_final() + [self._advance(chunk, outputs) for chunk in chunks]
+        with jax.profiler.TraceAnnotation("engine.outputs"):
+            self.scheduler.computed(chunks)
+            self._fork()  # before a first sequence can finish and free its pages
+            self._record_usage()
+            return self._take_final() + [self._advance(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]
 
     def _fork(self) -> None:
         """Start the further sequences of ``n > 1`` requests; their page copies run with the next step."""
@@ -249,16 +259,16 @@ class Engine:
         final, self.final_outputs = self.final_outputs, []
         return final
 
-    def _advance(self, chunk: Chunk, outputs) -> RequestOutput:
-        """Append the token drawn for a chunk that computed its sequence's last known token;
-        finish the sequence if it stops."""
+    def _advance(self, chunk: Chunk, outputs, slot: int) -> RequestOutput:
+        """Append the token drawn (in sample ``slot``) for a chunk that computed its sequence's
+        last known token; finish the sequence if it stops."""
         seq = chunk.seq
         new: list[int] = []
         if chunk.draws_next:
-            row, token = seq.row, int(outputs.tokens[seq.row])
+            token = int(outputs.tokens[slot])
             new.append(token)
             reason = self.outputs.append(
-                seq, token, outputs.logprobs[row], outputs.top_tokens[row], outputs.top_logprobs[row]
+                seq, token, outputs.logprobs[slot], outputs.top_tokens[slot], outputs.top_logprobs[slot]
             )
             if reason is not None:
                 self.outputs.finished(seq, reason)
@@ -266,7 +276,7 @@ class Engine:
         return self.outputs.output(seq, new)
 
     def warmup(self) -> None:
-        """Compile the step for every prefill bucket, so no request waits for a compile."""
+        """Compile the step for every step shape, so no request waits for a compile."""
         self.runner.warmup(self._block_tables())
 
     # --- convenience and metrics ------------------------------------------------------------------

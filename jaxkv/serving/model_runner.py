@@ -1,10 +1,14 @@
 """Model running: a step's chunks packed into the compiled step's inputs (nano-vllm's
-``ModelRunner.prepare_*``), one executable per prefill bucket, and the step run on the device.
+``ModelRunner.prepare_*``), one executable per step shape, and the step run on the device.
 
-A step's tokens: a decode slot per row (single-token chunks) first, then ``prefill_size``
-slots of prefill chunks, each starting a block of ``QUERY_BLOCK`` tokens (the unit paged
-attention reads), the rest padding. ``prefill_size`` is the smallest bucket that holds the
-step's chunks: ``warmup`` compiles every bucket, and no step compiles after it.
+A step's tokens: ``D`` decode slots (single-token chunks) first, then ``prefill_size`` slots of
+prefill chunks, each starting a block of ``QUERY_BLOCK`` tokens (the unit paged attention
+reads), the rest padding. Each scheduled chunk also has a sample slot (chunk ``i``: slot ``i``
+of ``D``), where its row's next token is drawn. ``prefill_size`` is the smallest prefill bucket
+that holds the step's chunks. ``D`` is the engine's row count when the step prefills; a
+decode-only step takes the smallest decode bucket that holds its rows, so a few running rows
+do not pay for the GEMM rows, attention reads and LM head of all. ``warmup`` compiles every
+shape, and no step compiles after it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from jaxkv.decoding.sampling import GREEDY, RowSampling
 from jaxkv.serving.scheduler import Chunk, chunk_cost
 from jaxkv.serving.step import StepInputs, StepOutputs, compiled_step, copy_pages
 
+# The fewest decode slots a decode-only step is given (fewer saves too little to compile for).
+MIN_DECODE_SLOTS = 8
+
 
 def prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """Sizes of a step's prefill section: 0, then powers of two from ``QUERY_BLOCK`` up to the budget."""
@@ -30,75 +37,100 @@ def prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     return (*sizes, max_num_batched_tokens)
 
 
+def decode_buckets(num_rows: int) -> tuple[int, ...]:
+    """Decode slots of a decode-only step: ``num_rows`` halved while it stays even and at least
+    ``MIN_DECODE_SLOTS``, smallest first (``num_rows`` itself always)."""
+    sizes = [num_rows]
+    while sizes[-1] % 2 == 0 and sizes[-1] // 2 >= MIN_DECODE_SLOTS:
+        sizes.append(sizes[-1] // 2)
+    return tuple(reversed(sizes))
+
+
+def step_shapes(num_rows: int, max_num_batched_tokens: int) -> tuple[tuple[int, int], ...]:
+    """Every compiled step shape, ``(decode slots, prefill size)``: all rows with each prefill
+    bucket, and each smaller decode bucket without prefill."""
+    prefills = prefill_buckets(max_num_batched_tokens)
+    return (*((num_rows, size) for size in prefills), *((slots, 0) for slots in decode_buckets(num_rows)[:-1]))
+
+
 class ModelRunner:
     """The model's parameters and paged cache on the device, and the compiled steps over them.
-    ``num_rows``: decode slots (the engine's rows); ``num_top``: top log-probabilities computed
-    per row (at least 1)."""
+    ``num_rows``: the engine's rows (block-table rows, the most decode slots); ``num_top``: top
+    log-probabilities computed per sample slot (at least 1)."""
 
     def __init__(self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int):
         self.graphdef, self.state = nnx.split(model)
         self.cache = cache
         self.num_rows = num_rows
-        self.buckets = prefill_buckets(max_num_batched_tokens)
+        self.shapes = step_shapes(num_rows, max_num_batched_tokens)
+        self.prefills = prefill_buckets(max_num_batched_tokens)
+        self.decodes = decode_buckets(num_rows)
         self.num_top = num_top
-        self.executables: dict[int, Callable] = {}
+        self.executables: dict[tuple[int, int], Callable] = {}
         self.num_steps = 0
 
     def run(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], copies: dict) -> StepOutputs:
         """Copy a fork's pages (``copies``: ``(source, destination)`` pairs per pool name, if any),
-        then run one step over ``chunks``; returns the outputs on the host."""
+        then run one step over ``chunks``; returns the outputs on the host, chunk ``i``'s in sample slot ``i``."""
         if any(copies.values()):
             self.cache = copy_pages(self.cache, {name: np.asarray(pairs, np.int32) for name, pairs in copies.items()})
-        inputs = self.prepare(chunks, block_tables)
-        outputs, self.cache = self._executable(inputs)(self.state, self.cache, inputs)
+        with jax.profiler.TraceAnnotation("runner.prepare"):
+            inputs = self.prepare(chunks, block_tables)
+        with jax.profiler.TraceAnnotation("runner.dispatch"):
+            outputs, self.cache = self._executable(inputs)(self.state, self.cache, inputs)
         self.num_steps += 1
-        return jax.device_get(outputs)
+        with jax.profiler.TraceAnnotation("runner.wait"):
+            return jax.device_get(outputs)
 
     def warmup(self, block_tables: dict[str, np.ndarray]) -> None:
-        """Compile the step for every prefill bucket, so no request waits for a compile."""
-        for size in self.buckets:
-            self._executable(self._packed([], size, block_tables))
+        """Compile the step for every shape, so no request waits for a compile."""
+        for slots, prefill in self.shapes:
+            self._executable(self._packed([], slots, prefill, block_tables))
 
     def prepare(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepInputs:
-        """The step's inputs in the smallest prefill bucket that holds ``chunks``."""
+        """The step's inputs in the smallest shape that holds ``chunks``."""
         prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
-        return self._packed(chunks, next(size for size in self.buckets if size >= prefill), block_tables)
+        prefill_size = next(size for size in self.prefills if size >= prefill)
+        slots = self.num_rows if prefill_size else next(size for size in self.decodes if size >= len(chunks))
+        return self._packed(chunks, slots, prefill_size, block_tables)
 
     def _executable(self, inputs: StepInputs) -> Callable:
-        """The compiled step for this prefill bucket (compiled on first use, or by ``warmup``)."""
-        num_tokens = inputs.tokens.shape[0]
-        if num_tokens not in self.executables:
+        """The compiled step for this shape (compiled on first use, or by ``warmup``)."""
+        slots = inputs.packed.single_tokens
+        shape = (slots, inputs.tokens.shape[0] - slots)
+        if shape not in self.executables:
             lowered = compiled_step.lower(self.graphdef, self.state, self.cache, inputs, self.num_top)
-            self.executables[num_tokens] = lowered.compile()
-        return self.executables[num_tokens]
+            self.executables[shape] = lowered.compile()
+        return self.executables[shape]
 
-    def _packed(self, chunks: list[Chunk], prefill_size: int, block_tables: dict[str, np.ndarray]) -> StepInputs:
-        """A decode slot per row, then ``prefill_size`` slots of prefill chunks, each starting a
-        query block; with each row's sampling."""
-        rows = self.num_rows
-        size = rows + prefill_size
+    def _packed(
+        self, chunks: list[Chunk], slots: int, prefill_size: int, block_tables: dict[str, np.ndarray]
+    ) -> StepInputs:
+        """``slots`` decode slots, then ``prefill_size`` slots of prefill chunks, each starting a
+        query block; chunk ``i`` draws in sample slot ``i``, with its sequence's sampling."""
+        size = slots + prefill_size
         tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
-        sample_index, num_logprobs = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        seeds, numbers, counters = np.zeros(rows, np.uint32), np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        row_sampling = [GREEDY] * rows
-        decode_slot, prefill_slot = 0, rows
-        for chunk in chunks:
-            seq, row = chunk.seq, chunk.seq.row
+        sample_index, num_logprobs = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        seeds, numbers, counters = np.zeros(slots, np.uint32), np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        slot_sampling = [GREEDY] * slots
+        decode_slot, prefill_slot = 0, slots
+        for slot, chunk in enumerate(chunks):
+            seq = chunk.seq
             if chunk.count == 1:
                 start, decode_slot = decode_slot, decode_slot + 1
             else:
                 start, prefill_slot = prefill_slot, prefill_slot + chunk_cost(chunk.count)
-                token_rows[start:prefill_slot] = row  # padding of the chunk's last block: its row too
+                token_rows[start:prefill_slot] = seq.row  # padding of the chunk's last block: its row too
             end = start + chunk.count
             tokens[start:end] = seq.tokens[chunk.start : chunk.start + chunk.count]
             positions[start:end] = np.arange(chunk.start, chunk.start + chunk.count)
-            token_rows[start:end] = row
-            sample_index[row], num_logprobs[row] = end - 1, seq.options.logprobs
-            seeds[row], numbers[row], counters[row] = seq.options.seed, seq.index, len(seq.output)
-            row_sampling[row] = seq.options.sampling
+            token_rows[start:end] = seq.row
+            sample_index[slot], num_logprobs[slot] = end - 1, seq.options.logprobs
+            seeds[slot], numbers[slot], counters[slot] = seq.options.seed, seq.index, len(seq.output)
+            slot_sampling[slot] = seq.options.sampling
         # A prefill chunk fills at most what the decode slots leave: the rows' [R, T] layout's T.
-        packed = PackedBatch(token_rows, block_tables, single_tokens=rows, tokens_per_row=max(1, prefill_size))
+        packed = PackedBatch(token_rows, block_tables, single_tokens=slots, tokens_per_row=max(1, prefill_size))
         return StepInputs(
             tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, num_logprobs=num_logprobs,
-            seeds=seeds, sample_numbers=numbers, counters=counters, sampling=RowSampling.stack(row_sampling),
+            seeds=seeds, sample_numbers=numbers, counters=counters, sampling=RowSampling.stack(slot_sampling),
         )  # fmt: skip

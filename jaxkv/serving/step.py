@@ -1,8 +1,9 @@
 """The compiled serving step: a packed batch of prefill chunks and decode tokens through the
 model over paged K/V, then a token drawn for each row that asked for one.
 
-Shapes are static per bucket: ``N`` packed tokens (a few power-of-two buckets up to the
-token budget), ``R`` rows (the engine's ``max_num_seqs``), ``W`` block-table columns. The
+Shapes are static per step shape: ``N`` packed tokens (``S`` decode slots, then a prefill
+bucket up to the token budget), ``S`` sample slots (one per scheduled chunk), ``R`` rows (the
+engine's ``max_num_seqs``: block-table rows), ``W`` block-table columns. The
 cache is donated and updated in place; the step's metadata (``jaxkv.batch.PackedBatch``)
 travels beside it, never in it.
 """
@@ -25,11 +26,12 @@ class StepInputs:
 
     ``tokens`` ``[N]`` int32: the packed tokens; ``positions`` ``[N]`` int32: their absolute
     positions (-1: padding); ``packed``: each token's row and the block tables (``PackedBatch``);
-    ``sample_index`` ``[R]`` int32: where each row's last token sits in the packed batch.
-    ``num_logprobs`` ``[R]`` int32: the top alternatives each row asks for (none: no top-k is computed).
-    ``seeds`` ``[R]`` uint32, ``sample_numbers``, ``counters`` ``[R]`` int32: each row draws with
-    the key of (request seed, sequence index, tokens drawn so far), so a sequence's tokens do not
-    depend on what it was batched with or on a preemption. ``sampling``: per-row parameters ``[R]``.
+    ``sample_index`` ``[S]`` int32: where each sample slot's chunk has its last token in the
+    packed batch. ``num_logprobs`` ``[S]`` int32: the top alternatives each slot asks for (none:
+    no top-k is computed). ``seeds`` ``[S]`` uint32, ``sample_numbers``, ``counters`` ``[S]``
+    int32: each slot draws with the key of (request seed, sequence index, tokens drawn so far),
+    so a sequence's tokens do not depend on what it was batched with or on a preemption.
+    ``sampling``: per-slot parameters ``[S]``.
     """
 
     tokens: jax.Array
@@ -45,8 +47,8 @@ class StepInputs:
 
 @pytree_class
 class StepOutputs:
-    """Per row ``[R]``: the drawn token (int32) and its log-probability (float32), and the top
-    ``M`` alternatives ``[R, M]`` (int32 ids, float32 log-probabilities)."""
+    """Per sample slot ``[S]``: the drawn token (int32) and its log-probability (float32), and
+    the top ``M`` alternatives ``[S, M]`` (int32 ids, float32 log-probabilities)."""
 
     tokens: jax.Array
     logprobs: jax.Array
@@ -55,7 +57,7 @@ class StepOutputs:
 
 
 def _row_keys(inputs: StepInputs) -> jax.Array:
-    """One key per row from (seed, sequence number, tokens drawn so far)."""
+    """One key per sample slot from (seed, sequence number, tokens drawn so far)."""
 
     def key(seed, sample_number, counter):
         return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample_number), counter)
@@ -64,14 +66,14 @@ def _row_keys(inputs: StepInputs) -> jax.Array:
 
 
 def serving_step(graphdef, state, cache: Cache, inputs: StepInputs, num_top: int) -> tuple[StepOutputs, Cache]:
-    """Run the packed batch, then draw each row's next token from the logits at its
-    ``sample_index`` (rows that draw nothing this step are ignored by the host)."""
+    """Run the packed batch, then draw each sample slot's next token from the logits at its
+    ``sample_index`` (slots that draw nothing this step are ignored by the host)."""
     model = nnx.merge(graphdef, state)
     positions = inputs.positions[None]
     logits, cache = model(
         inputs.tokens[None], positions, cache, logits_index=inputs.sample_index[None], packed=inputs.packed
     )
-    logits = logits[0]  # [R, V]
+    logits = logits[0]  # [S, V]
     tokens = sample_rows(logits, _row_keys(inputs), inputs.sampling)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -140,6 +140,34 @@ def test_no_compile_after_warmup(llama):
     assert wide.stats()["num_compiled"] == 4
 
 
+def test_decode_only_steps_take_the_smallest_decode_bucket(llama):
+    """16 rows: a decode-only step with at most 8 running rows runs 8 decode slots (and 8 sample
+    slots), a step that prefills all 16; the tokens still equal ``generate``'s, sampled tokens do
+    not depend on the step shape, and ``warmup`` compiled every shape."""
+    engine = Engine(llama, kv_memory=256 * 1024, page_size=4, max_num_seqs=16, max_num_batched_tokens=16)
+    assert engine.config.step_shapes() == ((16, 0), (16, 16), (8, 0))
+    engine.warmup()
+    shapes, prepare = [], engine.runner.prepare
+
+    def recorded(chunks, tables):  # (decode slots, chunks) of each step
+        inputs = prepare(chunks, tables)
+        shapes.append((inputs.packed.single_tokens, len(chunks)))
+        return inputs
+
+    engine.runner.prepare = recorded
+    prompts = prompts_of(7, 12)
+    got = run_arrivals(engine, prompts, [0] * 10 + [30, 30], NEW_TOKENS)
+    assert got == reference(llama, prompts)
+    assert all(slots >= count for slots, count in shapes) and {slots for slots, _ in shapes} == {8, 16}
+    assert engine.stats()["num_compiled"] == 3
+    sampling = Sampling(temperature=1.0, top_k=20)
+    few = Engine(llama, kv_memory=256 * 1024, page_size=4, max_num_seqs=16, max_num_batched_tokens=16)
+    alone = few.generate_many(prompts[:2], sampling, max_tokens=NEW_TOKENS, seed=3)  # 8-slot decode steps
+    many = Engine(llama, kv_memory=256 * 1024, page_size=4, max_num_seqs=16, max_num_batched_tokens=16)
+    crowded = many.generate_many(prompts[:2] + prompts[2:12], sampling, max_tokens=NEW_TOKENS, seed=3)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in crowded[:2]]
+
+
 def test_n_samples_share_the_prompt_pages(llama):
     """``n=3``: the samples fork from the first after its prefill (full pages shared, the last
     prompt page copied). Greedy samples all equal the reference; sampled ones are reproducible
