@@ -89,7 +89,9 @@ def drop_compiled_executables():
 
 
 # Seconds each of the slowest test files took on this 2-core machine (one full run, 2026-12-05,
-# other work beside it; the server files as optimized before). `--dist loadfile` hands whole files
+# other work beside it; the server files as optimized before; the files split off for their real
+# weights and what they left behind: their tests' seconds in that run, scaled by the CPU time the
+# optimized compile saved them). `--dist loadfile` hands whole files
 # to the two workers in collection order, so running alphabetically left one worker alone with the
 # last big files for minutes; longest first (the files not listed follow in their usual order)
 # keeps both busy to the end.
