@@ -412,6 +412,10 @@ def print_report(title: str, table: str, cost: dict, report: dict) -> None:
     print(f"\n{report['machine_before']['cores']} cores; 1-minute load average: {load}")
     if "server_exit" in report:
         print(f"server exit status after SIGTERM: {report['server_exit']}")
+    for server, entry in report.get("vllm_servers", {}).items():
+        print(f"{server} server exit status after SIGTERM: {entry.get('server_exit')}")
+    if "skipped" in report:
+        print(report["skipped"])
 
 
 def succeeded(rows: list[dict], report: dict) -> bool:
