@@ -97,7 +97,7 @@ def drop_compiled_executables():
 # keeps both busy to the end.
 FILE_SECONDS = {
     "test_speculative.py": 169, "test_sharding.py": 160, "test_gemma3.py": 50, "test_engine.py": 175,
-    "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 149, "test_quantized.py": 127,
+    "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 98, "test_quantized.py": 127,
     "test_engine_sharding.py": 117, "test_beam.py": 25, "test_server.py": 110, "test_bench_serving.py": 108,
     "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
     "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
@@ -231,11 +231,7 @@ SLOW: dict[str, set[str]] = {
         "test_shared_prefix_equals_whole_prompt_and_stays_usable",
     },
     "test_properties.py": {
-        "test_chunked__with_jit", "test_chunked__without_jit", "test_dynamic__with_jit", "test_dynamic__without_jit",
-        "test_dynamic_blocked_attention__with_jit", "test_dynamic_blocked_attention__without_jit",
-        "test_sliding_window__with_jit", "test_sliding_window__without_jit", "test_static__with_jit",
-        "test_static__without_jit", "test_static_blocked_attention__with_jit",
-        "test_static_blocked_attention__without_jit",
+        "test_incremental_equals_full_attention__with_jit", "test_incremental_equals_full_attention__without_jit",
     },
     "test_quantized.py": {
         "test_beam_reorder_equals_reordering_before_quantizing",
