@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import attention
-from tests.oracle import full_attention
 from tests.cases import feed_rollback_plans, make_layer
+from tests.oracle import full_attention
 
 HEAD_DIM = 4
 MAX_LEN = 24
