@@ -58,6 +58,9 @@ CATEGORY_RULES = (
     ("sampling, log-probs", ("sample_rows", "_row_keys", "serving_step.<locals>.top"), False),
     ("norms, RoPE, embedding, other", ("rms_norm", "apply_rope", "Decoder.matmul", "Llama.__call__"), False),
 )
+# The layer scan's slice of one layer's stacked weights (jax.lax.scan's dynamic_index_in_dim): a copy on XLA's CPU.
+LAYER_SLICE, SLICE_OPCODE = "jit(dynamic_index_in_dim)", "layer-slice"
+SLICE_CATEGORY = "layer scan: weight slice copies"
 SAMPLING_LINES = "serving_step"  # the log-softmax and chosen log-prob sit in serving_step itself
 CONTROL_OPCODES = {"while", "conditional", "call"}
 
@@ -122,13 +125,9 @@ def op_categories(text: str) -> tuple[dict[str, str], set[str]]:
         if match and current:
             frame = re.search(r"stack_frame_id=(\d+)", line)
             called = re.search(r"calls=%?([\w.\-]+)", line)
+            opcode = SLICE_OPCODE if LAYER_SLICE in line else match.group(2)
             computations[current].append(
-                (
-                    match.group(1),
-                    match.group(2),
-                    int(frame.group(1)) if frame else None,
-                    called.group(1) if called else "",
-                )
+                (match.group(1), opcode, int(frame.group(1)) if frame else None, called.group(1) if called else "")
             )
     categories, control = {}, set()
     for ops in computations.values():
@@ -137,7 +136,8 @@ def op_categories(text: str) -> tuple[dict[str, str], set[str]]:
             has_dot = opcode in ("dot", "convolution") or any(op[1] in ("dot", "convolution") for op in inner)
             if frame is None:
                 frame = next((op[2] for op in inner if op[2] is not None), None)
-            categories[name] = _category(stacks.get(frame, []), has_dot)
+            sliced = opcode == SLICE_OPCODE or any(op[1] == SLICE_OPCODE for op in inner)
+            categories[name] = SLICE_CATEGORY if sliced else _category(stacks.get(frame, []), has_dot)
             if opcode in CONTROL_OPCODES:
                 control.add(name)
     return categories, control
@@ -210,15 +210,17 @@ def profile_case(engine: Engine, args, rows: int, prefill: bool) -> dict:
                 engine.step()
                 walls.append(1000 * (time.perf_counter() - start))
         events = _events(Path(trace_dir))
-    prefill_size = args.max_num_batched_tokens if prefill else 0
-    executable = engine.runner.executables[args.max_num_seqs + prefill_size]
+    runner = engine.runner
+    shape = (args.max_num_seqs, args.max_num_batched_tokens) if prefill else runner.prepare_shape(rows, 0)
+    executable = runner.executables[shape]
     steps = step_breakdown(events, *op_categories(executable.as_text()))
     keys = sorted({key for step in steps for key in step})
     medians = {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
     ops = {key[3:]: medians.pop(key) for key in keys if key.startswith("op ")}
     top = sorted(ops.items(), key=lambda item: -item[1])[: args.top]
     return {
-        "rows": rows, "prefill": prefill, "step_ms": statistics.median(walls), "walls_ms": walls, **medians,
+        "rows": rows, "prefill": prefill, "decode_slots": shape[0], "step_ms": statistics.median(walls),
+        "walls_ms": walls, **medians,
         "top_ops": [{"op": name, "ms": ms, "hlo": _describe(executable.as_text(), name)} for name, ms in top],
     }  # fmt: skip
 
@@ -234,9 +236,9 @@ def _describe(text: str, name: str) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    cases = [f"{r['rows']} rows{' + prefill' if r['prefill'] else ''}" for r in results]
-    ops = sorted({key for r in results for key in r} - {"rows", "prefill", "step_ms", "walls_ms", "ops total",
-                                                         "device span", "top_ops", *HOST_STAGES})  # fmt: skip
+    cases = [f"{r['rows']} rows{' + prefill' if r['prefill'] else ''} ({r['decode_slots']} slots)" for r in results]
+    not_ops = {"rows", "prefill", "decode_slots", "step_ms", "walls_ms", "ops total", "device span", "top_ops"}
+    ops = sorted({key for r in results for key in r} - not_ops - set(HOST_STAGES))
     lines = ["| ms per step | " + " | ".join(cases) + " |", "|---|" + "---:|" * len(cases)]
 
     def row(label: str, key: str, share: bool = False) -> None:
@@ -272,9 +274,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--top", type=int, default=12, help="list this many of the slowest ops per case")
+    parser.add_argument(
+        "--unrolled", action="store_true", help="the model with its layers unrolled (scan_layers=False)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model, _ = load_pretrained("smollm2")
+    model, _ = load_pretrained("smollm2", **({"scan_layers": False} if args.unrolled else {}))
     engine = Engine(
         model, kv_memory=args.kv_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

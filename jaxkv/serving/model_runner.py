@@ -89,10 +89,17 @@ class ModelRunner:
 
     def prepare(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepInputs:
         """The step's inputs in the smallest shape that holds ``chunks``."""
-        prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
-        prefill_size = next(size for size in self.prefills if size >= prefill)
-        slots = self.num_rows if prefill_size else next(size for size in self.decodes if size >= len(chunks))
+        slots, prefill_size = self.prepare_shape(len(chunks), sum(chunk_cost(chunk.count) for chunk in chunks))
         return self._packed(chunks, slots, prefill_size, block_tables)
+
+    def prepare_shape(self, num_chunks: int, prefill: int) -> tuple[int, int]:
+        """``(decode slots, prefill size)`` of a step of ``num_chunks`` chunks taking ``prefill``
+        prefill slots: the smallest prefill bucket that holds them; all rows' decode slots when
+        it prefills, else the smallest decode bucket that holds the chunks."""
+        prefill_size = next(size for size in self.prefills if size >= prefill)
+        return (
+            self.num_rows if prefill_size else next(size for size in self.decodes if size >= num_chunks)
+        ), prefill_size
 
     def _executable(self, inputs: StepInputs) -> Callable:
         """The compiled step for this shape (compiled on first use, or by ``warmup``)."""
