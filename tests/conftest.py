@@ -98,7 +98,7 @@ def drop_compiled_executables():
 FILE_SECONDS = {
     "test_speculative.py": 169, "test_sharding.py": 160, "test_gemma3.py": 50, "test_engine.py": 155,
     "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 98, "test_quantized.py": 127,
-    "test_engine_sharding.py": 117, "test_beam.py": 25, "test_server.py": 110, "test_bench_serving.py": 108,
+    "test_engine_sharding.py": 117, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 108,
     "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
     "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
