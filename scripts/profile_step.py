@@ -213,7 +213,8 @@ def profile_case(engine: Engine, args, rows: int, prefill: bool) -> dict:
     runner = engine.runner
     shape = (args.max_num_seqs, args.max_num_batched_tokens) if prefill else runner.prepare_shape(rows, 0)
     executable = runner.executables[shape]
-    steps = step_breakdown(events, *op_categories(executable.as_text()))
+    hlo = executable.as_text()
+    steps = step_breakdown(events, *op_categories(hlo))
     keys = sorted({key for step in steps for key in step})
     medians = {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
     ops = {key[3:]: medians.pop(key) for key in keys if key.startswith("op ")}
@@ -221,7 +222,7 @@ def profile_case(engine: Engine, args, rows: int, prefill: bool) -> dict:
     return {
         "rows": rows, "prefill": prefill, "decode_slots": shape[0], "step_ms": statistics.median(walls),
         "walls_ms": walls, **medians,
-        "top_ops": [{"op": name, "ms": ms, "hlo": _describe(executable.as_text(), name)} for name, ms in top],
+        "top_ops": [{"op": name, "ms": ms, "hlo": _describe(hlo, name)} for name, ms in top],
     }  # fmt: skip
 
 
