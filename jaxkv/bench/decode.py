@@ -203,7 +203,7 @@ def worker_jaxkv(spec: dict) -> dict:
         compile_s=cold.compile_seconds,
         ttft_s=cold.compile_seconds + cold.prefill_seconds,
         cache_bytes=int(result.cache_bytes),
-        **_jaxkv_sizes(model, spec["dtype"]),
+        **jaxkv_sizes(model, spec["dtype"]),
         capacity=capacity if spec["cache"] == "static" else None,
         load_s=load_seconds,
         tokens_head=result.tokens[0, :16].tolist(),
@@ -240,7 +240,7 @@ def _check_jaxkv_runs(cold, result, new: int) -> None:
         raise RuntimeError(f"jaxkv generated {result.num_generated.tolist()} tokens, expected {new} per row")
 
 
-def _jaxkv_sizes(model, dtype: str) -> dict:
+def jaxkv_sizes(model, dtype: str) -> dict:
     """Parameter bytes and K/V bytes per cached token of ``model`` in ``dtype``."""
     import jax
     from flax import nnx

@@ -74,6 +74,16 @@ output tokens; seconds since the run start):
 * each run's 1-minute load average as it started (JSON ``runs[i].load_1min``). With ``--repeat``,
   a row's metrics are the medians over its runs and output tok/s shows its min-max too.
 
+``--device gpu``: the jaxkv systems (``engine``, ``engine-no-prefix``, ``static``; the default
+there) run with JAX on the GPU (``JAX_PLATFORMS=cuda``; a jax with CUDA is needed); vLLM's build
+here is its CPU build and transformers' continuous batching is measured on the CPU, so neither
+runs there. A worker first measures the GPU's memory bandwidth (a jitted sum, as ``jaxkv bench
+decode --device gpu``), and each workload gets its memory-bandwidth bound: the output tok/s if
+its decode steps (``--max-num-seqs`` rows each, fewer when fewer requests) only had to read the
+weights once per step and each row's live K/V once per token, prefill and compute free
+(``decode_bandwidth_bound``); each jaxkv row is reported as a fraction of it, and ``generate``
+(``static``) is the other reference.
+
 Targets (one run): engine >= 2x transformers and >= 1.5x static in output tok/s (random), wasted
 K/V < 4% (engine, random), shared-prefix TTFT p50 >= 3x lower with prefix caching than without,
 prefix caching costs < 2% output tok/s on the random workload (about 0% hits); engine >= 1.2x vLLM
@@ -112,10 +122,12 @@ from jaxkv.bench.decode import (
     hf_model,
     hf_sizes,
     jaxkv_model,
+    jaxkv_sizes,
     peak_rss_mib,
     print_targets,
     worker_env,
 )  # fmt: skip
+from jaxkv.bench.decode import run_worker as run_decode_worker
 from jaxkv.bench.vllm_env import VENV, VllmUnavailable, engine_args, ensure_checkpoint, ensure_venv
 from jaxkv.bench.vllm_worker import (
     Clock,
@@ -138,6 +150,9 @@ SYSTEMS = {
 }
 ENGINE_SYSTEMS = ("engine", "engine-no-prefix")
 VLLM_SYSTEMS = ("vllm", "vllm-matched")  # not run unless named: the first use installs vLLM (~5 min)
+GPU_SYSTEMS = ("engine", "engine-no-prefix", "static")  # --device gpu: jaxkv's systems, JAX on the GPU
+DEVICES = ("cpu", "gpu")
+GPU_BANDWIDTH_MIB = 512  # the array the GPU's bandwidth is measured on
 WORKLOADS = ("random", "shared-prefix")
 # --quick: a smoke run's defaults (flags given explicitly still win).
 QUICK = dict(
@@ -331,7 +346,8 @@ def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
     result = timed_drive(EngineRequests(engine), requests, spec["system"])
     stats = dict.fromkeys(STAT_KEYS) | engine.stats()
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
-    return result | dict(stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend())
+    sizes = jaxkv_sizes(model, spec["dtype"])
+    return result | dict(stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend(), sizes=sizes)
 
 
 class EngineRequests:
@@ -382,7 +398,8 @@ def worker_static(spec: dict, requests: list[ServingRequest]) -> dict:
     check_lengths(records, requests, "static")
     stats = static_stats(batches, generations)
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
-    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend(), cpu_s=cpu_seconds)
+    backend, sizes = jax.default_backend(), jaxkv_sizes(model, spec["dtype"])
+    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=backend, cpu_s=cpu_seconds, sizes=sizes)
 
 
 def batch_shape(batch: list[ServingRequest]) -> tuple[int, int, int]:
@@ -563,7 +580,13 @@ def run_worker(spec: dict, vllm: VllmSetup | None, *, timeout: float | None, ver
         output = None if verbose else subprocess.PIPE
         try:
             proc = subprocess.run(
-                command, check=False, env=worker_env(), stdout=output, stderr=output, text=True, timeout=timeout
+                command,
+                check=False,
+                env=worker_env(spec["device"]),
+                stdout=output,
+                stderr=output,
+                text=True,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired:
             print(f"[bench] {spec['label']}: timed out after {timeout} s", file=sys.stderr)
@@ -586,7 +609,7 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
         model_kwargs={}, threads=args.threads, kv_memory_mib=args.kv_memory_mib, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=system == "engine", static_batch=args.static_batch, max_output=args.max_output,
-        requests=[dataclasses.asdict(r) for r in requests],
+        requests=[dataclasses.asdict(r) for r in requests], device=args.device if system in GPU_SYSTEMS else "cpu",
     )  # fmt: skip
     if system in VLLM_SYSTEMS:
         spec.update(
@@ -686,6 +709,51 @@ def prepare_vllm(args: argparse.Namespace) -> tuple[VllmSetup | None, dict[str, 
         print(f"[bench] {reason}", file=sys.stderr, flush=True)
         return None, dict.fromkeys(wanted, reason)
     return VllmSetup(python, ensure_checkpoint(args.model)), {}
+
+
+def decode_bandwidth_bound(requests: list[ServingRequest], max_num_seqs: int, sizes: dict, gbps: float) -> dict:
+    """Output tok/s the memory bandwidth ``gbps`` allows ``requests``' decode: steps of
+    ``max_num_seqs`` rows (fewer when fewer requests), each reading the weights once
+    (``sizes['param_bytes']``), and each decoded token reading its row's live K/V once
+    (``sizes['kv_bytes_per_token']`` per cached token: the prompt and the tokens before it);
+    prefill and compute are free. An upper bound for a system that keeps both in that memory."""
+    prompts = np.array([len(r.prompt) for r in requests], np.float64)
+    decoded = np.array([r.max_tokens - 1 for r in requests], np.float64)  # the first token is prefill's
+    steps = math.ceil(decoded.sum() / min(max_num_seqs, len(requests)))
+    kv_tokens = float(np.sum(decoded * prompts + decoded * (decoded + 1) / 2))
+    total_bytes = steps * sizes["param_bytes"] + kv_tokens * sizes["kv_bytes_per_token"]
+    output_tokens = sum(r.max_tokens for r in requests)
+    return dict(bandwidth_gbps=gbps, decode_steps=steps, weight_bytes=steps * sizes["param_bytes"],
+                kv_bytes=kv_tokens * sizes["kv_bytes_per_token"],
+                output_tok_s=output_tokens * gbps * 1e9 / total_bytes)  # fmt: skip
+
+
+def bandwidth_bounds(rows: list[dict], workloads: dict, membw: dict, max_num_seqs: int) -> dict[str, dict]:
+    """Per workload, ``decode_bandwidth_bound`` and each jaxkv row's output tok/s as a fraction of it."""
+    bounds = {}
+    for kind, requests in workloads.items():
+        measured = [r for r in rows if r["workload"] == kind and "error" not in r and r["system"] in GPU_SYSTEMS]
+        if not measured:
+            continue
+        bound = decode_bandwidth_bound(requests, max_num_seqs, measured[0]["runs"][0]["sizes"], membw["gbps"])
+        bound["fraction"] = {r["system"]: r["output_tok_s"] / bound["output_tok_s"] for r in measured}
+        bounds[kind] = bound
+    return bounds
+
+
+def print_bounds(bounds: dict[str, dict]) -> None:
+    print("\n### Memory-bandwidth bound of the decode (--device gpu)\n")
+    for kind, bound in bounds.items():
+        fractions = ", ".join(f"{SYSTEMS[system]} {share:.1%}" for system, share in bound["fraction"].items())
+        print(f"- {kind}: {bound['output_tok_s']:.1f} output tok/s at {bound['bandwidth_gbps']:.0f} GB/s "
+              f"({bound['decode_steps']} steps: weights {bound['weight_bytes'] / 2**30:.1f} GiB, K/V "
+              f"{bound['kv_bytes'] / 2**30:.1f} GiB); reached: {fractions}")  # fmt: skip
+
+
+def measure_gpu_bandwidth(args: argparse.Namespace) -> dict:
+    """The GPU's memory bandwidth (``jaxkv bench decode``'s worker); ``{"error": ...}`` without one."""
+    spec = dict(kind="membw", mib=GPU_BANDWIDTH_MIB, label="GPU memory bandwidth", device="gpu")
+    return run_decode_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
 
 
 def find_row(rows: list[dict], kind: str, system: str) -> dict | None:
@@ -824,9 +892,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--systems",
         nargs="+",
         choices=list(SYSTEMS),
-        default=[s for s in SYSTEMS if s not in VLLM_SYSTEMS],
-        help="default: all but vLLM's (the first vLLM run installs it, ~5 min)",
+        help="default: all but vLLM's (the first vLLM run installs it, ~5 min); with --device gpu, jaxkv's",
     )
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the jaxkv systems run")
     parser.add_argument(
         "--repeat",
         type=int,
@@ -857,6 +925,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
+    if args.systems is None:
+        args.systems = list(GPU_SYSTEMS) if args.device == "gpu" else [s for s in SYSTEMS if s not in VLLM_SYSTEMS]
     if args.worker is None:
         check_args(parser, args)
     return args
@@ -871,6 +941,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--min-prompt/--min-output must not exceed --max-prompt/--max-output")
     if not args.rate > 0:
         parser.error("--rate must be positive (inf: every request arrives at the start)")
+    off_gpu = [s for s in args.systems if s not in GPU_SYSTEMS]
+    if args.device == "gpu" and off_gpu:
+        parser.error(
+            f"--device gpu runs jaxkv's systems ({', '.join(GPU_SYSTEMS)}), not {', '.join(off_gpu)}: "
+            "vLLM's build here is its CPU build, transformers' continuous batching is measured on the CPU"
+        )
     if args.out.suffix != ".json":
         parser.error(f"--out names the JSON file (the chart takes its name with .png), got {args.out}")
     engines = [s for s in args.systems if s in ENGINE_SYSTEMS]
@@ -931,18 +1007,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.systems:
         print("[bench] no system left to run", file=sys.stderr)
         return 1
+    membw = measure_gpu_bandwidth(args) if args.device == "gpu" else None
+    if membw is not None and "error" in membw:
+        print(f"jaxkv bench serving: --device gpu, but JAX found no GPU ({membw['error']}); install a CUDA jax "
+              "(pip install 'jax[cuda12]') on a machine with one", file=sys.stderr)  # fmt: skip
+        return 2
     workloads = build_workloads(args)
     rows = run_all(args, workloads, vllm)
+    bounds = {} if membw is None else bandwidth_bounds(rows, workloads, membw, args.max_num_seqs)
     targets = check_targets(rows)
     table = markdown_table(rows)
     rate = "all at once" if math.isinf(args.rate) else f"{args.rate:g} req/s"
-    title = f"{args.model} {args.dtype}, {args.requests} requests, Poisson {rate}, seed {args.seed}"
+    where = " on the GPU" if args.device == "gpu" else ""
+    title = f"{args.model} {args.dtype}{where}, {args.requests} requests, Poisson {rate}, seed {args.seed}"
     print_report(title, table, targets, workloads, rows)
+    if membw is not None:
+        print_bounds(bounds)
     report = dict(
         settings=json_settings(args),
         environment=environment(args), workloads={k: workload_summary(v) for k, v in workloads.items()},
         rows=rows, targets=targets, table_markdown=table, total_seconds=time.perf_counter() - start,
-        skipped=skipped, checkpoint=None if vllm is None else str(vllm.checkpoint),
+        skipped=skipped, checkpoint=None if vllm is None else str(vllm.checkpoint), memory_bandwidth=membw,
+        bandwidth_bounds=bounds,
     )  # fmt: skip
     write_outputs(args, report, list(workloads), title)
     return 0
