@@ -1,5 +1,6 @@
 """The toy decoder through every cache kind equals the same model without a cache."""
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -21,23 +22,34 @@ def forward(graphdef, state, tokens, positions, cache):
     return nnx.merge(graphdef, state)(tokens, positions, cache)
 
 
+LENGTHS = [19, 12]  # ragged rows
+
+
+@functools.cache
+def uncached(repeats: int):
+    """The toy decoder with ``repeats`` copies of its layer pattern (every layer kind in each), its
+    tokens ``[2, 19]`` and their logits ``[2, 19, V]`` without a cache, computed once for the
+    variants that share them. One batched call: attention is causal, so row 1's first 12
+    logits are those of its 12 tokens alone."""
+    config = ToyConfig(layer_types=ToyConfig().layer_types * repeats)
+    model = ToyDecoder(config, nnx.Rngs(1))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, size=(2, max(LENGTHS)))
+    positions = jnp.broadcast_to(jnp.arange(max(LENGTHS)), tokens.shape)
+    return config, model, tokens, np.asarray(model(jnp.asarray(tokens), positions)[0])
+
+
 class ToyDecoderCachedEqualsUncached(chex.TestCase):
     def check(self, full_attention, rollback_slots, stacked=False):
-        # Two repeats of the layer pattern, so a stacked cache really stacks.
-        config = ToyConfig(layer_types=ToyConfig().layer_types * 2)
-        model = ToyDecoder(config, nnx.Rngs(1))
+        # One pattern holds every layer kind; a stacked cache gets two repeats, so that it really stacks.
+        config, model, tokens, full = uncached(2 if stacked else 1)
         graphdef, state = nnx.split(model)
         step = self.variant(forward, static_argnums=0)
-        rng = np.random.default_rng(0)
-        lengths = [19, 12]  # ragged rows
-        tokens = rng.integers(0, config.vocab_size, size=(2, max(lengths)))
-        full = [model(jnp.asarray(tokens[r : r + 1, :n]), jnp.arange(n)[None])[0][0] for r, n in enumerate(lengths)]
         cache = Cache.from_config(
             config, 2, max_length=32, full_attention=full_attention, rollback_slots=rollback_slots, stacked=stacked
         )
         fed = np.zeros(2, int)
         for width in (7, 1, 3, 1, 8, 1):
-            counts = np.minimum(width, np.asarray(lengths) - fed)
+            counts = np.minimum(width, np.asarray(LENGTHS) - fed)
             positions = np.asarray(cache.next_positions(width, num_new=counts))
             chunk = np.zeros((2, width), int)
             for r in range(2):
@@ -52,7 +64,7 @@ class ToyDecoderCachedEqualsUncached(chex.TestCase):
                 undo = np.minimum(2, fed)
                 cache = cache.rollback(jnp.asarray(undo))
                 fed -= undo
-        np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+        np.testing.assert_array_equal(np.asarray(cache.lengths), LENGTHS)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_static(self):
