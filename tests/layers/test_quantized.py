@@ -1,6 +1,8 @@
 """Quantized K/V: round-trip bounds, the layer against a float reference of the same
 quantization, beam edits over every leaf, allocated dtypes, bytes, errors, generation."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -89,10 +91,18 @@ def test_allocated_dtypes_are_the_packed_codes(spec):
         chex.assert_type([layer.residual_keys, layer.residual_values], jnp.bfloat16)
 
 
-def fake_quantized(sequence, spec, axis, num_quantized):
-    """One row ``[H, L, D]``: its first ``num_quantized`` tokens quantized and back, the rest as is."""
-    head = np.asarray(dequantize(quantize(jnp.asarray(sequence[:, :num_quantized]), spec, axis), spec, axis))
-    return np.concatenate([head, sequence[:, num_quantized:]], axis=1)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def round_trip(x, spec, axis):
+    """``x`` ``[..., S, D]`` quantized along ``axis`` and back: one compile per shape and spec."""
+    return dequantize(quantize(x, spec, axis), spec, axis)
+
+
+def fake_quantized(sequence, round_tripped, num_quantized):
+    """One row ``[H, L, D]``: its first ``num_quantized`` tokens from ``round_tripped`` (the row's
+    whole buffer ``[H, S >= L, D]`` quantized and back), the rest as is. A group never straddles
+    ``num_quantized`` (per token: one token's channels; per channel: Q is a multiple of the group,
+    as ``QuantSpec`` requires of the residual), so this is the first Q tokens' own round trip."""
+    return np.concatenate([round_tripped[:, :num_quantized], sequence[:, num_quantized:]], axis=1)
 
 
 @st.composite
@@ -108,6 +118,12 @@ def feeds(draw):
     return batch, steps
 
 
+def update_and_attend(layer, q, k, v, positions, block_size):
+    """One update of ``layer`` with ``k``/``v`` ``[B, H, T, D]``, then attention of ``q`` ``[B, H_q, T, D]``."""
+    layer, kv = layer.update(k, v, positions)
+    return layer, attention(q, kv, positions, block_size=block_size)
+
+
 class LayerEqualsFakeQuantizedReference(chex.TestCase):
     """Each update's attention equals exact attention over the row's sequence with the
     tokens the layer holds quantized (first Q of the row's length after the update)
@@ -120,12 +136,10 @@ class LayerEqualsFakeQuantizedReference(chex.TestCase):
         rng = np.random.default_rng(len(steps))
         keys, values = (rng.normal(size=(batch, heads, 32, HEAD_DIM)).astype(np.float32) for _ in range(2))
         queries = rng.normal(size=(batch, q_heads, 32, HEAD_DIM)).astype(np.float32)
-
-        @self.variant
-        def step(layer, q, k, v, positions):
-            layer, kv = layer.update(k, v, positions)
-            return layer, attention(q, kv, positions, block_size=block_size)
-
+        keys_back = np.asarray(round_trip(jnp.asarray(keys), spec, spec.axis_key))
+        values_back = np.asarray(round_trip(jnp.asarray(values), spec, spec.axis_value))
+        # One module-level function: every example and test of a shape shares its compile.
+        step = functools.partial(self.variant(update_and_attend, static_argnames="block_size"), block_size=block_size)
         fed = np.zeros(batch, int)
         for width, counts in steps:
             positions = np.full((batch, width), -1)
@@ -144,8 +158,8 @@ class LayerEqualsFakeQuantizedReference(chex.TestCase):
                     continue
                 length = fed[r]
                 num_q = int(quantized_lengths(jnp.asarray(length), spec.residual_length))
-                k_ref = fake_quantized(keys[r, :, :length], spec, spec.axis_key, num_q)
-                v_ref = fake_quantized(values[r, :, :length], spec, spec.axis_value, num_q)
+                k_ref = fake_quantized(keys[r, :, :length], keys_back[r], num_q)
+                v_ref = fake_quantized(values[r, :, :length], values_back[r], num_q)
                 want = full_attention(queries[r, :, :length], k_ref, v_ref, window=window)
                 np.testing.assert_allclose(out[r, :, : counts[r]], want[:, length - counts[r] :], atol=2e-5, rtol=0)
         chex.assert_trees_all_equal(layer.lengths, jnp.asarray(fed, jnp.int32))
@@ -177,7 +191,7 @@ def test_blocked_reads_equal_dequantizing_the_whole_cache():
     rng = np.random.default_rng(1)
     k, v, q = (jnp.asarray(rng.normal(size=(2, h, 21, HEAD_DIM)), jnp.float32) for h in (2, 2, 4))
     positions = jnp.asarray([np.arange(21), np.where(np.arange(21) < 13, np.arange(21), -1)])
-    layer, view = layer.update(k, v, positions)
+    _, view = jax.jit(QuantizedLayer.update)(layer, k, v, positions)  # compiled setup; the reads run eagerly
     whole = attention(q, view, positions, block_size=256)
     blocked = attention(q, view, positions, block_size=8)
     chex.assert_trees_all_close(blocked, whole, atol=1e-6)
@@ -204,15 +218,17 @@ def test_decode_step_reads_the_store_in_blocks_and_the_residual_once(capacity):
         return layer, (attention(q, view, position, block_size=8), attention(q, merged, position))
 
     fill = min(20, capacity - 2)  # a capacity of 16: the last two steps land past it
-    layer = jax.jit(feed)(layer, k[:, :, :fill], [fill])
+    layer = feed(layer, k[:, :, :fill], [fill])
     for position in range(fill, fill + 4):
         token = k[:, :, position % 20][:, :, None]
         layer, (blocked, whole) = step(layer, token, token, jnp.asarray([[position]]))
         chex.assert_trees_all_close(blocked, whole, atol=1e-6)
 
 
+@jax.jit
 def feed(layer, x, lengths):
-    """Rows of ``x`` ``[B, H, S, D]`` fed as one ragged update of ``lengths`` tokens (keys = values = x)."""
+    """Rows of ``x`` ``[B, H, S, D]`` fed as one ragged update of ``lengths`` tokens (keys = values = x);
+    compiled: a test's setup, where op-by-op dispatch would compile each op per shape."""
     width = x.shape[2]
     positions = jnp.where(jnp.arange(width)[None] < jnp.asarray(lengths)[:, None], jnp.arange(width)[None], -1)
     return layer.update(x, x, positions)[0]
@@ -245,12 +261,12 @@ def test_rollback_within_and_past_the_residual():
     assert int(within.lengths[0]) == 9
     past = layer.rollback(4)  # length 6: Q = 4, positions 4..5 come back from the store
     assert int(past.lengths[0]) == 6
-    round_trip = dequantize(quantize(x, spec, PER_TOKEN), spec, PER_TOKEN)
-    chex.assert_trees_all_close(past.residual_keys[:, :, :2], round_trip[:, :, 4:6], atol=1e-6)
+    back = round_trip(x, spec, PER_TOKEN)
+    chex.assert_trees_all_close(past.residual_keys[:, :, :2], back[:, :, 4:6], atol=1e-6)
     again = past.update(x[:, :, 6:9], x[:, :, 6:9], jnp.arange(6, 9)[None])[1]
     np.testing.assert_array_equal(np.asarray(again.mask_info.kv_positions[0, :10]), list(range(9)) + [-1])
     # Length 9: Q = 8, so 6..7 were quantized with the block they complete; 8 is the residual.
-    chex.assert_trees_all_close(again.keys[:, :, 6:8], round_trip[:, :, 6:8], atol=1e-6)
+    chex.assert_trees_all_close(again.keys[:, :, 6:8], back[:, :, 6:8], atol=1e-6)
     chex.assert_trees_all_close(again.keys[:, :, 8], x[:, :, 8], atol=1e-6)
     ring = feed(QuantizedLayer.create(1, 2, HEAD_DIM, spec, window=4, rollback_slots=1), x, [10])
     assert ring.max_rollback == 2
