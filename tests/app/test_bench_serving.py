@@ -1,6 +1,6 @@
 """The serving benchmark (``jaxkv bench serving``, ``scripts/bench_serving.py``) without a model:
-the seeded workloads, the metrics, the targets and the table; then smoke runs of every system on
-a tiny random Llama."""
+the seeded workloads, the metrics, the targets, the table and the parent's loop over workloads
+and systems; then smoke runs of every system on a tiny random Llama."""
 
 import importlib.util
 import json
@@ -142,17 +142,37 @@ def test_quick_sets_defaults_that_flags_override(bench):
         bench.parse_args(["--systems", "static", "--min-prompt", "600"])
 
 
+def test_both_workloads_run_every_system_in_a_fresh_worker_each(bench, monkeypatch):
+    """The parent's loop over ``--workload both`` (the default; each smoke run below names one
+    workload, and a worker runs the same code on either): per workload, every system once per
+    ``--repeat`` round, then the rows workload by workload in ``--systems`` order."""
+    runs = []
+
+    def run_once(args, spec, vllm):  # a worker's result, without the worker
+        runs.append((spec["workload"], spec["system"], len(spec["requests"])))
+        return dict.fromkeys(bench.REPEATED_METRICS, 1.0)
+
+    monkeypatch.setattr(bench, "run_once", run_once)
+    args = bench.parse_args(["--model", "tiny-random", "--quick", "--requests", "3", "--repeat", "2", "--systems",
+                             "static", "hf"])  # fmt: skip
+    rows = bench.run_all(args, bench.build_workloads(args), None)
+    assert runs == [(kind, system, 3) for kind in bench.WORKLOADS for _ in range(2) for system in ("static", "hf")]
+    assert [(r["workload"], r["system"], r["repeats"]) for r in rows] == [
+        (kind, system, 2) for kind in bench.WORKLOADS for system in ("static", "hf")
+    ]
+
+
 def test_static_and_transformers_on_a_tiny_llama(tmp_path):
-    """The parent and two workers (jaxkv static, transformers CB) end to end, both workloads."""
+    """The parent and two workers (jaxkv static, transformers CB) end to end on the random
+    workload (the loop over both workloads: the test above)."""
     out = tmp_path / "serving.json"
-    args = ["--model", "tiny-random", "--quick", "--requests", "4", "--systems", "static", "hf", "--out", str(out)]
+    args = ["--model", "tiny-random", "--quick", "--requests", "4", "--workload", "random", "--systems", "static",
+            "hf", "--out", str(out)]  # fmt: skip
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_serving.py"), *args], check=False,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [(r["workload"], r["system"]) for r in report["rows"]] == [
-        ("random", "static"), ("random", "hf"), ("shared-prefix", "static"), ("shared-prefix", "hf"),
-    ]  # fmt: skip
+    assert [(r["workload"], r["system"]) for r in report["rows"]] == [("random", "static"), ("random", "hf")]
     for row in report["rows"]:
         assert "error" not in row, row
         assert len(row["records"]) == 4 and row["output_tok_s"] > 0
@@ -168,10 +188,12 @@ def test_static_and_transformers_on_a_tiny_llama(tmp_path):
 def test_engine_systems_on_a_tiny_llama(tmp_path):
     """Both engine workers on the shared-prefix workload, through ``jaxkv bench serving``: warmed
     up, no compile while serving, and only the engine with prefix caching reuses the system
-    prompts' pages."""
+    prompts' pages. 8 rows, 64 tokens a step and 16 MiB of pages hold the 6 requests: 4 step
+    shapes to compile instead of the defaults' 8, and a smaller pool to allocate."""
     out = tmp_path / "serving.json"
     args = ["--model", "tiny-random", "--quick", "--requests", "6", "--workload", "shared-prefix", "--rate", "inf",
-            "--systems", "engine", "engine-no-prefix", "--out", str(out)]  # fmt: skip
+            "--systems", "engine", "engine-no-prefix", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+            "--kv-memory-mib", "16", "--out", str(out)]  # fmt: skip
     cli = Path(sys.executable).with_name("jaxkv")  # `jaxkv bench serving`, the console script
     proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
