@@ -16,8 +16,8 @@ TINY = ["--model", "tiny-random", "--batch", "2", "--new-tokens", "3", "--prompt
 
 
 def bench_decode(out: Path, *options: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *TINY, *options, "--out", str(out)], capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run([sys.executable, str(SCRIPT), *TINY, *options, "--out", str(out)], check=False,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -65,5 +65,6 @@ def test_bench_decode_quantized_and_gpu_refusal(tmp_path, quantized):
         assert abs(row["perplexity"] - full["perplexity"]) < 0.05 * full["perplexity"]  # random weights: near-uniform
     assert "quantized fp8-e4m3 decode <= 1.5x full precision" in stdout
     gpu = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny-random", "--device", "gpu", "--membw-mib", "8",
-                          "--out", str(tmp_path / "gpu")], capture_output=True, text=True, timeout=120)  # fmt: skip
+                          "--out", str(tmp_path / "gpu")], check=False, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
     assert gpu.returncode == 2 and "--device gpu, but JAX found no GPU" in gpu.stderr
