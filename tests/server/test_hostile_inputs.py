@@ -20,7 +20,7 @@ from tests.server.conftest import MODEL
 
 pytestmark = pytest.mark.server
 
-CONTEXT = 256
+CONTEXT = 128  # a chat without max_tokens runs to it: every token of it is a decode step
 SERVER_ARGS = ("--kv-memory", "64MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                "--max-model-len", str(CONTEXT), "--max-waiting", "8")  # fmt: skip
 OK = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 4, "temperature": 0}
@@ -218,9 +218,9 @@ def test_health_stays_fast_while_text_is_held_back_against_long_stop_strings(ser
     the stream holds its text back for as long as it can, and ``/health`` (probed every 20 ms
     while the stream runs) answers in under 100 ms: 99% of the probes, and every one in under
     a second, leaving room for a busy 2-core machine to delay a thread now and then (the work
-    per chunk was seconds before the stop strings were bounded)."""
+    per chunk was seconds before the stop strings were bounded). 80 tokens: about 370 characters."""
     url = server[1]
-    body = completion(max_tokens=160, ignore_eos=True)
+    body = completion(max_tokens=80, ignore_eos=True)
     text = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
     assert len(text) >= MAX_STOP_LENGTH
     stops = [text[: MAX_STOP_LENGTH - 1] + end for end in "\x01\x02\x03\x04"]
