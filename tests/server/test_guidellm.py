@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 GUIDELLM = "guidellm==0.8.1"
 TORCH = "torch==2.13.0"  # the parity extra's pin: its CPU wheel where the machine has one, not a CUDA build
-REQUESTS, STREAMS, PROMPT_TOKENS, OUTPUT_TOKENS = 16, 4, 64, 32
+REQUESTS, STREAMS, PROMPT_TOKENS, OUTPUT_TOKENS = 8, 4, 64, 16
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
