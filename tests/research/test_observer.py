@@ -45,7 +45,7 @@ def test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget(mod
     np.testing.assert_array_equal(generate(model, questions, max_new_tokens=6, cache=refilled).tokens, want)
 
 
-def test_an_observed_prefill_refills_plain_rings_and_quantized_caches():
+def test_an_observed_prefill_refills_plain_rings_and_quantized_caches(model):
     """Gemma 3's sliding rings span the whole context in the observer and are cut to the window on
     refilling: the plain cache equals the plain prefill. A quantized cache stores the observed K/V
     (the next token's logits within int8's error of the plain cache's); the observer names what
@@ -67,13 +67,12 @@ def test_an_observed_prefill_refills_plain_rings_and_quantized_caches():
         gemma.init_cache(1, 32, layer_builder=Observer(), quantization=int8)
     with pytest.raises(ValueError, match=r"prefill with Observer\(window=2\)"):
         refill(observed, gemma.init_cache(2, 32, eviction=EvictionSpec("snapkv", budget=8, window=2)))
-    llama = Llama(LlamaConfig(**TINY_LLAMA), seed=0)
     with pytest.raises(TypeError, match="prefill into an Observer cache"):
-        refill(llama.init_cache(2, 32), llama.init_cache(2, 32, eviction=EvictionSpec("h2o", budget=8)))
+        refill(model.init_cache(2, 32), model.init_cache(2, 32, eviction=EvictionSpec("h2o", budget=8)))
     with pytest.raises(ValueError, match="observer cannot undo"):
         observed.rollback(1)
     with pytest.raises(ValueError, match="layer types"):
-        refill(observed, llama.init_cache(2, 32))
+        refill(observed, model.init_cache(2, 32))  # the Llama's
 
 
 @pytest.mark.parametrize("layer_type", ["chunked_attention", "hybrid", "hybrid_sliding"])
