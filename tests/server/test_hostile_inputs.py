@@ -21,7 +21,7 @@ from tests.server.conftest import MODEL
 pytestmark = pytest.mark.server
 
 CONTEXT = 128  # a chat without max_tokens runs to it: every token of it is a decode step
-SERVER_ARGS = ("--kv-memory", "64MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+SERVER_ARGS = ("--kv-memory", "64MiB", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
                "--max-model-len", str(CONTEXT), "--max-waiting", "8")  # fmt: skip
 OK = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
