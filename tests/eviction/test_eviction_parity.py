@@ -18,6 +18,7 @@ repeated token; layer 19, 3.9e-7 from the cut).
 
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import kvpress
 import numpy as np
@@ -59,7 +60,9 @@ def jaxkv_prefill(model, tokens, spec: EvictionSpec) -> tuple[list[np.ndarray], 
     length = len(tokens)
     cache = model.init_cache(1, max_length=length, eviction=spec)
     _, cache = model(jnp.asarray([tokens], jnp.int32), jnp.arange(length, dtype=jnp.int32)[None], cache)
-    layers = cache.layers
+    # Read on the host: each layer's slices of the stacked arrays as NumPy views (indexing the device
+    # arrays eagerly compiles a slice per layer index and leaf).
+    layers = jax.device_get(cache).layers
     return (
         [np.asarray(layer.slot_positions[0]) for layer in layers],
         [np.asarray(layer.scores[0], np.float64) for layer in layers],
