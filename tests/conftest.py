@@ -63,9 +63,40 @@ OPTIMIZED_FILES = {
 }  # fmt: skip
 
 
+# XLA's CPU fusion emitters (its MLIR code generators for fused ops, on by default) make up a third
+# to a half of some files' -O0 compile, which its older LLVM emitters do not take: test_linear.py
+# 60.2 -> 33.6 CPU s, test_container.py 38.0 -> 28.8 (docs/testing.md). The -O0 compiles use the
+# older emitters; optimized files keep XLA's defaults.
+FAST_COMPILE_OPTIONS = (("xla_cpu_use_fusion_emitters", False),)
+FAST_COMPILE_XLA_FLAGS = " ".join(f"--{name}={str(value).lower()}" for name, value in FAST_COMPILE_OPTIONS)
+
+
+def _compile_fast_at_o0() -> None:
+    """Each compile JAX makes under ``jax_disable_most_optimizations`` gets ``FAST_COMPILE_OPTIONS``
+    (XLA reads them as per-compile overrides of its flags, as ``jax.jit(compiler_options=...)``
+    passes them)."""
+    from jax._src import compiler
+
+    default_options = compiler.get_compile_options
+
+    def get_compile_options(*args, **kwargs):
+        options = default_options(*args, **kwargs)
+        if compiler._DISABLE_MOST_OPTIMIZATIONS.value:
+            options.env_option_overrides = [*options.env_option_overrides, *FAST_COMPILE_OPTIONS]
+        return options
+
+    compiler.get_compile_options = get_compile_options
+
+
+_compile_fast_at_o0()
+jax.devices()  # the backend reads XLA_FLAGS once, here: what _optimize sets below reaches child processes only
+XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+
+
 def _optimize(optimized: bool) -> None:
     jax.config.update("jax_disable_most_optimizations", not optimized)
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0" if optimized else "1"
+    os.environ["XLA_FLAGS"] = XLA_FLAGS if optimized else f"{XLA_FLAGS} {FAST_COMPILE_XLA_FLAGS}".strip()
 
 
 _optimize(False)
@@ -96,11 +127,11 @@ def drop_compiled_executables():
 # last big files for minutes; longest first (the files not listed follow in their usual order)
 # keeps both busy to the end.
 FILE_SECONDS = {
-    "test_speculative.py": 169, "test_sharding.py": 160, "test_gemma3.py": 50, "test_engine.py": 155,
+    "test_speculative.py": 169, "test_sharding.py": 135, "test_gemma3.py": 50, "test_engine.py": 155,
     "test_eviction.py": 157, "test_engine_models.py": 152, "test_properties.py": 98, "test_quantized.py": 127,
-    "test_engine_sharding.py": 117, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 108,
-    "test_bench_smoke.py": 102, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
-    "test_models_toy.py": 79, "test_hostile_inputs.py": 73, "test_guidellm.py": 70, "test_linear.py": 69,
+    "test_engine_sharding.py": 98, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 62,
+    "test_bench_smoke.py": 87, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
+    "test_models_toy.py": 67, "test_hostile_inputs.py": 45, "test_guidellm.py": 54, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
     "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 73, "test_beam_smollm2.py": 62,
