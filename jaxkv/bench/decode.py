@@ -100,6 +100,8 @@ QUANTIZED_FORMATS = {
 }
 PERPLEXITY_CHUNK = 128
 
+DEVICES = ("cpu", "gpu")  # --device: where the systems run
+
 # A random Llama small enough for tests (no download, no tokenizer): --model tiny-random.
 TINY = "tiny-random"
 TINY_CONFIG = dict(
@@ -688,7 +690,7 @@ def parse_args(argv):
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both systems")
     parser.add_argument("--systems", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where both systems run")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where both systems run")
     parser.add_argument("--quantized", action="store_true", help="also run the quantized K/V experiment")
     parser.add_argument("--quantized-context", type=int, default=1024, help="--quantized context (random ids)")
     parser.add_argument("--quantized-new-tokens", type=int, default=64)

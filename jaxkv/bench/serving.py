@@ -115,6 +115,7 @@ from jaxkv.bench import vllm_worker
 
 # Sibling scripts: model loading, sizes and report helpers are bench_decode's, the text perplexity's.
 from jaxkv.bench.decode import (
+    DEVICES,
     TINY,
     cpu_cores,
     environment,
@@ -127,7 +128,7 @@ from jaxkv.bench.decode import (
     print_targets,
     worker_env,
 )  # fmt: skip
-from jaxkv.bench.decode import run_worker as run_decode_worker
+from jaxkv.bench.decode import run_worker as run_decode_worker  # serving's own run_worker takes specs of systems
 from jaxkv.bench.vllm_env import VENV, VllmUnavailable, engine_args, ensure_checkpoint, ensure_venv
 from jaxkv.bench.vllm_worker import (
     Clock,
@@ -151,7 +152,6 @@ SYSTEMS = {
 ENGINE_SYSTEMS = ("engine", "engine-no-prefix")
 VLLM_SYSTEMS = ("vllm", "vllm-matched")  # not run unless named: the first use installs vLLM (~5 min)
 GPU_SYSTEMS = ("engine", "engine-no-prefix", "static")  # --device gpu: jaxkv's systems, JAX on the GPU
-DEVICES = ("cpu", "gpu")
 GPU_BANDWIDTH_MIB = 512  # the array the GPU's bandwidth is measured on
 WORKLOADS = ("random", "shared-prefix")
 # --quick: a smoke run's defaults (flags given explicitly still win).
