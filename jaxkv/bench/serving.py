@@ -97,6 +97,7 @@ meaningful on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -621,11 +622,33 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
     return spec
 
 
+# The competing process of ``--competing-cpu``: one Python busy loop.
+BUSY_LOOP = "while True: pass"
+
+
+@contextlib.contextmanager
+def competing_process(cpu: int | None):
+    """A busy loop pinned to CPU ``cpu`` while the block runs (nothing for None): the rows
+    "under a competing process on one core", started and stopped around every worker."""
+    if cpu is None:
+        yield
+        return
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def run_once(args: argparse.Namespace, spec: dict, vllm: VllmSetup | None) -> dict:
-    """One run in a fresh worker: its result with its metrics (``summarize``), CPU milliseconds
-    per output token and the machine's 1-minute load average as it started."""
+    """One run in a fresh worker (beside a busy loop with ``--competing-cpu``): its result with
+    its metrics (``summarize``), CPU milliseconds per output token and the machine's 1-minute
+    load average as it started."""
     load = os.getloadavg()[0]
-    result = run_worker(spec, vllm, timeout=args.worker_timeout, verbose=args.verbose) | dict(load_1min=load)
+    with competing_process(args.competing_cpu):
+        result = run_worker(spec, vllm, timeout=args.worker_timeout, verbose=args.verbose)
+    result |= dict(load_1min=load)
     if "error" in result:
         return result
     metrics = summarize([Record(**r) for r in result["records"]])
@@ -917,6 +940,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (both too)")
     parser.add_argument("--static-batch", type=int, default=8, help="static batching: requests per batch")
     parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
+    parser.add_argument(
+        "--competing-cpu",
+        type=int,
+        help="run a busy loop pinned to this CPU beside every worker (a competing process); "
+        "pin the systems themselves with taskset: taskset -c 0 jaxkv bench serving ...",
+    )
     parser.add_argument("--quick", action="store_true", help=f"smoke-run defaults: {QUICK}")
     parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per system and workload")
     parser.add_argument("--out", type=Path, default=Path("results/serving.json"), help="JSON; the PNG goes next to it")
@@ -947,6 +976,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"--device gpu runs jaxkv's systems ({', '.join(GPU_SYSTEMS)}), not {', '.join(off_gpu)}: "
             "vLLM's build here is its CPU build, transformers' continuous batching is measured on the CPU"
         )
+    if args.competing_cpu is not None and not 0 <= args.competing_cpu < (os.cpu_count() or 1):
+        parser.error(f"--competing-cpu must name a CPU of this machine (0 to {(os.cpu_count() or 1) - 1}), "
+                     f"got {args.competing_cpu}")  # fmt: skip
     if args.out.suffix != ".json":
         parser.error(f"--out names the JSON file (the chart takes its name with .png), got {args.out}")
     engines = [s for s in args.systems if s in ENGINE_SYSTEMS]
@@ -994,7 +1026,7 @@ def print_report(title: str, table: str, targets: list[dict], workloads: dict, r
 def json_settings(args: argparse.Namespace) -> dict:
     """The arguments as strict JSON: paths as strings, an infinite rate as null."""
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "worker"}
-    return settings | {"rate": None if math.isinf(args.rate) else args.rate}
+    return settings | {"rate": None if math.isinf(args.rate) else args.rate, "cpus": sorted(os.sched_getaffinity(0))}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
