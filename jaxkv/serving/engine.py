@@ -31,13 +31,13 @@ from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.paged import Paging
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.input_processor import InputProcessor
-from jaxkv.serving.kv_manager import KVCacheManager
+from jaxkv.serving.kv_manager import PREEMPTION_MODES, KVCacheManager
 from jaxkv.serving.model_runner import ModelRunner, prefill_buckets, step_shapes
 from jaxkv.serving.output_processor import OutputProcessor
 from jaxkv.serving.parallel_sampling import fork_sequences
 from jaxkv.serving.requests import Completion, RequestError, RequestOutput, SequenceState
 from jaxkv.serving.scheduler import Chunk, Scheduler
-from jaxkv.serving.sizing import PoolSizes, pool_sizes
+from jaxkv.serving.sizing import PoolSizes, parse_bytes, pool_sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,12 @@ class EngineConfig:
     (``EvictionSpec``; a ``compression_ratio`` is a fraction of ``max_model_len``): those layers
     take no pages, the engine serves without prefix caching, and each prefill chunk is one
     update of the policy.
+    ``host_kv_memory``: bytes of host memory under the page pools (``"512MiB"``; 0: none). Cached
+    pages evicted from a pool are demoted there (least recently demoted leave first) and promoted
+    back on a prefix hit; preempted sequences may be swapped there (``jaxkv.serving.host_tier``).
+    ``preemption``: 'auto' (swap a preempted sequence's pages to the host tier when the cost rule of
+    ``jaxkv.serving.kv_manager`` says it pays), 'swap' (whenever the host tier has room) or
+    'recompute' (never swap).
     """
 
     kv_memory: int | str = "1GiB"
@@ -74,6 +80,8 @@ class EngineConfig:
     seed: int = 0
     quantization: QuantSpec | None = None
     eviction: EvictionSpec | None = None
+    host_kv_memory: int | str = 0
+    preemption: str = "auto"
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -85,6 +93,10 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of {QUERY_BLOCK}: prefill "
                 f"chunks are packed in blocks of {QUERY_BLOCK} tokens"
             )
+        if parse_bytes(self.host_kv_memory, "host_kv_memory") < 0:
+            raise ValueError(f"EngineConfig.host_kv_memory must not be negative, got {self.host_kv_memory!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
@@ -119,7 +131,10 @@ class Engine:
             model.config.vocab_size, self.max_model_len, self.config.max_logprobs, default_stop_tokens(model.config),
             tokenizer is not None, self.config.seed,
         )  # fmt: skip
-        self.kv = KVCacheManager(self.sizes, self.config.prefix_caching and not self.has_states)
+        self.kv = KVCacheManager(
+            self.sizes, self.config.prefix_caching and not self.has_states,
+            parse_bytes(self.config.host_kv_memory, "host_kv_memory"), self.config.preemption,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         cache = model.init_cache(
             self.config.max_num_seqs, paging=self._paging(self.sizes), quantization=self.config.quantization,
@@ -133,7 +148,6 @@ class Engine:
         self.next_request_id = 0
         self.peak_pages_used = self.peak_kv_bytes = 0
         self.slots_allocated = self.slots_unused = 0
-        self.pending_copies: dict[str, list[tuple[int, int]]] = {}
         self.final_outputs: list[RequestOutput] = []  # aborted or failed sequences, reported by the next step
 
     def _paging(self, sizes: PoolSizes) -> Paging:
@@ -222,11 +236,12 @@ class Engine:
         error's message; the engine takes the next request as before."""
         with jax.profiler.TraceAnnotation("engine.schedule"):
             chunks = self.scheduler.schedule()
-            if not chunks:
-                return self._take_final()
-            block_tables = self._block_tables()
+        self._move_pages()  # even without chunks: the pages read may be written later
+        if not chunks:
+            return self._take_final()
+        block_tables = self._block_tables()
         try:
-            outputs = self.runner.run(chunks, block_tables, self.pending_copies)
+            outputs = self.runner.run(chunks, block_tables)
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
@@ -237,19 +252,27 @@ class Engine:
             return self._take_final() + [self._advance(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]
 
     def _fork(self) -> None:
-        """Start the further sequences of ``n > 1`` requests; their page copies run with the next step."""
+        """Start the further sequences of ``n > 1`` requests and copy their pages now (after the
+        host copies of pages their allocations evicted), so that a child preempted by swap before
+        its first step swaps out its copied page."""
         forks = fork_sequences(self.scheduler, self.sequences, not self.has_states)
         for child in forks.children:
             self.outputs.add(child)
-        self.pending_copies = forks.copies
+        self._move_pages()
+        self.runner.copy_pages(forks.copies)
+
+    def _move_pages(self) -> None:
+        """Make the copies between the device pools and the host tier decided since the last call."""
+        with jax.profiler.TraceAnnotation("engine.move_pages"):
+            moves = self.kv.take_moves()
+            if moves:
+                self.runner.move_pages(moves)
 
     def _fail(self, request_ids: set[int], error: Exception) -> None:
-        """End every sequence of ``request_ids`` with finish reason 'error'. The step's page copies
-        are dropped with them: only their forks asked for them."""
+        """End every sequence of ``request_ids`` with finish reason 'error'."""
         message = f"{type(error).__name__}: {error}"
         for request_id in sorted(request_ids):
             self._end(request_id, "error", message)
-        self.pending_copies = {}
         warnings.warn(f"engine step failed for requests {sorted(request_ids)}: {message}", stacklevel=3)
 
     def _block_tables(self):
@@ -310,6 +333,8 @@ class Engine:
             "num_steps": self.runner.num_steps,
             "num_compiled": len(self.runner.executables),
             "preemptions": self.scheduler.stats.preemptions,
+            "swaps": self.scheduler.stats.swaps,
+            "recomputes": self.scheduler.stats.recomputes,
             "prefix_hit_rate": self.scheduler.stats.prefix_hit_rate,
             "page_size": self.config.page_size,
             "page_bytes": sum(pool.page_bytes for pool in pools),
@@ -318,7 +343,21 @@ class Engine:
             "peak_kv_bytes": self.peak_kv_bytes,
             "wasted_slot_fraction": self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0,
             "max_concurrent_tokens": self.sizes.max_concurrent_tokens,
+            "tiers": self._tier_stats(),
         }
+
+    def _tier_stats(self) -> dict:
+        """Per tier: pages held now, prefix-cache hits (pages), and for the host tier its bytes
+        (held, pinned by swapped sequences, capacity) and what moved each way since start."""
+        host, counters, hits = self.kv.host, self.kv.host.counters, self.kv.stats
+        return {
+            "device": {"pages": self.kv.usage().pages, "cached_pages": sum(p.manager.num_cached for p in self.kv.pools),
+                       "hit_pages": hits.device_hit_pages},
+            "host": {"pages": host.num_pages, "bytes": host.used, "pinned_bytes": host.pinned_bytes,
+                     "capacity_bytes": host.capacity, "hit_pages": hits.host_hit_pages,
+                     "pages_in": counters.pages_in, "pages_out": counters.pages_out,
+                     "bytes_in": counters.bytes_in, "bytes_out": counters.bytes_out, "dropped_pages": counters.dropped},
+        }  # fmt: skip
 
 
 def default_stop_tokens(config) -> frozenset[int]:

@@ -1,11 +1,27 @@
-"""KV-cache management: the page pools' ledgers and the prefix cache, behind the few questions
-the scheduler asks (vLLM's ``KVCacheManager``).
+"""KV-cache management: the page pools' ledgers, the prefix cache and the host tier, behind the
+few questions the scheduler asks (vLLM's ``KVCacheManager``).
 
 Each pool (the full-attention layers; the sliding-window layers) has its own ``PageManager``
 and block table. The scheduler never touches a page: it asks for room for a sequence's next
 tokens (``allocate``, with the prefix the cache holds for a new sequence from ``lookup``), for a
-fork of a computed prompt (``fork``), and hands back what finished (``free``); each answer is
-one ``Allocation``, or None when there is no room (and then nothing changed).
+fork of a computed prompt (``fork``), to swap out a preempted sequence (``swap_out``), and hands
+back what finished (``free``); each answer is one ``Allocation``, or None when there is no room
+(and then nothing changed).
+
+With a host tier (``host_kv_memory``, ``jaxkv.serving.host_tier``) pages leave the device pools
+without being lost: a cached page that an allocation evicts is demoted to host memory, and a
+prefix hit may find pages there, promoted into fresh device pages (registered under their hash
+again: a page lives in one tier at a time). A preempted sequence may be swapped out: its pages
+that the prefix cache does not hold go to the host tier, pinned, and come back when it resumes.
+The KV manager decides every move while the scheduler runs; the bytes move once per step, before
+it runs (``take_moves``: all reads from the device first, then all writes to it).
+
+Swap or recompute (``swap_pays``): preempting by recompute costs the tokens the prefix cache will
+not serve again, ``num_computed - num_registered * page_size`` (the registered pages stay cached in
+either case); swapping costs a round trip of the pages holding them to host memory. Swap when
+``tokens >= PAGE_COPY_TOKENS * pages``: a page's round trip is priced like recomputing
+``PAGE_COPY_TOKENS`` tokens. So a sequence whose unregistered tail is one page holding a token or two
+is recomputed, a long tail (no prefix caching: every page) is swapped.
 """
 
 from __future__ import annotations
@@ -16,9 +32,28 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxkv.layers.paged import NULL_PAGE, pool_name, table_width
-from jaxkv.serving.pages import PageManager, PoolExhausted, page_hashes
+from jaxkv.serving.host_tier import HostKey, HostPage, HostTier
+from jaxkv.serving.pages import Owner, PageManager, page_hashes
 from jaxkv.serving.requests import RequestError, SequenceState
 from jaxkv.serving.sizing import PoolSizes
+
+# Recomputed tokens a page's round trip to host memory is priced at (see the module docstring). A page
+# of a 1B-parameter float32 model with 16 tokens holds ~1 MiB: 2 x 1 MiB over PCIe (~25 GB/s) is ~80 us,
+# recomputing one token ~2 GFLOP, ~20-40 us on a GPU: about two tokens. On a CPU the copy is a memcpy.
+PAGE_COPY_TOKENS = 2
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSource:
+    """A page of a hit that lives in the host tier: its ``key`` there, and the hash it is cached under
+    once back in a device page (None: a swapped page, which the prefix cache does not hold)."""
+
+    key: HostKey
+    page_hash: bytes | None
+
+
+PageSource = int | HostSource  # a device page, or a page in the host tier
 
 
 @dataclasses.dataclass
@@ -46,23 +81,38 @@ class PagePool:
         """Pages to allocate so that ``seq`` holds its tokens up to ``end``."""
         return max(-(-end // self.page_size) - len(self.manager.pages(seq.key)), 0)
 
-    def cached_pages(self, hashes: list[bytes], num_pages: int) -> list[int] | None:
-        """This pool's cached pages that let a sequence resume at page ``num_pages`` of the chain
-        ``hashes`` (NULL_PAGE for pages a window no longer reads), or None if some are gone."""
-        first = self.first_needed_page(num_pages * self.page_size)
-        found = self.manager.lookup(hashes[first:num_pages])
-        if len(found) != num_pages - first:
-            return None
-        return [NULL_PAGE] * first + found
+    def cached_pages(self, hashes: Sequence[bytes], first: int, end: int, host: HostTier) -> list[PageSource] | None:
+        """Where the cached pages ``first .. end - 1`` of the chain ``hashes`` are: a device page, or
+        the host tier; None if some page is in neither."""
+        found: list[PageSource] = []
+        for page_hash in hashes[first:end]:
+            page = self.manager.cached(page_hash)
+            key = prefix_key(self.name, page_hash)
+            if page is None and not host.holds(key):
+                return None
+            found.append(HostSource(key, page_hash) if page is None else page)
+        return found
+
+
+def prefix_key(pool: str, page_hash: bytes) -> HostKey:
+    """The host tier's key of a prefix page: its pool and hash (the hash chain includes the salt)."""
+    return (pool, page_hash)
+
+
+def swap_key(pool: str, owner: Owner, logical: int) -> HostKey:
+    """The host tier's key of a swapped page: its pool, owner and logical page."""
+    return (pool, owner, logical)
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefixHit:
-    """The longest prefix of a sequence the prefix cache holds in every pool: ``pages`` per pool
-    name (empty: none), ``num_tokens`` tokens of it."""
+    """The longest prefix of a sequence the cache holds in every pool: ``pages`` per pool name
+    (empty: none; ``NULL_PAGE`` where a window no longer reads), ``num_tokens`` tokens of it.
+    ``resumes``: the hit is a swapped-out sequence's pages (``swap_out``)."""
 
-    pages: dict[str, list[int]]
+    pages: dict[str, list[PageSource]]
     num_tokens: int
+    resumes: bool = False
 
 
 NO_HIT = PrefixHit({}, 0)
@@ -71,13 +121,45 @@ NO_HIT = PrefixHit({}, 0)
 @dataclasses.dataclass(frozen=True)
 class Allocation:
     """The KV manager's one answer to the scheduler: ``num_new_pages`` pages given per pool name,
-    ``num_cached_tokens`` tokens the prefix cache already held (an admission), and the page
-    ``copies`` ``(source, destination)`` per pool name the next step performs before it writes
-    (a fork's copy-on-write)."""
+    ``num_cached_tokens`` tokens the cache already held (an admission: prefix pages in any tier,
+    or a swapped-out sequence's pages), and the page ``copies`` ``(source, destination)`` per pool
+    name the next step performs before it writes (a fork's copy-on-write)."""
 
     num_new_pages: dict[str, int]
     num_cached_tokens: int = 0
     copies: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Swapped:
+    """A sequence preempted by swap: ``num_tokens`` computed tokens, its first ``num_registered``
+    pages in the prefix cache (any tier), the rest per pool name from page ``num_registered`` on in
+    the host tier (``NULL_PAGE`` where a window had dropped them)."""
+
+    num_tokens: int
+    num_registered: int
+    pages: dict[str, list[PageSource]]
+
+
+@dataclasses.dataclass
+class PageMoves:
+    """The copies between the device pools and the host tier that the next step makes before it
+    runs, per pool name: ``out`` ``(device page, host page)`` reads, all made first (a page read may
+    be written again this step), then ``into`` ``(host page, device page)`` writes."""
+
+    out: dict[str, list[tuple[int, HostPage]]] = dataclasses.field(default_factory=dict)
+    into: dict[str, list[tuple[HostPage, int]]] = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return any(self.out.values()) or any(self.into.values())
+
+
+@dataclasses.dataclass
+class TierStats:
+    """Prefix-cache hits per tier: pages found, over every pool."""
+
+    device_hit_pages: int = 0
+    host_hit_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +171,15 @@ class Usage:
 
 
 class KVCacheManager:
-    """The page pools of one engine and its prefix cache (``prefix_caching``: full pages are
-    registered by the hash chain of their tokens and shared by later sequences)."""
+    """The page pools of one engine, its prefix cache (``prefix_caching``: full pages are
+    registered by the hash chain of their tokens and shared by later sequences) and its host tier
+    (``host_bytes``; 0: none). ``preemption``: 'auto' (swap when ``swap_pays``), 'swap' (whenever
+    the host tier has room) or 'recompute'; a cache with per-row state outside the pages
+    (``sizes.state_bytes``: recurrent states, evicted K/V) is always recomputed."""
 
-    def __init__(self, sizes: PoolSizes, prefix_caching: bool):
+    def __init__(self, sizes: PoolSizes, prefix_caching: bool, host_bytes: int = 0, preemption: str = "auto"):
+        if preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         self.pools: list[PagePool] = []
         if sizes.full_pages:
             self.pools.append(PagePool(PageManager(sizes.full_pages, sizes.page_size), None, sizes.full_page_bytes))
@@ -101,6 +188,11 @@ class KVCacheManager:
             self.pools.append(PagePool(manager, sizes.window, sizes.sliding_page_bytes))
         self.page_size = sizes.page_size
         self.prefix_caching = prefix_caching
+        self.host = HostTier(host_bytes)
+        self.preemption = "recompute" if sizes.state_bytes else preemption
+        self.swapped: dict[Owner, Swapped] = {}
+        self.stats = TierStats()
+        self._moves = PageMoves()
 
     # --- what a request needs, checked when it arrives -----------------------------------------------
     def check_fits(self, num_prompt: int, num_tokens: int, n: int, chunk_tokens: int) -> None:
@@ -121,41 +213,47 @@ class KVCacheManager:
 
     # --- the scheduler's questions ------------------------------------------------------------------
     def lookup(self, seq: SequenceState) -> PrefixHit:
-        """The longest chain of ``seq``'s full pages that every pool still holds, leaving at least
-        its last token to compute (its logits draw the next). Changes nothing."""
+        """A swapped-out sequence's pages when they are all still there (``swap_out``); else the
+        longest chain of ``seq``'s full pages that every pool still holds, in either tier, leaving
+        at least its last token to compute (its logits draw the next). Changes nothing."""
+        swapped = self.swapped.get(seq.key)
+        resumed = None if swapped is None else self._resume_hit(seq, swapped)
+        if resumed is not None:
+            return resumed
         if not self.prefix_caching:
             return NO_HIT
         num_pages = (seq.num_tokens - 1) // self.page_size
         hashes = self._chain(seq, num_pages)
         while num_pages:
-            found = [pool.cached_pages(hashes, num_pages) for pool in self.pools]
+            found = [
+                pool.cached_pages(hashes, pool.first_needed_page(num_pages * self.page_size), num_pages, self.host)
+                for pool in self.pools
+            ]
             if all(pages is not None for pages in found):
-                return PrefixHit(
-                    {pool.name: pages for pool, pages in zip(self.pools, found)}, num_pages * self.page_size
-                )
+                pages = {
+                    pool.name: [NULL_PAGE] * pool.first_needed_page(num_pages * self.page_size) + sources
+                    for pool, sources in zip(self.pools, found)
+                }
+                return PrefixHit(pages, num_pages * self.page_size)
             num_pages -= 1
         return NO_HIT
 
     def allocate(self, seq: SequenceState, num_new_tokens: int, hit: PrefixHit | None = None) -> Allocation | None:
         """Room for ``seq``'s next ``num_new_tokens`` tokens in every pool, after the tokens it has
-        computed (or, for a sequence being admitted, after the prefix ``hit``, whose pages it now
-        shares). None, and nothing changed, when a pool is short of pages."""
+        computed (or, for a sequence being admitted, after the ``hit``, whose device pages it now
+        shares and whose host pages come back into fresh pages). None, and nothing changed, when a
+        pool is short of pages."""
         if hit is not None:
-            for name, pages in hit.pages.items():  # empty without a hit
-                self._pool(name).manager.share(seq.key, pages)
-            seq.num_registered = hit.num_tokens // self.page_size
-        start = seq.num_computed if hit is None else hit.num_tokens
+            return self._admit(seq, num_new_tokens, hit)
         for pool in self.pools:  # pages a window has left go first: they may be what the others need
-            pool.manager.drop_leading(seq.key, pool.first_needed_page(start))
-        needed = {pool.name: pool.pages_needed(seq, start + num_new_tokens) for pool in self.pools}
+            pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
+        needed = {pool.name: pool.pages_needed(seq, seq.num_computed + num_new_tokens) for pool in self.pools}
         if not all(pool.manager.can_allocate(needed[pool.name]) for pool in self.pools):
-            if hit is not None:
-                self.free(seq)
             return None
         for pool in self.pools:
-            if needed[pool.name]:
-                pool.manager.allocate(seq.key, needed[pool.name])
-        return Allocation(needed, 0 if hit is None else hit.num_tokens)
+            self._demote_evictions(pool, needed[pool.name])
+            pool.manager.allocate(seq.key, needed[pool.name])
+        return Allocation(needed)
 
     def fork(self, parent: SequenceState, child: SequenceState) -> Allocation | None:
         """``child`` starts on ``parent``'s computed prompt: it shares the full pages of all but the
@@ -163,20 +261,47 @@ class KVCacheManager:
         recomputes that token to draw its own first one). None, and nothing changed, when a pool
         has no page for the copy."""
         shared = len(child.prompt) - 1
+        partial = 1 if shared % self.page_size else 0
+        if not all(pool.manager.can_allocate(partial) for pool in self.pools):
+            return None
         copies = {}
-        for done, pool in enumerate(self.pools):
-            try:
-                copies[pool.name] = pool.manager.fork(parent.key, child.key, shared)
-            except PoolExhausted:
-                for undo in self.pools[:done]:
-                    undo.manager.free(child.key)
-                return None
+        for pool in self.pools:
+            self._demote_evictions(pool, partial)
+            copies[pool.name] = pool.manager.fork(parent.key, child.key, shared)
         child.page_hashes = list(parent.page_hashes[: shared // self.page_size])
         child.num_registered = min(parent.num_registered, shared // self.page_size)
         return Allocation({pool.name: len(copies[pool.name]) for pool in self.pools}, copies=copies)
 
+    def swap_out(self, seq: SequenceState) -> bool:
+        """Preempt a running ``seq`` by swap if that pays (``swap_pays``, unless ``preemption`` says)
+        and the host tier has room: its pages the prefix cache does not hold are copied to the host
+        tier (pinned) before the next step, and all its device pages are freed. False, and nothing
+        changed but pages a window had left, when it is to be recomputed instead."""
+        if self.preemption == "recompute" or not seq.num_computed:
+            return False
+        for pool in self.pools:
+            pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
+        registered = seq.num_registered
+        tails = {pool.name: pool.manager.pages(seq.key)[registered:] for pool in self.pools}
+        num_pages = sum(page != NULL_PAGE for tail in tails.values() for page in tail)
+        nbytes = sum(sum(page != NULL_PAGE for page in tails[pool.name]) * pool.page_bytes for pool in self.pools)
+        tokens = seq.num_computed - registered * self.page_size
+        pays = self.preemption == "swap" or self.swap_pays(tokens, num_pages)
+        if not pays or not self.host.can_pin(nbytes):
+            return False
+        pages = {pool.name: self._swap_pages(pool, seq, tails[pool.name], registered) for pool in self.pools}
+        self.swapped[seq.key] = Swapped(seq.num_computed, registered, pages)
+        self._free_device(seq)
+        return True
+
+    @staticmethod
+    def swap_pays(tokens: int, pages: int) -> bool:
+        """The cost rule: swapping ``pages`` (out and back) beats recomputing ``tokens``."""
+        return tokens >= PAGE_COPY_TOKENS * pages
+
     def computed(self, seq: SequenceState) -> None:
-        """``seq``'s computed tokens grew: offer its newly full pages to the prefix cache."""
+        """``seq``'s computed tokens grew: offer its newly full pages to the prefix cache (a host
+        copy of a page it registers is dropped: a page lives in one tier)."""
         if not self.prefix_caching:
             return
         full = seq.num_computed // self.page_size
@@ -184,15 +309,116 @@ class KVCacheManager:
         for pool in self.pools:
             pages = pool.manager.pages(seq.key)
             for logical in range(seq.num_registered, full):
-                if pages[logical] != NULL_PAGE:
-                    pool.manager.register(pages[logical], hashes[logical])
+                if pages[logical] != NULL_PAGE and pool.manager.register(pages[logical], hashes[logical]):
+                    self.host.discard(prefix_key(pool.name, hashes[logical]))
         seq.num_registered = full
 
     def free(self, seq: SequenceState) -> None:
-        """Release every page of ``seq`` (tail first); cached pages stay findable until reused."""
+        """Release every page of ``seq`` (tail first; cached pages stay findable until reused) and
+        its swapped pages."""
+        self._free_device(seq)
+        self._forget_swap(seq)
+
+    def take_moves(self) -> PageMoves:
+        """The copies decided since the last call; the engine makes them before the next step runs."""
+        moves, self._moves = self._moves, PageMoves()
+        return moves
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _admit(self, seq: SequenceState, num_new_tokens: int, hit: PrefixHit) -> Allocation | None:
+        """``allocate`` for a sequence admitted on ``hit``: share its device pages (placeholders for
+        its host pages), then fresh pages for the host pages and the new tokens."""
+        for pool in self.pools:
+            sources = hit.pages.get(pool.name, [])
+            pool.manager.share(seq.key, [NULL_PAGE if isinstance(page, HostSource) else page for page in sources])
+            pool.manager.drop_leading(seq.key, pool.first_needed_page(hit.num_tokens))
+        promoted = {pool.name: self._host_sources(pool, hit) for pool in self.pools}
+        end = hit.num_tokens + num_new_tokens
+        new = {pool.name: pool.pages_needed(seq, end) for pool in self.pools}
+        if not all(pool.manager.can_allocate(new[pool.name] + len(promoted[pool.name])) for pool in self.pools):
+            self._free_device(seq)
+            return None
+        taken = {name: [self.host.promote(source.key) for _, source in found] for name, found in promoted.items()}
+        for pool in self.pools:  # the host pages are out of the tier before demotions make room there
+            self._demote_evictions(pool, len(promoted[pool.name]) + new[pool.name])
+            self._promote(pool, seq, promoted[pool.name], taken[pool.name])
+            pool.manager.allocate(seq.key, new[pool.name])
+        if not hit.resumes:
+            self._count_hit(hit)
+        self._forget_swap(seq)  # promoted, or (a hit that does not resume) of no use any more
+        seq.num_registered = hit.num_tokens // self.page_size if self.prefix_caching else 0
+        return Allocation(new, hit.num_tokens)
+
+    def _promote(
+        self, pool: PagePool, seq: SequenceState, found: list[tuple[int, HostSource]], host_pages: list[HostPage]
+    ) -> None:
+        """Fresh pages at ``seq``'s logical pages of ``found`` (registered under their hashes: the
+        prefix cache holds them on the device again), each written from its host page before the next step."""
+        fresh = pool.manager.allocate_at(seq.key, [logical for logical, _ in found])
+        for page, (_, source), host_page in zip(fresh, found, host_pages, strict=True):
+            if source.page_hash is not None:
+                pool.manager.register(page, source.page_hash)
+            self._moves.into.setdefault(pool.name, []).append((host_page, page))
+
+    def _host_sources(self, pool: PagePool, hit: PrefixHit) -> list[tuple[int, HostSource]]:
+        """``(logical page, source)`` of the hit's pages in the host tier that ``pool`` still reads."""
+        first = pool.first_needed_page(hit.num_tokens)
+        sources = hit.pages.get(pool.name, [])
+        return [
+            (logical, page) for logical, page in enumerate(sources) if isinstance(page, HostSource) and logical >= first
+        ]
+
+    def _count_hit(self, hit: PrefixHit) -> None:
+        for sources in hit.pages.values():
+            on_host = sum(isinstance(page, HostSource) for page in sources)
+            self.stats.host_hit_pages += on_host
+            self.stats.device_hit_pages += sum(page != NULL_PAGE for page in sources) - on_host
+
+    def _resume_hit(self, seq: SequenceState, swapped: Swapped) -> PrefixHit | None:
+        """The pages a swapped-out sequence resumes from: its registered pages found by hash (any
+        tier), then its swapped pages; None when some registered page is gone from every tier."""
+        pages = {}
+        for pool in self.pools:
+            first = min(pool.first_needed_page(swapped.num_tokens), swapped.num_registered)
+            prefix = pool.cached_pages(seq.page_hashes, first, swapped.num_registered, self.host)
+            if prefix is None:
+                return None
+            pages[pool.name] = [NULL_PAGE] * first + prefix + swapped.pages[pool.name]
+        return PrefixHit(pages, swapped.num_tokens, resumes=True)
+
+    def _swap_pages(self, pool: PagePool, seq: SequenceState, tail: list[int], start: int) -> list[PageSource]:
+        """Pin a host copy of each page of ``tail`` (``seq``'s pages from logical page ``start`` on;
+        ``NULL_PAGE`` stays) and queue its read."""
+        sources: list[PageSource] = []
+        for logical, page in enumerate(tail, start=start):
+            if page == NULL_PAGE:
+                sources.append(NULL_PAGE)
+                continue
+            key, host_page = swap_key(pool.name, seq.key, logical), HostPage(pool.page_bytes)
+            self.host.demote(key, host_page, pinned=True)
+            self._moves.out.setdefault(pool.name, []).append((page, host_page))
+            sources.append(HostSource(key, None))
+        return sources
+
+    def _demote_evictions(self, pool: PagePool, n: int) -> None:
+        """Before ``n`` pages are taken from ``pool``: demote the cached pages that evicts to the host
+        tier (read before the next step; dropped when the tier is off or full of pinned pages)."""
+        for page, page_hash in pool.manager.evictions(n):
+            host_page = HostPage(pool.page_bytes)
+            if self.host.demote(prefix_key(pool.name, page_hash), host_page):
+                self._moves.out.setdefault(pool.name, []).append((page, host_page))
+
+    def _free_device(self, seq: SequenceState) -> None:
         for pool in self.pools:
             pool.manager.free(seq.key)
         seq.num_registered = 0
+
+    def _forget_swap(self, seq: SequenceState) -> None:
+        swapped = self.swapped.pop(seq.key, None)
+        for sources in () if swapped is None else swapped.pages.values():
+            for page in sources:
+                if isinstance(page, HostSource):
+                    self.host.discard(page.key)
 
     def _pool(self, name: str) -> PagePool:
         return next(pool for pool in self.pools if pool.name == name)
@@ -205,6 +431,29 @@ class KVCacheManager:
             tokens = seq.tokens[have * self.page_size : num_pages * self.page_size]
             seq.page_hashes += page_hashes(tokens, self.page_size, seq.options.cache_salt, parent)
         return seq.page_hashes[:num_pages]
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant over both tiers: each ledger's,
+        no hash both in a device pool and in the host tier, pinned host pages exactly the swapped
+        sequences' pages (which hold no device page). O(pools + host tier)."""
+        for pool in self.pools:
+            pool.manager.check()
+        self.host.check()
+        swapped = {page.key for s in self.swapped.values() for p in s.pages.values() for page in p if page != NULL_PAGE}
+        for key in self.host.stored_keys():
+            if key in swapped:
+                continue
+            pool, page_hash = key
+            if self._pool(pool).manager.cached(page_hash) is not None:
+                raise AssertionError(f"page hash {page_hash.hex()} of the {pool} pool is in both tiers")
+            if self.host.pinned(key):
+                raise AssertionError(f"prefix page {key!r} is pinned in the host tier")
+        missing = [key for key in swapped if not self.host.pinned(key)]
+        if missing:
+            raise AssertionError(f"swapped pages {missing} are not pinned in the host tier")
+        holding = [owner for owner in self.swapped if any(pool.manager.pages(owner) for pool in self.pools)]
+        if holding:
+            raise AssertionError(f"swapped-out owners {holding} still hold device pages")
 
     # --- what the model runner and the metrics read ---------------------------------------------------
     def block_tables(

@@ -21,8 +21,19 @@ from flax import nnx
 
 from jaxkv.batch import QUERY_BLOCK, PackedBatch
 from jaxkv.decoding.sampling import GREEDY, RowSampling
+from jaxkv.layers.paged import NULL_PAGE
+from jaxkv.serving.host_tier import HostPage
+from jaxkv.serving.kv_manager import PageMoves
 from jaxkv.serving.scheduler import Chunk, chunk_cost
-from jaxkv.serving.step import StepInputs, StepOutputs, compiled_step, copy_pages
+from jaxkv.serving.step import (
+    StepInputs,
+    StepOutputs,
+    compiled_step,
+    copy_pages,
+    page_formats,
+    read_pages,
+    write_pages,
+)
 
 # The fewest decode slots a decode-only step is given (fewer saves too little to compile for).
 MIN_DECODE_SLOTS = 8
@@ -44,6 +55,12 @@ def decode_buckets(num_rows: int) -> tuple[int, ...]:
     while sizes[-1] % 2 == 0 and sizes[-1] // 2 >= MIN_DECODE_SLOTS:
         sizes.append(sizes[-1] // 2)
     return tuple(reversed(sizes))
+
+
+def copy_bucket(num_pages: int) -> int:
+    """Pages a batch of ``num_pages`` host-tier copies is padded to: the next power of two (one
+    compiled read and one compiled write per bucket)."""
+    return 1 << max(num_pages - 1, 0).bit_length()
 
 
 def step_shapes(num_rows: int, max_num_batched_tokens: int) -> tuple[tuple[int, int], ...]:
@@ -68,12 +85,15 @@ class ModelRunner:
         self.num_top = num_top
         self.executables: dict[tuple[int, int], Callable] = {}
         self.num_steps = 0
+        self.page_formats = page_formats(cache)
 
-    def run(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], copies: dict) -> StepOutputs:
-        """Copy a fork's pages (``copies``: ``(source, destination)`` pairs per pool name, if any),
-        then run one step over ``chunks``; returns the outputs on the host, chunk ``i``'s in sample slot ``i``."""
+    def copy_pages(self, copies: dict[str, list[tuple[int, int]]]) -> None:
+        """Copy forks' pages: ``(source, destination)`` pairs per pool name (none: nothing runs)."""
         if any(copies.values()):
             self.cache = copy_pages(self.cache, {name: np.asarray(pairs, np.int32) for name, pairs in copies.items()})
+
+    def run(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepOutputs:
+        """Run one step over ``chunks``; returns the outputs on the host, chunk ``i``'s in sample slot ``i``."""
         with jax.profiler.TraceAnnotation("runner.prepare"):
             inputs = self.prepare(chunks, block_tables)
         with jax.profiler.TraceAnnotation("runner.dispatch"):
@@ -81,6 +101,54 @@ class ModelRunner:
         self.num_steps += 1
         with jax.profiler.TraceAnnotation("runner.wait"):
             return jax.device_get(outputs)
+
+    def move_pages(self, moves: PageMoves) -> None:
+        """Make a step's copies between the device pools and the host tier: every read first (a
+        page read may be written by a later copy or by the step), then every write. Each batch is
+        padded to ``copy_bucket`` pages of every pool."""
+        if any(moves.out.values()):
+            self._read(moves.out)
+        if any(moves.into.values()):
+            self._write(moves.into)
+
+    def _read(self, out: dict[str, list[tuple[int, HostPage]]]) -> None:
+        """Fill each host page with its device page: one array per leaf of its pool's paged groups."""
+        pages = self._bucketed({name: [page for page, _ in pairs] for name, pairs in out.items()})
+        found = jax.device_get(read_pages(self.cache, pages))  # per paged group, per leaf [K, L, ...]
+        for name, pairs in out.items():
+            groups = [group for (pool, _), group in zip(self.page_formats, found) if pool == name]
+            for k, (_, host_page) in enumerate(pairs):
+                host_page.arrays = [np.array(leaf[k]) for group in groups for leaf in group]
+
+    def _write(self, into: dict[str, list[tuple[HostPage, int]]]) -> None:
+        """Write each host page into its device page."""
+        pages = self._bucketed({name: [page for _, page in pairs] for name, pairs in into.items()})
+        size = len(next(iter(pages.values())))
+        self.cache = write_pages(self.cache, pages, self._stacked(into, size))
+
+    def _bucketed(self, pages: dict[str, list[int]]) -> dict[str, np.ndarray]:
+        """``pages`` per pool name, every pool padded with the null page to one ``copy_bucket``."""
+        size = copy_bucket(max(len(found) for found in pages.values()))
+        names = {pool for pool, _ in self.page_formats}
+        return {
+            name: np.array([*pages.get(name, []), *[NULL_PAGE] * (size - len(pages.get(name, [])))], np.int32)
+            for name in names
+        }
+
+    def _stacked(self, into: dict[str, list[tuple[HostPage, int]]], size: int) -> list[list[np.ndarray]]:
+        """The host pages' arrays stacked per paged group and leaf ``[size, L, ...]`` (zeros as padding)."""
+        data, position = [], {}
+        for pool, formats in self.page_formats:
+            start = position.get(pool, 0)  # where this group's leaves start in a page's arrays
+            position[pool] = start + len(formats)
+            group = []
+            for offset, shape in enumerate(formats):
+                stacked = np.zeros((size, *shape.shape), shape.dtype)
+                for k, (host_page, _) in enumerate(into.get(pool, [])):
+                    stacked[k] = host_page.arrays[start + offset]
+                group.append(stacked)
+            data.append(group)
+        return data
 
     def warmup(self, block_tables: dict[str, np.ndarray]) -> None:
         """Compile the step for every shape, so no request waits for a compile."""

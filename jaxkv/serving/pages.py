@@ -11,7 +11,10 @@ The device arrays hold the pages; this module is the plain-Python ledger that ru
   the automatic prefix cache: a free page keeps its hash (and its K/V on device) until ``allocate`` hands it
   out again, so a later request with the same prefix can take it back with ``share``;
 * a full page is keyed by a hash chained over every token before it (``page_hashes``), so equal hashes mean
-  equal prefixes, hence equal K/V.
+  equal prefixes, hence equal K/V;
+* ``evictions`` tells, before an allocation, which cached pages it will evict, so the engine can demote
+  them to its host tier (``jaxkv.serving.host_tier``) instead of losing them; ``allocate_at`` gives fresh
+  pages to logical pages whose contents come back from there.
 
 Page 0 (``NULL_PAGE``) is never handed out: padding writes land there and block-table entries that hold
 nothing point there. Every operation costs O(pages touched); only ``check`` walks the whole pool.
@@ -20,6 +23,7 @@ nothing point there. Every operation costs O(pages touched); only ``check`` walk
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
@@ -140,11 +144,35 @@ class PageManager:
         self._lists.setdefault(owner, []).extend(fresh)
         return fresh
 
+    def allocate_at(self, owner: Owner, indices: Sequence[int]) -> list[int]:
+        """Put fresh pages at the owner's ``NULL_PAGE`` placeholders ``indices`` (logical pages whose
+        contents come from elsewhere: the host tier) and return them. Raises ``PoolExhausted``, changing
+        nothing, when too few pages are free."""
+        owned = self._lists.get(owner, [])
+        taken = [index for index in indices if not 0 <= index < len(owned) or owned[index] != NULL_PAGE]
+        if taken:
+            raise ValueError(f"allocate_at: logical pages {taken} of {owner!r} are not NULL_PAGE placeholders")
+        self._require_free(len(indices))
+        fresh = [self._take_free() for _ in indices]
+        for index, page in zip(indices, fresh):
+            owned[index] = page
+        return fresh
+
+    def evictions(self, n: int) -> list[tuple[int, bytes]]:
+        """``(page, hash)`` of the cached pages the next allocation of ``n`` pages evicts (the front of the
+        free queue); changes nothing. The engine demotes them to the host tier before they are written."""
+        front = itertools.islice(self._free, min(n, len(self._free)))
+        return [(page, self._hash_of_page[page]) for page in front if page in self._hash_of_page]
+
+    def cached(self, page_hash: bytes) -> int | None:
+        """The page cached under ``page_hash`` (in use or free), or None."""
+        return self._page_of_hash.get(page_hash)
+
     def lookup(self, hashes: Sequence[bytes]) -> list[int]:
         """The pages of the longest prefix of ``hashes`` that are all cached (in use or free); changes nothing."""
         found = []
         for page_hash in hashes:
-            page = self._page_of_hash.get(page_hash)
+            page = self.cached(page_hash)
             if page is None:
                 break
             found.append(page)
@@ -167,20 +195,21 @@ class PageManager:
         self._acquire(held)
         self._lists.setdefault(owner, []).extend(pages)
 
-    def register(self, page: int, page_hash: bytes) -> None:
-        """Mark a full, in-use page as cached under ``page_hash``.
+    def register(self, page: int, page_hash: bytes) -> bool:
+        """Mark a full, in-use page as cached under ``page_hash``; True if it now is.
 
-        No-op when the page already has a hash, or when another page is cached under it (the first copy stays
-        canonical; the duplicate is released uncached)."""
+        No-op (False) when the page already has a hash, or when another page is cached under it (the first
+        copy stays canonical; the duplicate is released uncached)."""
         self._check_page(page, "register")
         if self._refcounts[page] == 0:
             raise ValueError(
                 f"page {page} is free: register a page while its owner holds it (right after its last token is written)"
             )
         if page in self._hash_of_page or page_hash in self._page_of_hash:
-            return
+            return False
         self._hash_of_page[page] = page_hash
         self._page_of_hash[page_hash] = page
+        return True
 
     def fork(self, parent: Owner, child: Owner, num_tokens: int) -> list[tuple[int, int]]:
         """Copy-on-write fork: ``child`` gets the parent's first ``num_tokens`` tokens.

@@ -7,9 +7,11 @@ one token (every running row has a decode slot in each step), a prompt brings a 
 what the step's prefill budget leaves (chunked prefill; a chunk costs whole blocks of
 ``QUERY_BLOCK`` tokens, the unit paged attention reads); then waiting sequences are admitted
 while rows, budget and pages last. A sequence that needs a page when the pool is full
-preempts the newest running sequence (its pages are freed and it is computed again later, so
-nothing is dropped); with prefix caching the pages it filled stay cached and usually make its
-recomputation a cache hit.
+preempts the newest running sequence: the KV manager swaps its pages to the host tier when
+that beats recomputing them (``KVCacheManager.swap_out``, a documented cost rule), and it
+resumes from them; else they are freed and it is computed again later, so nothing is
+dropped (with prefix caching the pages it filled stay cached and usually make its
+recomputation a cache hit).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def chunk_cost(count: int) -> int:
 @dataclasses.dataclass
 class SchedulerStats:
     preemptions: int = 0
+    swaps: int = 0  # preemptions whose pages went to the host tier
+    recomputes: int = 0  # preemptions whose pages were freed
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
 
@@ -128,9 +132,8 @@ class Scheduler:
             self.kv.computed(chunk.seq)
 
     # --- leaving ----------------------------------------------------------------------------
-    def _release(self, seq: SequenceState) -> None:
-        """Free ``seq``'s pages and its row; it keeps its tokens."""
-        self.kv.free(seq)
+    def _leave(self, seq: SequenceState) -> None:
+        """Take ``seq``'s row (its pages are the caller's business); it keeps its tokens."""
         if seq.row is not None:
             self.free_rows.append(seq.row)
             seq.row = None
@@ -139,15 +142,23 @@ class Scheduler:
         seq.num_computed = 0
 
     def preempt(self, seq: SequenceState) -> None:
-        """Free a running sequence's pages; it waits at the front and is computed again."""
-        self._release(seq)
+        """Take a running sequence's pages: swapped to the host tier (it resumes from them) when
+        the KV manager finds that pays and fits, else freed (it is computed again). It waits at
+        the front."""
+        if self.kv.swap_out(seq):
+            self.stats.swaps += 1
+        else:
+            self.kv.free(seq)
+            self.stats.recomputes += 1
+        self._leave(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
 
     def finish(self, seq: SequenceState) -> None:
         """Free a sequence that has finished or was aborted, wherever it is."""
-        self._release(seq)
+        self.kv.free(seq)
+        self._leave(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.batch import PackedBatch
+from jaxkv.batch import PackedBatch, PagedStorage
 from jaxkv.cache import Cache
 from jaxkv.decoding.sampling import RowSampling, sample_rows
-from jaxkv.protocol import pytree_class
+from jaxkv.protocol import has, pytree_class
 
 
 @pytree_class
@@ -94,3 +94,49 @@ compiled_step = jax.jit(serving_step, static_argnames=("graphdef", "num_top"), d
 
 copy_pages = jax.jit(lambda cache, copies: cache.with_page_copies(copies), donate_argnums=0)
 """The cache with a fork's pages copied (``Cache.with_page_copies``), run only in a step that forks."""
+
+
+def page_formats(cache: Cache) -> list[tuple[str, list[jax.ShapeDtypeStruct]]]:
+    """Per paged group of ``cache`` (in order): its pool name and the shape of one page of each of its
+    leaves, ``[L, page_size, H_kv, ·]`` (K and V, or their codes and scales; pages are axis 1 of a leaf)."""
+    return [
+        (
+            group.pool,
+            [jax.ShapeDtypeStruct((leaf.shape[0], *leaf.shape[2:]), leaf.dtype) for leaf in jax.tree.leaves(group)],
+        )
+        for group in cache.groups
+        if has(group, PagedStorage)
+    ]
+
+
+def _read_pages(cache: Cache, pages: dict[str, jax.Array]) -> list[list[jax.Array]]:
+    """Pages ``pages[pool]`` ``[K]`` int32 of every paged group, page first: per group, each leaf's
+    ``[K, L, ...]`` (padding reads the null page)."""
+    return [
+        [jnp.moveaxis(leaf[:, pages[group.pool]], 1, 0) for leaf in jax.tree.leaves(group)]
+        for group in cache.groups
+        if has(group, PagedStorage)
+    ]
+
+
+def _write_pages(cache: Cache, pages: dict[str, jax.Array], data: list[list[jax.Array]]) -> Cache:
+    """The cache with pages ``pages[pool]`` ``[K]`` of every paged group set to ``data`` (as
+    ``_read_pages`` returns it; padding writes the null page)."""
+    found = iter(data)
+    for index, group in enumerate(cache.groups):
+        if not has(group, PagedStorage):
+            continue
+        leaves, treedef = jax.tree.flatten(group)
+        written = [
+            leaf.at[:, pages[group.pool]].set(jnp.moveaxis(new, 0, 1).astype(leaf.dtype))
+            for leaf, new in zip(leaves, next(found), strict=True)
+        ]
+        cache = cache.with_group(index, jax.tree.unflatten(treedef, written))
+    return cache
+
+
+read_pages = jax.jit(_read_pages)
+"""Device pages to copy to the host tier; one compile per padded page count (``ModelRunner.move_pages``)."""
+
+write_pages = jax.jit(_write_pages, donate_argnums=0)
+"""Host-tier pages written back into device pages (promotions, swap-ins); one compile per padded page count."""
