@@ -53,11 +53,18 @@ class Metrics:
                 "pages_free": "free pages over all pools (cached ones included)",
                 "prefix_cache_hit_rate": "prompt tokens served from the prefix cache",
                 "preemptions": "sequences preempted since start",
+                "swaps": "preempted sequences whose pages went to the host tier",
+                "recomputes": "preempted sequences whose pages were freed, to be computed again",
+                "device_prefix_hit_pages": "prefix-cache pages found in the device pools since start",
+                "host_prefix_hit_pages": "prefix-cache pages found in the host tier since start",
+                "host_pages": "pages held in the host tier",
+                "host_bytes_in": "bytes copied from the device pools to the host tier since start",
+                "host_bytes_out": "bytes copied from the host tier to the device pools since start",
             }.items()
         }
 
     def render(self, stats: dict) -> bytes:
-        pools = stats["pages"].values()
+        pools, tiers = stats["pages"].values(), stats["tiers"]
         values = {
             "running_requests": stats["num_running"],
             "waiting_requests": stats["num_waiting"],
@@ -65,6 +72,13 @@ class Metrics:
             "pages_free": sum(p["free"] for p in pools),
             "prefix_cache_hit_rate": stats["prefix_hit_rate"],
             "preemptions": stats["preemptions"],
+            "swaps": stats["swaps"],
+            "recomputes": stats["recomputes"],
+            "device_prefix_hit_pages": tiers["device"]["hit_pages"],
+            "host_prefix_hit_pages": tiers["host"]["hit_pages"],
+            "host_pages": tiers["host"]["pages"],
+            "host_bytes_in": tiers["host"]["bytes_in"],
+            "host_bytes_out": tiers["host"]["bytes_out"],
         }
         for name, value in values.items():
             self.gauges[name].set(value)

@@ -22,13 +22,13 @@ UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MI
 PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
 
 
-def parse_bytes(value: int | str) -> int:
-    """``"1GiB"``, ``"512 MiB"``, ``"2GB"`` or an int -> bytes."""
+def parse_bytes(value: int | str, name: str = "kv_memory") -> int:
+    """``"1GiB"``, ``"512 MiB"``, ``"2GB"`` or an int -> bytes; ``name``: the option, for the error."""
     if isinstance(value, int):
         return value
     match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
     if match is None or match.group(2).upper() not in UNITS:
-        raise ValueError(f"kv_memory {value!r} is not a size: write e.g. '1GiB', '512MiB' or a number of bytes")
+        raise ValueError(f"{name} {value!r} is not a size: write e.g. '1GiB', '512MiB' or a number of bytes")
     return int(float(match.group(1)) * UNITS[match.group(2).upper()])
 
 
