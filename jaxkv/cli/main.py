@@ -487,6 +487,7 @@ class ServeConfig(Strict):
     def _eviction_without_prefix_caching(self):
         if self.eviction is not None and self.prefix_caching:
             raise ValueError(
+    host_kv_memory: str = "0"  # host memory under the page pools (demoted prefix pages, swapped sequences)
                 "eviction keeps each request's K/V in its own slots, which prefix caching cannot share: set "
                 "prefix_caching: false (or --no-prefix-caching)"
             )
@@ -518,6 +519,10 @@ def resolve_serve_config(args) -> ServeConfig:
     merged = (load_config(args.config, ServeConfig) if args.config else ServeConfig()).model_dump()
     merged |= {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key) is not None}
     return ServeConfig.model_validate(merged | mesh_setting(args))
+    parser.add_argument(
+        "--host-kv-memory", help="host memory under the page pools for evicted prefix pages and swapped requests, "
+        "e.g. 512MiB (default 0: none)"
+    )
 
 
 def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
@@ -525,7 +530,8 @@ def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
     from jaxkv.serving import Engine
 
     return Engine(
-        model, tokenizer=tokenizer, kv_memory=config.kv_memory, page_size=config.page_size,
+        model, tokenizer=tokenizer, kv_memory=config.kv_memory, host_kv_memory=config.host_kv_memory,
+        page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
         quantization=None if config.quantization is None else config.quantization.spec(),
