@@ -724,6 +724,19 @@ def parse_args(argv):
     return args
 
 
+# The vector instruction sets a CPU kernel may pick (vLLM's CPU attention and GEMMs have AVX-512 and AMX paths).
+VECTOR_ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_vector_isa() -> list[str]:
+    """Which of ``VECTOR_ISA`` this CPU has (``/proc/cpuinfo``'s flags; empty where unreadable)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return []
+    return [isa for isa in VECTOR_ISA if isa in flags]
+
+
 def environment(args) -> dict:
     import importlib.metadata
 
@@ -741,7 +754,8 @@ def environment(args) -> dict:
     except (OSError, StopIteration):
         pass
     return dict(
-        cpu=cpu, cores=cpu_cores(), torch_threads=args.threads, platform=platform.platform(),
+        cpu=cpu, cpu_vector_isa=cpu_vector_isa(), cores=cpu_cores(), torch_threads=args.threads,
+        platform=platform.platform(),
         python=platform.python_version(), versions=versions,
         load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
     )  # fmt: skip

@@ -15,7 +15,17 @@ Workloads (seeded by ``--seed``; the same requests for every system):
   the model's tokenizer (random ids for ``--model tiny-random``);
 * ``shared-prefix``: ``--system-prompts`` system prompts of about ``--system-prompt-tokens``
   tokens (+-5%); each request is one of them, drawn uniformly, followed by a user part of
-  ``--min-prompt`` up to whatever ``--max-prompt`` leaves.
+  ``--min-prompt`` up to whatever ``--max-prompt`` leaves;
+* ``multi-turn`` (run only when named): ``--requests`` conversations of ``--turns`` turns, each
+  opening with one of the system prompts; every conversation's turn ``t`` arrives before any
+  conversation's turn ``t + 1``, so a conversation returns after the others' traffic. Turn
+  ``t``'s prompt is turn ``t - 1``'s prompt, a reply of turn ``t - 1``'s output length (cut from
+  the corpus: every system sees the same prompts) and a user part of
+  ``--min-prompt``..``--turn-tokens`` tokens. Its rows add the TTFT of first and of returning
+  turns; give it a ``--kv-memory-mib`` below the working set (the report prints the prompts'
+  distinct prefix tokens) to see what the memory tiers save.
+
+``--workload both`` (the default) runs ``random`` and ``shared-prefix``.
 
 Arrivals are Poisson at ``--rate`` requests/s (``inf``: all at once), measured from the start
 of the timed run: a system sees a request only once its arrival time has passed. Every
@@ -51,6 +61,11 @@ system in turn, a fresh worker each):
   the first use makes vLLM's venv and the float32 checkpoint folder (``jaxkv.bench.vllm_env``;
   skipped with the reason when the registry cannot be reached), and then every system loads that
   folder, so all run the same weights.
+* ``engine-host-tier`` and ``engine-disk-tier`` (run only when named; issue 39): the engine with a
+  host page tier of ``--host-kv-memory-mib`` (pages leaving the device pool move to host memory
+  and come back on a prefix hit); the second also with a disk tier, measured after a restart:
+  a first worker serves the workload with a fresh ``kv_cache_dir``, a second worker (the
+  restarted server) is timed on that directory.
 
 Metrics, per workload x system, from per-request records (arrival, first token, finish,
 output tokens; seconds since the run start):
@@ -87,7 +102,9 @@ weights once per step and each row's live K/V once per token, prefill and comput
 Targets (one run): engine >= 2x transformers and >= 1.5x static in output tok/s (random), wasted
 K/V < 4% (engine, random), shared-prefix TTFT p50 >= 3x lower with prefix caching than without,
 prefix caching costs < 2% output tok/s on the random workload (about 0% hits); engine >= 1.2x vLLM
-(its defaults) in output tok/s on each workload.
+(its defaults) in output tok/s on random and shared-prefix; multi-turn: returning turns' TTFT p50
+>= 3x lower with the host tier than recomputing (``engine``), output tok/s not lower, and the disk
+tier after a restart within 1.5x of the host tier's returning-turn TTFT p50.
 
 Outputs: a markdown table and the targets on stdout, ``--out`` (JSON, per-request records
 included) and the same path with ``.png`` (throughput bars and TTFT CDFs). Timings are only
@@ -149,12 +166,17 @@ SYSTEMS = {
     "hf": "transformers CB (CPU)",
     "vllm": "vLLM (its defaults)",
     "vllm-matched": "vLLM (jaxkv's settings)",
+    "engine-host-tier": "jaxkv engine + host page tier",
+    "engine-disk-tier": "jaxkv engine + host and disk tiers, restarted",
 }
-ENGINE_SYSTEMS = ("engine", "engine-no-prefix")
+ENGINE_SYSTEMS = ("engine", "engine-no-prefix", "engine-host-tier", "engine-disk-tier")
+# Not run unless named: the memory tiers (issue 39), for the multi-turn workload.
+TIER_SYSTEMS = ("engine-host-tier", "engine-disk-tier")
 VLLM_SYSTEMS = ("vllm", "vllm-matched")  # not run unless named: the first use installs vLLM (~5 min)
 GPU_SYSTEMS = ("engine", "engine-no-prefix", "static")  # --device gpu: jaxkv's systems, JAX on the GPU
 GPU_BANDWIDTH_MIB = 512  # the array the GPU's bandwidth is measured on
-WORKLOADS = ("random", "shared-prefix")
+WORKLOADS = ("random", "shared-prefix", "multi-turn")
+BOTH = ("random", "shared-prefix")  # --workload both (multi-turn runs when named: it wants its own pool sizes)
 # --quick: a smoke run's defaults (flags given explicitly still win).
 QUICK = dict(
     requests=8, min_prompt=8, max_prompt=64, min_output=8, max_output=24, system_prompts=2, system_prompt_tokens=32,
@@ -167,6 +189,8 @@ TARGET_WASTED = 0.04
 TARGET_PREFIX_TTFT = 3.0
 TARGET_PREFIX_COST = 0.02
 TARGET_VS_VLLM = 1.2  # engine / vLLM at its defaults, output tok/s, on each workload (issue 38)
+TARGET_TIER_TTFT = 3.0  # multi-turn: returning turns' TTFT p50, recompute / host tier (issue 39)
+TARGET_DISK_TTFT = 1.5  # multi-turn: the disk tier after a restart / the host tier, returning-turn TTFT p50
 # Statistics every system reports (None where it does not apply or is not measured).
 STAT_KEYS = (
     "peak_kv_bytes", "wasted_slot_fraction", "prefix_hit_rate", "num_compiled", "xla_compiles_warmup",
@@ -190,12 +214,14 @@ class WorkloadShape:
     max_output: int
     system_prompts: int
     system_prompt_tokens: int
+    turns: int = 1
+    turn_tokens: int = 64
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> WorkloadShape:
         return cls(
             args.requests, args.rate, args.min_prompt, args.max_prompt, args.min_output, args.max_output,
-            args.system_prompts, args.system_prompt_tokens,
+            args.system_prompts, args.system_prompt_tokens, args.turns, args.turn_tokens,
         )  # fmt: skip
 
 
@@ -227,17 +253,44 @@ def random_workload(rng: np.random.Generator, source: np.ndarray, shape: Workloa
     return timed_requests(rng, prompts, shape)
 
 
+def system_prompts(rng: np.random.Generator, source: np.ndarray, shape: WorkloadShape) -> list[list[int]]:
+    """``shape.system_prompts`` prompts of ``shape.system_prompt_tokens`` tokens +- ``SYSTEM_PROMPT_SPREAD``."""
+    spread = round(shape.system_prompt_tokens * SYSTEM_PROMPT_SPREAD)
+    lengths = rng.integers(shape.system_prompt_tokens - spread, shape.system_prompt_tokens + spread + 1,
+                           shape.system_prompts)  # fmt: skip
+    return token_slices(rng, source, lengths)
+
+
 def shared_prefix_workload(rng: np.random.Generator, source: np.ndarray, shape: WorkloadShape) -> list[ServingRequest]:
     """Each prompt is one of ``shape.system_prompts`` system prompts followed by its own user part."""
-    spread = round(shape.system_prompt_tokens * SYSTEM_PROMPT_SPREAD)
-    system_lengths = rng.integers(shape.system_prompt_tokens - spread, shape.system_prompt_tokens + spread + 1,
-                                  shape.system_prompts)  # fmt: skip
-    systems = token_slices(rng, source, system_lengths)
-    longest_user = max(shape.min_prompt, shape.max_prompt - int(system_lengths.max()))
+    systems = system_prompts(rng, source, shape)
+    longest_user = max(shape.min_prompt, shape.max_prompt - max(map(len, systems)))
     user_lengths = log_uniform(rng, shape.min_prompt, longest_user, shape.num_requests)
     users = token_slices(rng, source, user_lengths)
     choices = rng.integers(0, shape.system_prompts, shape.num_requests)
     return timed_requests(rng, [systems[c] + user for c, user in zip(choices, users)], shape)
+
+
+def multi_turn_workload(rng: np.random.Generator, source: np.ndarray, shape: WorkloadShape) -> list[ServingRequest]:
+    """``shape.num_requests`` conversations of ``shape.turns`` turns that return after other
+    traffic: every conversation's turn ``t`` arrives before any conversation's turn ``t + 1``
+    (conversations shuffled within a round). A conversation opens with one of the system
+    prompts; turn ``t``'s prompt is turn ``t - 1``'s prompt, a reply of turn ``t - 1``'s output
+    length and a user part of ``--min-prompt``..``--turn-tokens`` tokens. The replies are cut
+    from the corpus, not the model's own output, so every system sees the same prompts: a
+    returning turn can reuse its previous prompt's K/V, and computes its reply and user part."""
+    systems = system_prompts(rng, source, shape)
+    conversations = [systems[c] for c in rng.integers(0, shape.system_prompts, shape.num_requests)]
+    requests = []  # (prompt, output length, turn) in arrival order
+    outputs = np.zeros(shape.num_requests, int)  # the previous turn's output lengths: no reply before turn 0
+    for turn in range(shape.turns):
+        replies = token_slices(rng, source, outputs)
+        users = token_slices(rng, source, log_uniform(rng, shape.min_prompt, shape.turn_tokens, shape.num_requests))
+        conversations = [history + reply + user for history, reply, user in zip(conversations, replies, users)]
+        outputs = log_uniform(rng, shape.min_output, shape.max_output, shape.num_requests)
+        requests += [(conversations[c], int(outputs[c]), turn) for c in rng.permutation(shape.num_requests)]
+    arrivals = poisson_arrivals(rng, shape.rate, len(requests))
+    return [ServingRequest(float(t), prompt, n, turn) for t, (prompt, n, turn) in zip(arrivals, requests)]
 
 
 def timed_requests(rng: np.random.Generator, prompts: list[list[int]], shape: WorkloadShape) -> list[ServingRequest]:
@@ -250,6 +303,7 @@ def timed_requests(rng: np.random.Generator, prompts: list[list[int]], shape: Wo
 WORKLOAD_BUILDERS: dict[str, Callable[..., list[ServingRequest]]] = {
     "random": random_workload,
     "shared-prefix": shared_prefix_workload,
+    "multi-turn": multi_turn_workload,
 }
 
 
@@ -271,11 +325,24 @@ def token_source(model: str, vocab_size: int | None = None, seed: int = 0) -> np
     return np.asarray(tokenizer.encode(corpus_text(), add_special_tokens=False))
 
 
+def distinct_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    """Prompt tokens a perfect prefix cache would compute (the size of the prompts' trie): the
+    working set a K/V pool holds to serve every shared prefix from memory."""
+    seen = set()
+    for prompt in prompts:
+        key = None
+        for token in prompt:
+            key = hash((key, token))
+            seen.add(key)
+    return len(seen)
+
+
 def workload_summary(requests: list[ServingRequest]) -> dict:
     prompts = [len(r.prompt) for r in requests]
     outputs = [r.max_tokens for r in requests]
     return dict(
         num_requests=len(requests), prompt_tokens=sum(prompts), output_tokens=sum(outputs),
+        distinct_prefix_tokens=distinct_prefix_tokens([r.prompt for r in requests]),
         prompt_tokens_min_max=[min(prompts), max(prompts)], output_tokens_min_max=[min(outputs), max(outputs)],
         arrival_span_s=max(r.arrival for r in requests),
     )  # fmt: skip
@@ -288,6 +355,19 @@ def workload_summary(requests: list[ServingRequest]) -> dict:
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (linear interpolation), None for no values."""
     return float(np.percentile(values, q)) if len(values) else None
+
+
+def turn_latencies(records: Sequence[Record], turns: Sequence[int]) -> dict:
+    """Multi-turn: TTFT p50 and p99 of first turns and of returning turns (``turns[i]``: request
+    ``i``'s turn); nothing for a workload without returning turns."""
+    if not any(turns):
+        return {}
+    ttft = {returning: [r.first_token - r.arrival for r, t in zip(records, turns) if bool(t) is returning]
+            for returning in (False, True)}  # fmt: skip
+    return dict(
+        first_ttft_p50_s=percentile(ttft[False], 50), first_ttft_p99_s=percentile(ttft[False], 99),
+        returning_ttft_p50_s=percentile(ttft[True], 50), returning_ttft_p99_s=percentile(ttft[True], 99),
+    )  # fmt: skip
 
 
 def summarize(records: Sequence[Record]) -> dict:
@@ -336,11 +416,7 @@ def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
 
     compiles = CompileCounter()
     model = jaxkv_model(spec)
-    engine = Engine(
-        model, kv_memory=f"{spec['kv_memory_mib']}MiB", page_size=spec["page_size"],
-        max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-        prefix_caching=spec["prefix_caching"],
-    )  # fmt: skip
+    engine = Engine(model, **engine_options(spec))
     start = time.perf_counter()
     engine.warmup()
     warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
@@ -349,6 +425,19 @@ def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
     sizes = jaxkv_sizes(model, spec["dtype"])
     return result | dict(stats=stats, warmup_s=warmup_seconds, backend=jax.default_backend(), sizes=sizes)
+
+
+def engine_options(spec: dict) -> dict:
+    """The ``Engine`` options of an engine system's spec (the memory tiers only where set)."""
+    options = dict(
+        kv_memory=f"{spec['kv_memory_mib']}MiB", page_size=spec["page_size"], max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"], prefix_caching=spec["prefix_caching"],
+    )  # fmt: skip
+    if spec.get("host_kv_memory_mib"):
+        options["host_kv_memory"] = f"{spec['host_kv_memory_mib']}MiB"
+    if spec.get("kv_cache_dir"):
+        options["kv_cache_dir"] = spec["kv_cache_dir"]
+    return options
 
 
 class EngineRequests:
@@ -609,7 +698,8 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
         system=system, workload=kind, label=f"{kind} / {system}", model=model, dtype=args.dtype,
         model_kwargs={}, threads=args.threads, kv_memory_mib=args.kv_memory_mib, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefix_caching=system == "engine", static_batch=args.static_batch, max_output=args.max_output,
+        prefix_caching=system in ENGINE_SYSTEMS and system != "engine-no-prefix", static_batch=args.static_batch,
+        max_output=args.max_output, host_kv_memory_mib=args.host_kv_memory_mib if system in TIER_SYSTEMS else None,
         requests=[dataclasses.asdict(r) for r in requests], device=args.device if system in GPU_SYSTEMS else "cpu",
     )  # fmt: skip
     if system in VLLM_SYSTEMS:
@@ -641,23 +731,36 @@ def competing_process(cpu: int | None):
         busy.wait()
 
 
+def run_after_restart(spec: dict, vllm: VllmSetup | None, *, timeout: float | None, verbose: bool) -> dict:
+    """``engine-disk-tier``: a first worker serves the workload with a fresh ``kv_cache_dir``
+    (its result dropped), a second one, the restarted server, is the timed run on that directory."""
+    with tempfile.TemporaryDirectory(prefix="bench-kv-cache-") as directory:
+        spec = spec | dict(kv_cache_dir=directory)
+        filled = run_worker(spec | dict(label=f"{spec['label']} (filling the disk tier)"), vllm, timeout=timeout,
+                            verbose=verbose)  # fmt: skip
+        return filled if "error" in filled else run_worker(spec, vllm, timeout=timeout, verbose=verbose)
+
+
 def run_once(args: argparse.Namespace, spec: dict, vllm: VllmSetup | None) -> dict:
     """One run in a fresh worker (beside a busy loop with ``--competing-cpu``): its result with
     its metrics (``summarize``), CPU milliseconds per output token and the machine's 1-minute
     load average as it started."""
     load = os.getloadavg()[0]
+    run = run_after_restart if spec["system"] == "engine-disk-tier" else run_worker
     with competing_process(args.competing_cpu):
-        result = run_worker(spec, vllm, timeout=args.worker_timeout, verbose=args.verbose)
+        result = run(spec, vllm, timeout=args.worker_timeout, verbose=args.verbose)
     result |= dict(load_1min=load)
     if "error" in result:
         return result
-    metrics = summarize([Record(**r) for r in result["records"]])
+    records = [Record(**r) for r in result["records"]]
+    metrics = summarize(records) | turn_latencies(records, [r["turn"] for r in spec["requests"]])
     return result | metrics | dict(cpu_ms_per_token=1000 * result["cpu_s"] / metrics["output_tokens"])
 
 
 # Metrics a row reports as the median over its runs (output tok/s also with its min and max).
 REPEATED_METRICS = (
     "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "cpu_ms_per_token",
+    "first_ttft_p50_s", "first_ttft_p99_s", "returning_ttft_p50_s", "returning_ttft_p99_s",
 )  # fmt: skip
 
 
@@ -668,7 +771,7 @@ def aggregate(runs: list[dict]) -> dict:
     counts = dict(repeats=len(ok), failed_runs=len(runs) - len(ok))
     if not ok:
         return counts | dict(error=runs[-1]["error"])
-    medians = {key: _median([r[key] for r in ok]) for key in REPEATED_METRICS}
+    medians = {key: _median([r.get(key) for r in ok]) for key in REPEATED_METRICS}
     tok_s = [r["output_tok_s"] for r in ok]
     return counts | medians | dict(output_tok_s_min_max=[min(tok_s), max(tok_s)])
 
@@ -827,7 +930,25 @@ def check_targets(rows: list[dict]) -> list[dict]:
                      metric("shared-prefix", "engine", "ttft_p50_s"), TARGET_PREFIX_TTFT),
         cost,
         *[ratio_target(f"{kind}: engine >= {TARGET_VS_VLLM:g}x vLLM (its defaults) output tok/s",
-                       tok_s(kind, "engine"), tok_s(kind, "vllm"), TARGET_VS_VLLM) for kind in WORKLOADS],
+                       tok_s(kind, "engine"), tok_s(kind, "vllm"), TARGET_VS_VLLM) for kind in BOTH],
+        *tier_targets(metric, tok_s),
+    ]  # fmt: skip
+
+
+def tier_targets(metric: Callable[[str, str, str], float | None], tok_s: Callable[[str, str], float | None]) -> list:
+    """Issue 39's multi-turn targets: the host tier's returning-turn TTFT p50 >= 3x lower than
+    recomputing (``engine``), its output tok/s not lower, the disk tier after a restart within
+    1.5x of the host tier's TTFT."""
+    kind = "multi-turn"
+    return [
+        ratio_target(f"{kind}: returning-turn TTFT p50 >= {TARGET_TIER_TTFT:g}x lower with the host tier "
+                     "(engine / engine-host-tier)", metric(kind, "engine", "returning_ttft_p50_s"),
+                     metric(kind, "engine-host-tier", "returning_ttft_p50_s"), TARGET_TIER_TTFT),
+        ratio_target(f"{kind}: output tok/s with the host tier not lower (engine-host-tier / engine)",
+                     tok_s(kind, "engine-host-tier"), tok_s(kind, "engine"), 1.0),
+        ratio_target(f"{kind}: the disk tier after a restart within {TARGET_DISK_TTFT:g}x of the host tier's "
+                     "returning-turn TTFT p50 (host / disk)", metric(kind, "engine-host-tier", "returning_ttft_p50_s"),
+                     metric(kind, "engine-disk-tier", "returning_ttft_p50_s"), 1 / TARGET_DISK_TTFT),
     ]  # fmt: skip
 
 
@@ -858,6 +979,27 @@ def table_cells(row: dict) -> list[str]:
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * 12) + "|"]
     lines += ["| " + " | ".join(table_cells(row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+TURN_HEADER = ("system", "output tok/s", "TTFT p50 / p99 s, first turns", "TTFT p50 / p99 s, returning turns",
+               "prefix hits %")  # fmt: skip
+
+
+def turn_table(rows: list[dict]) -> str:
+    """The multi-turn rows' TTFT of first and of returning turns (empty without such rows)."""
+    rows = [r for r in rows if r["workload"] == "multi-turn" and "error" not in r]
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(TURN_HEADER) + " |", "|---|" + "---:|" * 4]
+    for row in rows:
+        cells = [
+            SYSTEMS[row["system"]], fmt(row["output_tok_s"], ".1f"),
+            f"{fmt(row['first_ttft_p50_s'], '.2f')} / {fmt(row['first_ttft_p99_s'], '.2f')}",
+            f"{fmt(row['returning_ttft_p50_s'], '.2f')} / {fmt(row['returning_ttft_p99_s'], '.2f')}",
+            fmt(row["stats"]["prefix_hit_rate"], ".1f", 100),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -934,6 +1076,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--system-prompts", type=int, default=8, help="shared-prefix: distinct system prompts")
     parser.add_argument("--system-prompt-tokens", type=int, default=400, help="shared-prefix: their length")
+    parser.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation (--requests of them)")
+    parser.add_argument("--turn-tokens", type=int, default=64, help="multi-turn: a user part's most tokens")
+    parser.add_argument("--host-kv-memory-mib", type=int, default=4096,
+                        help="the host page tier of engine-host-tier and engine-disk-tier")  # fmt: skip
     parser.add_argument("--kv-memory-mib", type=int, default=1024, help="K/V pool of the engine and transformers")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")
@@ -955,17 +1101,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
     if args.systems is None:
-        args.systems = list(GPU_SYSTEMS) if args.device == "gpu" else [s for s in SYSTEMS if s not in VLLM_SYSTEMS]
+        named_only = (*VLLM_SYSTEMS, *TIER_SYSTEMS)
+        args.systems = list(GPU_SYSTEMS) if args.device == "gpu" else [s for s in SYSTEMS if s not in named_only]
     if args.worker is None:
         check_args(parser, args)
     return args
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if min(args.requests, args.min_prompt, args.min_output, args.system_prompts, args.static_batch, args.repeat) < 1:
-        parser.error(
-            "--requests, --min-prompt, --min-output, --system-prompts, --static-batch and --repeat must be positive"
-        )
+    positive = ("requests", "min_prompt", "min_output", "system_prompts", "static_batch", "repeat", "turns",
+                "host_kv_memory_mib")  # fmt: skip
+    if any(getattr(args, name) < 1 for name in positive):
+        parser.error(f"{', '.join('--' + name.replace('_', '-') for name in positive)} must be positive")
+    if args.workload == "multi-turn" and args.turn_tokens < args.min_prompt:
+        parser.error(f"--turn-tokens ({args.turn_tokens}) must be at least --min-prompt ({args.min_prompt})")
     if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
         parser.error("--min-prompt/--min-output must not exceed --max-prompt/--max-output")
     if not args.rate > 0:
@@ -998,7 +1147,7 @@ def engine_import_error() -> str | None:
 
 
 def selected_workloads(args: argparse.Namespace) -> list[str]:
-    return list(WORKLOADS) if args.workload == "both" else [args.workload]
+    return list(BOTH) if args.workload == "both" else [args.workload]
 
 
 def build_workloads(args: argparse.Namespace) -> dict[str, list[ServingRequest]]:
@@ -1013,10 +1162,13 @@ def print_report(title: str, table: str, targets: list[dict], workloads: dict, r
     print(f"## Serving benchmark: {title}\n")
     for kind, requests in workloads.items():
         summary = workload_summary(requests)
-        print(f"- {kind}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt and "
-              f"{summary['output_tokens']} output tokens, arrivals over {summary['arrival_span_s']:.1f} s")  # fmt: skip
+        print(f"- {kind}: {summary['num_requests']} requests, {summary['prompt_tokens']} prompt tokens "
+              f"({summary['distinct_prefix_tokens']} distinct prefixes) and {summary['output_tokens']} output "
+              f"tokens, arrivals over {summary['arrival_span_s']:.1f} s")  # fmt: skip
     print()
     print(table)
+    if turns := turn_table(rows):
+        print(f"\nmulti-turn, first and returning turns:\n\n{turns}")
     print_targets(targets)
     backends = sorted({r["backend"] for r in rows if "error" not in r and r["system"] != "hf"})
     if backends and backends != ["cpu"]:

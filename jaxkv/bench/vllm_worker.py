@@ -40,6 +40,7 @@ class ServingRequest:
     arrival: float
     prompt: list[int]
     max_tokens: int
+    turn: int = 0  # multi-turn: the conversation's turn (0: its first request)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +211,14 @@ def greedy_params(max_tokens: int):
 
 
 def engine_settings(engine) -> dict:
-    """The settings vLLM resolved (its defaults where the spec left them out)."""
+    """The settings vLLM resolved (its defaults where the spec left them out), and which of its
+    kernel builds it loads: ``vllm/platforms/cpu.py`` imports ``_C_AVX512`` where torch reports
+    AVX-512, else ``_C_AVX2`` (its attention and its fused ops are the build's)."""
+    import torch
+
     config = engine.vllm_config
     return dict(
+        cpu_kernels="AVX512" if torch.cpu._is_avx512_supported() else "AVX2",
         block_size=config.cache_config.block_size, enable_prefix_caching=config.cache_config.enable_prefix_caching,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         max_num_seqs=config.scheduler_config.max_num_seqs,

@@ -65,6 +65,76 @@ def test_shared_prefix_workload_shares_system_prompts(bench):
     assert all(len(r.prompt) - n >= 16 and len(r.prompt) <= 512 for r, n in zip(requests, system_lengths))
 
 
+def test_multi_turn_workload_returns_in_rounds_on_its_own_history(bench):
+    """Conversations x turns requests; every conversation's turn t arrives before any turn t + 1;
+    a turn's prompt is the previous turn's prompt, a corpus reply of the previous turn's output
+    length and a user part of --min-prompt..--turn-tokens tokens; seeded."""
+    multi = shape(bench, num_requests=6, turns=3, turn_tokens=40, max_output=30, rate=math.inf)
+    requests = bench.make_workload("multi-turn", SOURCE, multi, seed=0)
+    assert requests == bench.make_workload("multi-turn", SOURCE, multi, seed=0)
+    assert [r.turn for r in requests] == [t for t in range(3) for _ in range(6)]
+    for turn in (1, 2):
+        earlier = [r for r in requests if r.turn == turn - 1]
+        for r in (r for r in requests if r.turn == turn):
+            previous = next(p for p in earlier if r.prompt[: len(p.prompt)] == p.prompt)  # its own history
+            added = r.prompt[len(previous.prompt) :]
+            reply, user = added[: previous.max_tokens], added[previous.max_tokens :]
+            assert reply == list(range(reply[0], reply[0] + len(reply)))  # one corpus slice
+            assert 16 <= len(user) <= 40
+    first = [len(r.prompt) for r in requests if r.turn == 0]
+    assert all(380 + 16 <= n <= 420 + 40 for n in first)  # a system prompt and a user part
+    summary = bench.workload_summary(requests)
+    assert summary["distinct_prefix_tokens"] < summary["prompt_tokens"]  # the histories are shared
+
+
+def test_distinct_prefix_tokens_count_the_prompts_trie(bench):
+    assert bench.distinct_prefix_tokens([[1, 2, 3], [1, 2, 4], [2, 2], [1, 2]]) == 6
+
+
+def test_turn_latencies_split_first_and_returning_turns(bench):
+    Record = bench.Record
+    records = [Record(0.0, 4.0, 5.0, 2), Record(0.0, 2.0, 5.0, 2), Record(1.0, 1.5, 3.0, 2)]
+    latencies = bench.turn_latencies(records, [0, 0, 1])
+    assert latencies["first_ttft_p50_s"] == pytest.approx(3.0) and latencies["first_ttft_p99_s"] > 3.9
+    assert latencies["returning_ttft_p50_s"] == latencies["returning_ttft_p99_s"] == pytest.approx(0.5)
+    assert bench.turn_latencies(records, [0, 0, 0]) == {}
+
+
+def test_tier_systems_options_targets_and_restart(bench, monkeypatch):
+    """The memory-tier systems: named only, their engine options, the disk tier's two workers on
+    one directory (the second timed), and the multi-turn targets."""
+    assert not set(bench.TIER_SYSTEMS) & set(bench.parse_args([]).systems)
+    args = bench.parse_args(["--systems", "engine", "engine-host-tier", "engine-disk-tier", "--host-kv-memory-mib",
+                             "64", "--workload", "multi-turn"])  # fmt: skip
+    specs = {s: bench.system_spec(args, s, "multi-turn", [], None) for s in args.systems}
+    assert "host_kv_memory" not in bench.engine_options(specs["engine"])
+    options = bench.engine_options(specs["engine-host-tier"])
+    assert options["host_kv_memory"] == "64MiB" and options["prefix_caching"] and "kv_cache_dir" not in options
+    calls = []
+
+    def run_worker(spec, vllm, *, timeout, verbose):
+        calls.append((spec["label"], spec["kv_cache_dir"], Path(spec["kv_cache_dir"]).is_dir()))
+        return {"records": []}
+
+    monkeypatch.setattr(bench, "run_worker", run_worker)
+    assert bench.run_after_restart(specs["engine-disk-tier"], None, timeout=None, verbose=False) == {"records": []}
+    (fill, fill_dir, fill_exists), (timed, timed_dir, timed_exists) = calls
+    assert "filling the disk tier" in fill and timed == "multi-turn / engine-disk-tier"
+    assert fill_dir == timed_dir and fill_exists and timed_exists and not Path(timed_dir).exists()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workload", "multi-turn", "--turn-tokens", "8", "--min-prompt", "16"])
+    assert bench.parse_args(["--workload", "random", "--turn-tokens", "8", "--min-prompt", "16"]).turn_tokens == 8
+
+    def row(system, tok_s, returning):
+        return dict(workload="multi-turn", system=system, output_tok_s=tok_s, returning_ttft_p50_s=returning,
+                    stats={})  # fmt: skip
+
+    rows = [row("engine", 50.0, 3.0), row("engine-host-tier", 52.0, 0.5), row("engine-disk-tier", 51.0, 0.9)]
+    targets = bench.check_targets(rows)[-3:]
+    assert [t["passed"] for t in targets] == [True, True, False]  # 6x lower, 1.04x, 0.9 s > 1.5 x 0.5 s
+    assert targets[0]["value"] == pytest.approx(6.0)
+
+
 def test_token_slices_refuse_a_short_source(bench):
     with pytest.raises(ValueError, match="fewer than a 600-token prompt"):
         bench.token_slices(np.random.default_rng(0), SOURCE[:500], [600])
@@ -118,9 +188,9 @@ def test_targets_and_table(bench):
     ]  # fmt: skip
     targets = bench.check_targets(rows)
     # 3x HF, 2x static, 3% wasted, TTFT only 2.5x lower with prefix caching, 1% slower at 0% hits; no vLLM on
-    # random, and 400 / 350 = 1.14x vLLM on shared-prefix
-    assert [t["passed"] for t in targets] == [True, True, True, False, True, None, False], targets
-    assert targets[-1]["value"] == pytest.approx(400 / 350)
+    # random, and 400 / 350 = 1.14x vLLM on shared-prefix; no multi-turn rows: its three tier targets not measured
+    assert [t["passed"] for t in targets] == [True, True, True, False, True, None, False, None, None, None], targets
+    assert targets[6]["value"] == pytest.approx(400 / 350)
     cost = targets[4]
     assert cost["value"] == pytest.approx(300 / 303) and "0.0% prefix hits" in cost["display"]
     assert bench.check_targets(rows[2:4])[0]["passed"] is None  # no engine row: not measured
@@ -178,9 +248,9 @@ def test_both_workloads_run_every_system_in_a_fresh_worker_each(bench, monkeypat
     args = bench.parse_args(["--model", "tiny-random", "--quick", "--requests", "3", "--repeat", "2", "--systems",
                              "static", "hf"])  # fmt: skip
     rows = bench.run_all(args, bench.build_workloads(args), None)
-    assert runs == [(kind, system, 3) for kind in bench.WORKLOADS for _ in range(2) for system in ("static", "hf")]
+    assert runs == [(kind, system, 3) for kind in bench.BOTH for _ in range(2) for system in ("static", "hf")]
     assert [(r["workload"], r["system"], r["repeats"]) for r in rows] == [
-        (kind, system, 2) for kind in bench.WORKLOADS for system in ("static", "hf")
+        (kind, system, 2) for kind in bench.BOTH for system in ("static", "hf")
     ]
 
 
