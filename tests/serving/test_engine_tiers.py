@@ -27,7 +27,7 @@ FULL_PAGES = 16  # 15 usable pages of 4 tokens: one request of up to 52 tokens f
 CASES = {
     "full": ("llama", None),
     "sliding": ("gemma3", None),
-    "quantized": ("llama", QuantSpec(nbits=8, residual_length=0)),
+    "quantized": ("llama", QuantSpec(nbits=8, residual_length=0, q_group_size=8)),
 }
 
 
