@@ -624,7 +624,7 @@ def hf_record(result, request: ServingRequest, clock: Clock) -> Record:
                   len(result.generated_tokens))  # fmt: skip
 
 
-WORKERS = {"engine": worker_engine, "engine-no-prefix": worker_engine, "static": worker_static, "hf": worker_hf}
+WORKERS = {**dict.fromkeys(ENGINE_SYSTEMS, worker_engine), "static": worker_static, "hf": worker_hf}
 
 
 def worker_main(spec_path: Path) -> int:

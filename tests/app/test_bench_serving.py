@@ -296,3 +296,26 @@ def test_engine_systems_on_a_tiny_llama(tmp_path):
         assert [r["output_tokens"] for r in row["records"]] == [r["output_tokens"] for r in engine["records"]]
         assert row["stats"]["xla_compiles_run"] == 0 and row["stats"]["num_compiled"] > 0
     assert engine["stats"]["prefix_hit_rate"] > 0 and no_prefix["stats"]["prefix_hit_rate"] == 0
+
+
+def test_multi_turn_with_the_host_tier_on_a_tiny_llama(tmp_path):
+    """The multi-turn workload through the engine with and without the host page tier: a 1 MiB
+    device pool (512 tokens of the tiny model) below the conversations' working set, so returning
+    turns find their history on the host tier; both generate the same tokens, and the rows carry
+    first- and returning-turn TTFT."""
+    out = tmp_path / "serving.json"
+    args = ["--model", "tiny-random", "--quick", "--requests", "16", "--turns", "2", "--turn-tokens", "16",
+            "--workload", "multi-turn", "--rate", "inf", "--systems", "engine", "engine-host-tier",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-memory-mib", "1",
+            "--host-kv-memory-mib", "16", "--out", str(out)]  # fmt: skip
+    cli = Path(sys.executable).with_name("jaxkv")
+    proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["workloads"]["multi-turn"]["distinct_prefix_tokens"] > 512  # more than the device pool holds
+    engine, host = report["rows"]
+    assert host["agreement"]["equal"] == host["agreement"]["total"] == 32
+    assert host["stats"]["tiers"]["host"]["hit_pages"] > 0 and engine["stats"]["tiers"]["host"]["hit_pages"] == 0
+    assert all(row["returning_ttft_p50_s"] is not None and row["first_ttft_p50_s"] is not None for row in (engine, host))
+    assert "returning turns" in proc.stdout
