@@ -299,8 +299,11 @@ class Engine:
         return self.outputs.output(seq, new)
 
     def warmup(self) -> None:
-        """Compile the step for every step shape, so no request waits for a compile."""
+        """Compile the step for every step shape (and, with a host tier, its page copies for every
+        bucket up to a pool's size), so no request waits for a compile."""
         self.runner.warmup(self._block_tables())
+        if self.kv.host.capacity and self.kv.pools:
+            self.runner.warmup_copies(max(pool.manager.num_pages for pool in self.kv.pools))
 
     # --- convenience and metrics ------------------------------------------------------------------
     def generate_many(

@@ -126,6 +126,16 @@ class ModelRunner:
         size = len(next(iter(pages.values())))
         self.cache = write_pages(self.cache, pages, self._stacked(into, size))
 
+    def warmup_copies(self, max_pages: int) -> None:
+        """Run the host-tier copies once per ``copy_bucket`` up to ``max_pages`` pages, on the null
+        page only (its contents are padding), so that no step waits for their compile."""
+        size = 0
+        while size < max_pages:
+            size = copy_bucket(size + 1)
+            pages = {name: np.full(size, NULL_PAGE, np.int32) for name, _ in self.page_formats}
+            jax.block_until_ready(read_pages(self.cache, pages))
+            self.cache = write_pages(self.cache, pages, self._stacked({}, size))
+
     def _bucketed(self, pages: dict[str, list[int]]) -> dict[str, np.ndarray]:
         """``pages`` per pool name, every pool padded with the null page to one ``copy_bucket``."""
         size = copy_bucket(max(len(found) for found in pages.values()))

@@ -6,6 +6,7 @@ apart), preempted requests swapped to host memory resume with exactly the tokens
 Each test compares the engine with itself: the undisturbed runs are the same engine serving one
 request at a time (no pressure), so every comparison shares one set of compiled steps."""
 
+import jax
 import numpy as np
 import pytest
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
@@ -21,6 +22,7 @@ from jaxkv.serving.sizing import pool_sizes
 from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB
 
 MAX_LEN = 256
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 SMALL = {"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16}
 NEW_TOKENS = 12
 FULL_PAGES = 16  # 15 usable pages of 4 tokens: one request of up to 52 tokens fits, four at once do not
@@ -148,6 +150,23 @@ def test_evicted_prefix_pages_come_back_from_the_host_tier(case):
     engine.kv.check()
     rendered = Metrics().render(engine.stats()).decode()
     assert "jaxkv_host_prefix_hit_pages" in rendered and "jaxkv_host_bytes_out" in rendered
+
+
+def test_warmup_compiles_the_copies_and_nothing_compiles_while_serving():
+    """With a host tier, ``warmup`` also compiles the page copies of every bucket: serving a workload
+    that swaps, demotes and promotes compiles nothing more."""
+    engine = tight_engine(tiny("llama"), None, host_kv_memory="4MiB", preemption="swap")
+    engine.warmup()
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: compiles.append(event) if event == COMPILE_EVENT else None
+    )
+    prompts = prompts_of(6, len(SAMPLINGS))
+    run(engine, prompts, SAMPLINGS)
+    run(engine, prompts[::-1], SAMPLINGS)
+    stats = engine.stats()
+    assert stats["swaps"] > 0 and stats["tiers"]["host"]["pages_out"] > 0
+    assert compiles == []
 
 
 def test_host_tier_options_are_checked_and_reach_the_engine():
