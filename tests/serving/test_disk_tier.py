@@ -4,7 +4,7 @@ foreign-model, foreign-format and misnamed files are refused and removed; the si
 least recently used; a reader never sees a half-written file; bad arguments name themselves. Then the
 same store in the host tier's terms (disk_link.DiskTier: HostPages per pool).
 
-No compiled JAX here: the store is files and numpy.
+No compiled JAX but in the last test (a tiny Llama served by two engines): the store is files and numpy.
 """
 
 import json
@@ -20,13 +20,18 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
+from jaxkv.models.llama import Llama, LlamaConfig
 
+from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
-from jaxkv.serving import disk_tier
+from jaxkv.serving import Engine, EngineConfig, disk_tier
 from jaxkv.serving.disk_link import DiskTier, pool_formats
 from jaxkv.serving.disk_tier import STALE_TEMP_SECONDS, SUFFIX, DiskPageStore
 from jaxkv.serving.host_tier import HostPage
+from jaxkv.serving.kv_manager import prefix_key
 from jaxkv.serving.pages import page_hashes, salt_key
+from jaxkv.serving.sizing import pool_sizes
+from tests.cases import TINY_LLAMA, VOCAB
 
 IDENTITY = {"class": "LlamaForCausalLM", "config": {"num_layers": 2}, "weights": "0f" * 32}
 PAGE_FORMAT = {"pool": "full", "dtype": "float32", "quantization": None, "page_size": 4, "layout": "[L, P, H, D]"}
@@ -436,3 +441,37 @@ def test_the_disk_tier_refuses_pages_that_do_not_fit_its_pools(tmp_path):
         disk.save(("full", HASHES[0]), host_page("sliding", 1))
     with pytest.raises(ValueError, match="no pool 'other'"):
         disk.load(("other", HASHES[0]))
+
+
+def test_a_restarted_engine_serves_a_prompt_from_pages_another_engine_left_on_disk(tmp_path):
+    """End to end with the host tier (the engine does not call the disk tier itself yet): engine A's
+    conversation pages, evicted by other traffic into its host tier, are saved to disk; a fresh engine
+    B on the same model puts them in its host tier from disk only, and the same prompt reports 24
+    cached tokens and gives the tokens engine A computed."""
+    model = Llama(LlamaConfig(**TINY_LLAMA | {"max_position_embeddings": 128}))
+    config = {"page_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 16, "host_kv_memory": "4MiB"}
+    page_bytes = pool_sizes(model, EngineConfig(**config), 128).full_page_bytes
+    options = {"max_tokens": 8, "ignore_eos": True}
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, VOCAB, 24).tolist()  # six full pages
+    turn = shared + [5, 6, 7]
+
+    first = Engine(model, kv_memory=16 * page_bytes, preemption="recompute", **config)  # 15 usable pages
+    computed = first.generate_many([turn], **options)[0]
+    for _ in range(3):  # 12 pages each: the device pool forgets the conversation
+        first.generate_many([rng.integers(0, VOCAB, 40).tolist()], **options)
+    keys = [prefix_key("full", page_hash) for page_hash in page_hashes(shared, 4)]
+    assert all(first.kv.host.holds(key) for key in keys)
+    formats = pool_formats(first.runner.page_formats, page_size=4, quantization=None)
+    disk = DiskTier(tmp_path, identity=model_identity(model), formats=formats, max_bytes=1 << 24)
+    for key in keys:
+        assert disk.save(key, first.kv.host.get(key))
+
+    second = Engine(model, kv_memory=16 * page_bytes, preemption="recompute", **config)
+    restarted = DiskTier(tmp_path, identity=model_identity(model), formats=formats, max_bytes=1 << 24)
+    for key in keys:
+        assert second.kv.host.demote(key, restarted.load(key))
+    served = second.generate_many([turn], **options)[0]
+    assert served.num_cached_tokens == 24 and served.token_ids == computed.token_ids
+    assert restarted.stats()["full"]["pages_read"] == 6
+    second.kv.check()
