@@ -106,16 +106,20 @@ class Scheduler:
         return True
 
     def _admit(self, seq: SequenceState, budget: int) -> Chunk | None:
-        """Start (or resume) a waiting sequence from its longest cached prefix with a row and the
-        pages of its first chunk. None (and nothing changed) when its pages do not fit."""
+        """Start (or resume) a waiting sequence from its longest cached prefix (or, swapped out,
+        from its own pages) with a row and the pages of its first chunk. None (and nothing changed)
+        when its pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
+        hit rate nor the sequence's cached tokens."""
         hit = self.kv.lookup(seq)
         count = chunk_length(seq.num_tokens - hit.num_tokens, budget)
         allocation = self.kv.allocate(seq, count, hit) if count else None
         if allocation is None:
             return None
-        seq.num_computed = seq.num_cached_tokens = allocation.num_cached_tokens
+        seq.num_computed = allocation.num_cached_tokens
         self._start(seq)
-        if self.kv.prefix_caching:
+        if not hit.resumes:
+            seq.num_cached_tokens = seq.num_computed
+        if self.kv.prefix_caching and not hit.resumes:
             self.stats.prefix_queried_tokens += seq.num_tokens
             self.stats.prefix_hit_tokens += seq.num_computed
         return Chunk(seq, seq.num_computed, count)
