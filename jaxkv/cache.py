@@ -33,6 +33,9 @@ from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
+from jaxkv.offload import (
+    ALL, Prefetch, fetch, kv_leaves, map_entries, moved, offloaded_groups, offloaded_layers, on_host, store,
+)  # fmt: skip
 from jaxkv.protocol import (
     CacheLayer,
     ChunkLimit,
@@ -354,6 +357,30 @@ def first_entry_shapes(group: CacheLayer) -> CacheLayer:
 _PAGED_FIX = "build the cache with paging= (the serving engine's layers)"
 
 
+def _check_offload(spec: LayerSpec, mesh) -> None:
+    """``offload`` covers a one-device cache of plain or quantized layers."""
+    other = {"paging": spec.paging, "eviction": spec.eviction, "mesh": mesh}
+    given = [name for name, value in other.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"offload keeps whole layers' K/V in host memory on one device; it does not combine with {given[0]}"
+        )
+
+
+def _replaced(items: tuple, i: int, item) -> tuple:
+    """``items`` with entry ``i`` replaced by ``item``."""
+    return items[:i] + (item,) + items[i + 1 :]
+
+
+def _shapes(tree) -> list[tuple[int, ...]]:
+    return [leaf.shape for leaf in jax.tree.leaves(tree)]
+
+
+def _host_leaves(stack: CacheLayer) -> CacheLayer:
+    """Per leaf of a group: whether it holds K/V, which an offloaded group keeps on the host."""
+    return kv_leaves(first_entry_shapes(stack).logical_axes())
+
+
 @pytree_class
 class Cache:
     """One cache layer per model layer, stored as stacks of same-kind layers.
@@ -372,6 +399,10 @@ class Cache:
     # The mesh and rules the cache is sharded by (None: one device). Every update and edit
     # constrains its result to them, so compiled loops keep each leaf where it was allocated.
     layout: Layout | None = struct.field(pytree_node=False, default=None)
+    # The groups whose K/V lives in host memory (``jaxkv.offload``), and inside a forward, per
+    # group, the device copy of the entry its next update reads (``with_prefetch``; else empty).
+    offloaded: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    prefetched: tuple = ()
 
     # --- construction -------------------------------------------------------------
     @classmethod
@@ -398,6 +429,7 @@ class Cache:
         layer_builder: LayerBuilder | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
+        offload=None,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
@@ -426,6 +458,9 @@ class Cache:
         ``mesh``, ``rules``: allocate the cache sharded over ``mesh`` (``jaxkv.sharding``: each
         leaf's logical axes mapped by ``DEFAULT_RULES`` updated with ``rules``), by a jitted
         zeros whose ``out_shardings`` put each device's share there directly.
+        ``offload``: keep the K/V of these layers in host memory and bring one layer at a time to
+        the device (``jaxkv.offload``): True (full-attention layers), ``"all"``, a layer type, or a
+        list of layer types and indices; not with ``paging``, ``eviction`` or ``mesh``.
         """
         spec = LayerSpec(
             batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
@@ -441,6 +476,11 @@ class Cache:
         def build() -> Cache:
             return cls(build_groups(layer_types, spec, period, layer_builder), tuple(layer_types), period, layout)
 
+        offload_layers = offloaded_layers(offload, layer_types)
+        if offload_layers:
+            _check_offload(spec, mesh)
+            groups = offloaded_groups(offload_layers, len(layer_types), period)
+            return build()._with_host_groups(groups, every=isinstance(offload, str) and offload == ALL)
         if layout is None:
             return build()
         return jax.jit(build, out_shardings=jax.eval_shape(build).shardings())()
@@ -527,12 +567,10 @@ class Cache:
         and not yet updated layers differ.
         """
         group, index = self.locate(layer_idx)
-        stack = self.groups[group]
         if positions is None:
-            start = entry(stack.lengths, index)
+            start = entry(self.groups[group].lengths, index)
             positions = start[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
-        stack, view = stack.update_entry(index, keys, values, positions)
-        return self.with_group(group, stack), view
+        return self._on_device(group, index, lambda stack, i: stack.update_entry(i, keys, values, positions))
 
     def attend(
         self, layer_idx, queries, keys, values, positions, read: Callable, packed: PackedBatch | None = None
@@ -543,12 +581,13 @@ class Cache:
         layers with the ``PackedAttention`` capability. Model code calls it through
         ``jaxkv.attention.cached_attention``."""
         group, index = self.locate(layer_idx)
-        stack = self.groups[group]
         if packed is None:
-            stack, out = stack.attend_entry(index, queries, keys, values, positions, read)
-        else:
-            require(stack, PackedAttention, _PAGED_FIX)
-            stack, out = stack.attend_packed_entry(index, queries, keys, values, positions, read, packed)
+            return self._on_device(
+                group, index, lambda stack, i: stack.attend_entry(i, queries, keys, values, positions, read)
+            )
+        stack = self.groups[group]
+        require(stack, PackedAttention, _PAGED_FIX)
+        stack, out = stack.attend_packed_entry(index, queries, keys, values, positions, read, packed)
         return self.with_group(group, stack), out
 
     def update_state(
@@ -564,11 +603,75 @@ class Cache:
                 stack, LinearState, "update_state feeds linear-attention states (linear_attention, conv and hybrid "
                 "layers); feed K/V with update (Cache.update)"
             )  # fmt: skip
-            stack, outputs = stack.update_state_entry(index, conv_inputs, positions, conv_fn, step_fn)
-        else:
-            require(stack, PackedState, _PAGED_FIX)
-            stack, outputs = stack.update_state_packed_entry(index, conv_inputs, positions, conv_fn, step_fn, packed)
+            return self._on_device(
+                group, index, lambda stack, i: stack.update_state_entry(i, conv_inputs, positions, conv_fn, step_fn)
+            )
+        require(stack, PackedState, _PAGED_FIX)
+        stack, outputs = stack.update_state_packed_entry(index, conv_inputs, positions, conv_fn, step_fn, packed)
         return self.with_group(group, stack), outputs
+
+    def _on_device(self, group: int, index, step: Callable) -> tuple[Cache, Any]:
+        """``step(stack, index) -> (stack, result)`` on group ``group``. An offloaded group runs it
+        on a one-entry window of entry ``index`` on the device. Outside a forward (no
+        ``with_prefetch``) the window is fetched, updated and written back. Inside one it was
+        fetched by the previous update, and while this layer computes, the previous update's
+        entry goes back to the host stack and then entry ``index + 1`` is fetched (after the
+        write, so that XLA updates the stack in place: a read of the stack before a write to it
+        makes XLA copy the whole stack). The last update's fetch wraps to entry 0 and is dropped
+        by ``without_prefetch``, which writes its entry back."""
+        stack = self.groups[group]
+        if group not in self.offloaded:
+            stack, result = step(stack, index)
+            return self.with_group(group, stack), result
+        host = _host_leaves(stack)
+        prefetch = self.prefetched[group] if self.prefetched else None
+        if prefetch is None:
+            window, result = step(fetch(stack, index, host), 0)
+            return self.with_group(group, store(stack, index, window, host)), result
+        stack = store(stack, prefetch.index, prefetch.written, host)
+        following = fetch(stack, (index + 1) % len(self.group_layers(group)), host)
+        window, result = step(prefetch.ready, 0)
+        prefetch = Prefetch(following, window, jnp.asarray(index, jnp.int32))
+        return self.with_group(group, stack).replace(prefetched=_replaced(self.prefetched, group, prefetch)), result
+
+    def with_prefetch(self) -> Cache:
+        """Before a forward that updates each group's layers in order from its first (a model's
+        layer scan): entry 0 of every offloaded group of more than one layer fetched to the device,
+        so that each update then fetches the next entry while its layer computes. A group of one
+        layer is fetched when it is updated. Unchanged without offloaded groups."""
+        if not self.offloaded:
+            return self
+
+        def first(group: int) -> Prefetch | None:
+            if group not in self.offloaded or len(self.group_layers(group)) == 1:
+                return None
+            window = fetch(self.groups[group], 0, _host_leaves(self.groups[group]))
+            return Prefetch(window, window, jnp.int32(0))  # entry 0 "written back" unchanged by the first update
+
+        return self.replace(prefetched=tuple(first(g) for g in range(self.period)))
+
+    def without_prefetch(self) -> Cache:
+        """After the forward: the last updated entry of each group written back, the prefetched ones dropped."""
+        if not self.prefetched:
+            return self
+        groups = tuple(
+            stack if prefetch is None else store(stack, prefetch.index, prefetch.written, _host_leaves(stack))
+            for stack, prefetch in zip(self.groups, self.prefetched, strict=True)
+        )
+        return self.replace(groups=groups, prefetched=())
+
+    def _with_host_groups(self, groups: tuple[int, ...], every: bool) -> Cache:
+        """This cache with the K/V of ``groups`` moved to host memory and recorded as offloaded.
+        A group without K/V (a linear-attention state) is left out under ``every`` (``offload="all"``),
+        else an error."""
+        kv_free = [g for g in groups if not any(jax.tree.leaves(_host_leaves(self.groups[g])))]
+        if kv_free and not every:
+            names = sorted({self.layer_types[g] for g in kv_free})
+            raise ValueError(f"offload names {names} layers, which hold no K/V to offload (a state stays on device)")
+        groups = tuple(g for g in groups if g not in kv_free)
+        host = jax.memory.Space.Host
+        placed = tuple(moved(g, _host_leaves(g), host) if i in groups else g for i, g in enumerate(self.groups))
+        return self.replace(groups=placed, offloaded=groups)
 
     def with_page_copies(self, copies: dict) -> Cache:
         """Pages copied in every paged group before a step writes: ``copies`` ``[K, 2]`` (source,
@@ -581,7 +684,7 @@ class Cache:
         """This cache with group ``group`` replaced by ``stack`` (constrained to the layout)."""
         if self.layout is not None:
             stack = constrain(stack, self.group_shardings(stack))
-        return self.replace(groups=self.groups[:group] + (stack,) + self.groups[group + 1 :])
+        return self.replace(groups=_replaced(self.groups, group, stack))
 
     # --- per-layer views ----------------------------------------------------------
     def layer(self, layer_idx: int) -> CacheLayer:
@@ -596,7 +699,15 @@ class Cache:
 
     def _map_layers(self, fn) -> Cache:
         """Apply a per-layer pure function to every layer of every group."""
-        return self.replace(groups=tuple(jax.vmap(fn)(group) for group in self.groups)).constrained()
+        return self.replace(groups=tuple(self._each_layer(g, fn) for g in range(self.period))).constrained()
+
+    def _each_layer(self, group: int, fn) -> CacheLayer:
+        """``fn`` (single layer -> single layer) on every layer of group ``group``: vmapped, or for
+        an offloaded group one layer on the device at a time."""
+        stack = self.groups[group]
+        if group in self.offloaded:
+            return map_entries(fn, stack, _host_leaves(stack))
+        return jax.vmap(fn)(stack)
 
     # --- sharding -------------------------------------------------------------------
     def logical_axes(self) -> Cache:
@@ -619,8 +730,13 @@ class Cache:
         return self if self.layout is None else constrain(self, self.shardings())
 
     def device_bytes(self) -> dict:
-        """Bytes each addressable device holds of this cache (read from ``addressable_shards``)."""
-        return device_bytes(self)
+        """Bytes each addressable device holds of this cache in its own memory (read from
+        ``addressable_shards``); offloaded K/V is counted by ``host_bytes``."""
+        return device_bytes([leaf for leaf in jax.tree.leaves(self) if not on_host(leaf)])
+
+    def host_bytes(self) -> dict:
+        """Bytes of this cache in host memory, per device it is attached to (offloaded K/V)."""
+        return device_bytes([leaf for leaf in jax.tree.leaves(self) if on_host(leaf)])
 
     # --- lengths, capacity, footprint --------------------------------------------
     @property
@@ -685,8 +801,18 @@ class Cache:
     def grow(self, capacity: int) -> Cache:
         """Layers with ``Growth`` with room for ``capacity`` tokens (never shrinks); the others keep
         the capacity they were built with."""
-        groups = tuple(g.grow(capacity) if has(g, Growth) else g for g in self.groups)
-        return self.replace(groups=groups).constrained()
+
+        def grown(group: int) -> CacheLayer:
+            stack = self.groups[group]
+            if not has(stack, Growth):
+                return stack
+            if group not in self.offloaded:
+                return stack.grow(capacity)
+            if _shapes(jax.eval_shape(lambda s: s.grow(capacity), stack)) == _shapes(stack):
+                return stack  # room already: no layer makes the round trip
+            return self._each_layer(group, lambda layer: layer.grow(capacity))
+
+        return self.replace(groups=tuple(grown(g) for g in range(self.period))).constrained()
 
     # --- batch and time edits -----------------------------------------------------
     def reorder(self, beam_indices) -> Cache:

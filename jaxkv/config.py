@@ -81,6 +81,9 @@ class CacheConfig(Strict):
     rollback_slots: NonNegativeInt = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: QuantizationConfig | None = None
+    # K/V of these layers in host memory, one layer at a time on the device (jaxkv.offload): true
+    # (full-attention layers), "all", a layer type, or a list of layer types and layer indices.
+    offload: bool | str | list[str | int] | None = None
 
     def quantization_spec(self) -> QuantSpec | None:
         return None if self.quantization is None else self.quantization.spec()

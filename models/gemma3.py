@@ -229,10 +229,12 @@ class Gemma3(Decoder):
                 x, cache = decoder_layer(x, cache, {name: a[group] for name, a in w.items()}, group, r)
             return (x, cache, r + 1), None
 
+        cache = cache.with_prefetch()  # offloaded K/V: layer i + 1 comes to the device while layer i runs
         (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), scanned)
         for group in range(remainder):  # layers repeats * period + group, after the last full repeat
             layer = repeats * period + group
             x, cache = decoder_layer(x, cache, {name: w[layer] for name, w in weights.items()}, group, repeats)
+        cache = cache.without_prefetch()
 
         logits = self.head(x, logits_index, offset_rms_norm)
         if config.final_logit_softcapping is not None:

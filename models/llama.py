@@ -209,13 +209,14 @@ class Llama(Decoder):
             return (x, cache, i + 1), None
 
         x = self.constrain(self.embed[...][tokens], Axes(BATCH, None, EMBED))
+        cache = cache.with_prefetch()  # offloaded K/V: layer i + 1 comes to the device while layer i runs
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers[:depth]):
                 (x, cache, _), _ = decoder_layer((x, cache, i), {name: param[...] for name, param in layer.items()})
         else:
             weights = {name: param[...][:depth] for name, param in self.layers.items()}
             (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
-        return self.head(x, logits_index, rms_norm), cache
+        return self.head(x, logits_index, rms_norm), cache.without_prefetch()
 
     def early_exit(
         self, tokens: jax.Array, positions: jax.Array, cache: Cache, num_layers: int

@@ -230,10 +230,11 @@ class Qwen3_5(Decoder):
             return (x, cache, r + 1), None
 
         x = self.constrain(self.embed[...][tokens], Axes(BATCH, None, EMBED))
+        cache = cache.with_prefetch()  # offloaded K/V: layer i + 1 comes to the device while layer i runs
         (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), length=repeats)
         for group in range(remainder):  # layers after the last full repeat
             x, cache = layer(x, cache, group, repeats)
-        return self.head(x, logits_index, offset_rms_norm), cache
+        return self.head(x, logits_index, offset_rms_norm), cache.without_prefetch()
 
     def decoder_layer(
         self, x: jax.Array, w: dict, cache: Cache, layer: Layer, positions: jax.Array, inv_freq: jax.Array, packed=None

@@ -4,6 +4,7 @@
     jaxkv generate --config configs/smollm2.yaml --stream
     jaxkv generate --num-beams 4 --num-return-sequences 2 --early-stopping true
     jaxkv generate --full-attention dynamic --quantization --kv-bits 8
+    jaxkv generate --offload        (full-attention K/V in host memory; --offload all, --offload 0,1,2)
     jaxkv generate --mesh data=2,model=4 --prompt "One" --prompt "Two"   (sharded over 8 devices)
     jaxkv launch --num-processes 2 --devices-per-process 4 -- generate --mesh data=2,model=4 ...
     jaxkv chat --system "Be brief." --save-cache chat.safetensors   (one message per stdin line)
@@ -103,6 +104,11 @@ def _generate_parser(sub) -> None:
         "--quantization", action="store_true", default=None, help="store K/V quantized (static; tune with --kv-*)"
     )
     parser.add_argument("--cache", choices=["static", "dynamic", "quantized"], help=argparse.SUPPRESS)  # deprecated
+    parser.add_argument(
+        "--offload", nargs="?", const=True, type=offload_flag, metavar="LAYERS",
+        help="K/V of these layers in host memory, one layer on the device at a time: alone, the full-attention "
+        "layers; 'all'; or comma-separated layer types and indices",
+    )  # fmt: skip
     quant = parser.add_argument_group("quantized cache (--quantization; defaults: the reference's)")
     for flag, key, kind, help_text in QUANT_FLAGS:
         quant.add_argument(flag, dest=f"kv_{key}", type=kind, help=help_text)
@@ -169,9 +175,16 @@ def mesh_setting(args) -> dict:
     return {} if args.mesh is None else {"mesh": MeshConfig.parse(args.mesh).model_dump()}
 
 
+def offload_flag(text: str) -> str | list[str | int]:
+    """``--offload``'s value: ``all``, or comma-separated layer types and layer indices."""
+    if text == "all":
+        return text
+    return [int(item) if item.strip().isdigit() else item.strip() for item in text.split(",") if item.strip()]
+
+
 def cache_settings(args, cache: dict) -> dict:
-    """The config's ``cache`` section with ``--full-attention``, ``--quantization``, ``--kv-*`` and
-    ``--max-length`` on top (``--cache`` is the deprecated spelling of the first two)."""
+    """The config's ``cache`` section with ``--full-attention``, ``--quantization``, ``--kv-*``,
+    ``--offload`` and ``--max-length`` on top (``--cache`` is the deprecated spelling of the first two)."""
     full_attention, quantization = args.full_attention, args.quantization
     if args.cache is not None:
         replacement = "--quantization" if args.cache == "quantized" else f"--full-attention {args.cache}"
@@ -181,7 +194,7 @@ def cache_settings(args, cache: dict) -> dict:
         if args.cache != "quantized":  # the old flag chose plain storage over a config's quantization
             cache = {**cache, "quantization": None}
     cache = dict(cache)
-    for key, flag in (("full_attention", full_attention), ("max_length", args.max_length)):
+    for key, flag in (("full_attention", full_attention), ("max_length", args.max_length), ("offload", args.offload)):
         if flag is not None:
             cache[key] = flag
     if quantization and cache["quantization"] is None:
@@ -301,6 +314,7 @@ def cache_options(config: GenerateConfig) -> dict:
         "max_length": cache.max_length,
         "rollback_slots": cache.rollback_slots,
         "quantization": cache.quantization_spec(),
+        "offload": cache.offload,
     }
 
 

@@ -46,6 +46,7 @@ LEVELS = {
     "jaxkv.hugepages": 0,
     "jaxkv.eviction": 0,
     "jaxkv.layers": 1,
+    "jaxkv.offload": 1,
     "jaxkv.cache": 2,
     "jaxkv.attention": 3,
     "jaxkv.encoder_decoder": 3,
