@@ -487,6 +487,7 @@ class ServeConfig(Strict):
     host: str = "127.0.0.1"
     port: int = 8000
     kv_memory: str = "1GiB"
+    host_kv_memory: str = "0"  # host memory under the page pools (demoted prefix pages, swapped sequences)
     page_size: PositiveInt = 16
     max_num_seqs: PositiveInt = 16
     max_num_batched_tokens: PositiveInt = 256
@@ -501,7 +502,6 @@ class ServeConfig(Strict):
     def _eviction_without_prefix_caching(self):
         if self.eviction is not None and self.prefix_caching:
             raise ValueError(
-    host_kv_memory: str = "0"  # host memory under the page pools (demoted prefix pages, swapped sequences)
                 "eviction keeps each request's K/V in its own slots, which prefix caching cannot share: set "
                 "prefix_caching: false (or --no-prefix-caching)"
             )
@@ -519,6 +519,10 @@ def _serve_parser(sub) -> None:
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="default 8000")
     parser.add_argument("--kv-memory", help="bytes for the K/V page pools, e.g. 512MiB (default 1GiB)")
+    parser.add_argument(
+        "--host-kv-memory", help="host memory under the page pools for evicted prefix pages and swapped requests, "
+        "e.g. 512MiB (default 0: none)"
+    )
     parser.add_argument("--page-size", type=int, help="tokens per page (default 16)")
     parser.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="prefill tokens per step (default 256)")
@@ -533,10 +537,6 @@ def resolve_serve_config(args) -> ServeConfig:
     merged = (load_config(args.config, ServeConfig) if args.config else ServeConfig()).model_dump()
     merged |= {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key) is not None}
     return ServeConfig.model_validate(merged | mesh_setting(args))
-    parser.add_argument(
-        "--host-kv-memory", help="host memory under the page pools for evicted prefix pages and swapped requests, "
-        "e.g. 512MiB (default 0: none)"
-    )
 
 
 def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
