@@ -17,7 +17,9 @@ from flax import nnx
 from jaxkv import Cache
 from jaxkv.cache import first_entry_shapes
 from jaxkv.cli.main import build_parser, cache_options, resolve_config
+from jaxkv.decoding.beam import beam_search
 from jaxkv.decoding.generate import generate, prefill_prefix
+from jaxkv.decoding.speculative import SelfSpeculation, generate_speculative
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.paged import Paging
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
@@ -197,6 +199,23 @@ def test_a_shared_prefix_seeds_continuations_unchanged():
             assert_offloaded(prefix)
             assert_offloaded(first.cache)
     np.testing.assert_array_equal(runs[True], runs[None])
+
+
+def test_beam_search_and_self_speculation_equal_the_resident_cache():
+    """Beams reorder within their prompt under jit; self-speculation drafts with the first layers
+    (an early exit: a forward that stops mid-stack) and rolls back rejected drafts under jit."""
+    model = Llama(LlamaConfig(**LLAMA))
+
+    def run(offload):
+        beams = beam_search(model, PROMPTS, max_new_tokens=4, num_beams=3, offload=offload)
+        drafted = generate_speculative(
+            model, PROMPTS, max_new_tokens=8, drafter=SelfSpeculation(2), num_draft_tokens=3, offload=offload
+        )
+        return beams.scores, drafted.tokens
+
+    (want_scores, want_tokens), (scores, tokens) = run(None), run(True)
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+    np.testing.assert_array_equal(tokens, want_tokens)
 
 
 @pytest.mark.parametrize(
