@@ -5,13 +5,15 @@ Where things live. A stacked group's K/V leaves (every leaf with a ``kv_heads`` 
 values, quantized codes, scales and residuals) sit in host memory (JAX's ``pinned_host``
 memory kind); its bookkeeping (row lengths, a ring's slot positions) stays on the device,
 where every step reads it. An update of layer i runs on a window: entry i of every leaf as a
-one-entry stack ``[1, ...]`` on the device. After the update the window is written back into
-the host stack (a dynamic-update-slice of one entry) and, inside a model's forward
-(``Cache.with_prefetch``), entry i + 1 is fetched (a dynamic slice of one entry) from the stack
-as it was before the write-back, so the copy does not wait for layer i's compute and runs
-while it does. All of it happens inside the compiled layer scan: no Python per layer. The
-transfers are ``jax.device_put`` to ``jax.memory.Space`` inside the traced function, which XLA
-lowers to one host-to-device and one device-to-host copy of one layer per step of the scan.
+one-entry stack ``[1, ...]`` on the device. Inside a model's forward (``Cache.with_prefetch``)
+the window was fetched by the previous step, and while layer i computes, layer i - 1's updated
+window is written back into the host stack (a dynamic-update-slice of one entry) and then
+entry i + 1 is fetched (a dynamic slice of one entry): neither waits for layer i (``Prefetch``
+holds the two windows between steps). The fetch follows the write because XLA copies the
+whole stack when one loop step reads a buffer and then updates it in place. All of it happens
+inside the compiled layer scan: no Python per layer. The transfers are ``jax.device_put`` to
+``jax.memory.Space`` inside the traced function, which XLA lowers to one host-to-device and
+one device-to-host copy of one layer per step of the scan.
 
 Which layers (``offload``): ``True`` offloads ``DEFAULT_OFFLOAD``, the layer types whose K/V
 grows with the sequence (full attention, and the attention half of a hybrid layer). Sliding
