@@ -488,6 +488,8 @@ class ServeConfig(Strict):
     port: int = 8000
     kv_memory: str = "1GiB"
     host_kv_memory: str = "0"  # host memory under the page pools (demoted prefix pages, swapped sequences)
+    kv_cache_dir: str | None = None  # the prefix cache's disk tier: a restarted server starts warm
+    disk_kv_memory: str = "16GiB"  # the disk tier's size limit per pool
     page_size: PositiveInt = 16
     max_num_seqs: PositiveInt = 16
     max_num_batched_tokens: PositiveInt = 256
@@ -523,6 +525,11 @@ def _serve_parser(sub) -> None:
         "--host-kv-memory", help="host memory under the page pools for evicted prefix pages and swapped requests, "
         "e.g. 512MiB (default 0: none)"
     )
+    parser.add_argument(
+        "--kv-cache-dir", help="a directory for the prefix cache's disk tier: every cached page is saved there and a "
+        "restarted server finds it (default: none)"
+    )
+    parser.add_argument("--disk-kv-memory", help="the disk tier's size limit per pool, e.g. 8GiB (default 16GiB)")
     parser.add_argument("--page-size", type=int, help="tokens per page (default 16)")
     parser.add_argument("--max-num-seqs", type=int, help="requests decoding at once (default 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="prefill tokens per step (default 256)")
@@ -545,7 +552,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
 
     return Engine(
         model, tokenizer=tokenizer, kv_memory=config.kv_memory, host_kv_memory=config.host_kv_memory,
-        page_size=config.page_size,
+        kv_cache_dir=config.kv_cache_dir, disk_kv_memory=config.disk_kv_memory, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
         quantization=None if config.quantization is None else config.quantization.spec(),

@@ -60,6 +60,10 @@ class Metrics:
                 "host_pages": "pages held in the host tier",
                 "host_bytes_in": "bytes copied from the device pools to the host tier since start",
                 "host_bytes_out": "bytes copied from the host tier to the device pools since start",
+                "disk_prefix_hit_pages": "prefix-cache pages read from the disk tier since start",
+                "disk_pages": "pages on disk in the disk tier (every engine's on its directory)",
+                "disk_bytes_written": "bytes of page files written to the disk tier since start",
+                "disk_bytes_read": "bytes of page files read from the disk tier since start",
             }.items()
         }
 
@@ -79,6 +83,10 @@ class Metrics:
             "host_pages": tiers["host"]["pages"],
             "host_bytes_in": tiers["host"]["bytes_in"],
             "host_bytes_out": tiers["host"]["bytes_out"],
+            "disk_prefix_hit_pages": tiers["disk"]["hit_pages"],
+            "disk_pages": tiers["disk"]["pages"],
+            "disk_bytes_written": tiers["disk"]["bytes_written"],
+            "disk_bytes_read": tiers["disk"]["bytes_read"],
         }
         for name, value in values.items():
             self.gauges[name].set(value)

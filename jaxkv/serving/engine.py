@@ -18,6 +18,7 @@ further sequences (``parallel_sampling``). ``generate_many`` runs a list of prom
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -29,7 +30,9 @@ from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.paged import Paging
+from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
+from jaxkv.serving.disk_link import DiskTier, pool_formats
 from jaxkv.serving.input_processor import InputProcessor
 from jaxkv.serving.kv_manager import PREEMPTION_MODES, KVCacheManager
 from jaxkv.serving.model_runner import ModelRunner, prefill_buckets, step_shapes
@@ -68,6 +71,13 @@ class EngineConfig:
     ``preemption``: 'auto' (swap a preempted sequence's pages to the host tier when the cost rule of
     ``jaxkv.serving.kv_manager`` says it pays), 'swap' (whenever the host tier has room) or
     'recompute' (never swap).
+    ``kv_cache_dir``: a directory for the disk tier of the prefix cache (None: none). Every page
+    the prefix cache registers is saved there once, so an engine started later on the same model
+    and page format finds the prefixes (``jaxkv.serving.disk_tier``: keyed by the weights'
+    fingerprint, the page format and the salted hash chain; corrupt or foreign files are ignored
+    and removed). Needs ``prefix_caching``.
+    ``disk_kv_memory``: the disk tier's size limit per pool (``"16GiB"``); the least recently
+    used pages leave first.
     """
 
     kv_memory: int | str = "1GiB"
@@ -82,6 +92,8 @@ class EngineConfig:
     eviction: EvictionSpec | None = None
     host_kv_memory: int | str = 0
     preemption: str = "auto"
+    kv_cache_dir: str | os.PathLike | None = None
+    disk_kv_memory: int | str = "16GiB"
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -97,6 +109,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.host_kv_memory must not be negative, got {self.host_kv_memory!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if parse_bytes(self.disk_kv_memory, "disk_kv_memory") < 1:
+            raise ValueError(f"EngineConfig.disk_kv_memory must be positive, got {self.disk_kv_memory!r}")
+        if self.kv_cache_dir is not None and not self.prefix_caching:
+            raise ValueError("EngineConfig.kv_cache_dir keeps prefix-cache pages on disk: it needs prefix_caching")
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
@@ -131,11 +147,6 @@ class Engine:
             model.config.vocab_size, self.max_model_len, self.config.max_logprobs, default_stop_tokens(model.config),
             tokenizer is not None, self.config.seed,
         )  # fmt: skip
-        self.kv = KVCacheManager(
-            self.sizes, self.config.prefix_caching and not self.has_states,
-            parse_bytes(self.config.host_kv_memory, "host_kv_memory"), self.config.preemption,
-        )  # fmt: skip
-        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         cache = model.init_cache(
             self.config.max_num_seqs, paging=self._paging(self.sizes), quantization=self.config.quantization,
             eviction=self.config.eviction,
@@ -143,12 +154,27 @@ class Engine:
         self.runner = ModelRunner(
             model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens, max(1, self.config.max_logprobs)
         )
+        prefix_caching = self.config.prefix_caching and not self.has_states
+        self.kv = KVCacheManager(
+            self.sizes, prefix_caching, parse_bytes(self.config.host_kv_memory, "host_kv_memory"),
+            self.config.preemption, self._disk_tier() if prefix_caching else None,
+        )  # fmt: skip
+        self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.sequences: dict[int, list[SequenceState]] = {}  # by request id, until ``pop``
         self.next_request_id = 0
         self.peak_pages_used = self.peak_kv_bytes = 0
         self.slots_allocated = self.slots_unused = 0
         self.final_outputs: list[RequestOutput] = []  # aborted or failed sequences, reported by the next step
+
+    def _disk_tier(self) -> DiskTier | None:
+        """The disk tier under ``kv_cache_dir`` for this model and these pools' page format, or None."""
+        if self.config.kv_cache_dir is None:
+            return None
+        formats = pool_formats(self.runner.page_formats, page_size=self.config.page_size,
+                               quantization=self.config.quantization)  # fmt: skip
+        return DiskTier(self.config.kv_cache_dir, identity=model_identity(self.model), formats=formats,
+                        max_bytes=parse_bytes(self.config.disk_kv_memory, "disk_kv_memory"))  # fmt: skip
 
     def _paging(self, sizes: PoolSizes) -> Paging:
         return Paging(
@@ -262,11 +288,21 @@ class Engine:
         self.runner.copy_pages(forks.copies)
 
     def _move_pages(self) -> None:
-        """Make the copies between the device pools and the host tier decided since the last call."""
+        """Make the copies between the device pools and the host tier decided since the last call,
+        then save the pages read for the disk tier."""
         with jax.profiler.TraceAnnotation("engine.move_pages"):
             moves = self.kv.take_moves()
             if moves:
                 self.runner.move_pages(moves)
+            for key, page in moves.persist:
+                self._save(key, page)
+
+    def _save(self, key, page) -> None:
+        """Write one prefix page to the disk tier; a failing disk costs a warning, never a request."""
+        try:
+            self.kv.disk.save(key, page)
+        except OSError as error:
+            warnings.warn(f"disk tier: a page could not be saved ({type(error).__name__}: {error})", stacklevel=3)
 
     def _fail(self, request_ids: set[int], error: Exception) -> None:
         """End every sequence of ``request_ids`` with finish reason 'error'."""
@@ -299,10 +335,10 @@ class Engine:
         return self.outputs.output(seq, new)
 
     def warmup(self) -> None:
-        """Compile the step for every step shape (and, with a host tier, its page copies for every
-        bucket up to a pool's size), so no request waits for a compile."""
+        """Compile the step for every step shape (and, with a host or disk tier, its page copies for
+        every bucket up to a pool's size), so no request waits for a compile."""
         self.runner.warmup(self._block_tables())
-        if self.kv.host.capacity and self.kv.pools:
+        if (self.kv.host.capacity or self.kv.disk is not None) and self.kv.pools:
             self.runner.warmup_copies(max(pool.manager.num_pages for pool in self.kv.pools))
 
     # --- convenience and metrics ------------------------------------------------------------------
@@ -360,7 +396,20 @@ class Engine:
                      "capacity_bytes": host.capacity, "hit_pages": hits.host_hit_pages,
                      "pages_in": counters.pages_in, "pages_out": counters.pages_out,
                      "bytes_in": counters.bytes_in, "bytes_out": counters.bytes_out, "dropped_pages": counters.dropped},
+            "disk": self._disk_stats(),
         }  # fmt: skip
+
+    def _disk_stats(self) -> dict:
+        """The disk tier over its pools: prefix hits (pages), pages and bytes on disk, written and
+        read since start, files refused; zeros without one."""
+        pools = {} if self.kv.disk is None else self.kv.disk.stats()
+        totals = {key: sum(pool[key] for pool in pools.values()) for key in DISK_STAT_KEYS}
+        refused = sum(sum(pool["rejected"].values()) for pool in pools.values())
+        return {"hit_pages": self.kv.stats.disk_hit_pages, **totals, "refused_files": refused}
+
+
+# The disk tier's counters ``stats()`` sums over its pools (``DiskPageStore.stats`` and its size).
+DISK_STAT_KEYS = ("pages", "bytes", "pages_written", "bytes_written", "pages_read", "bytes_read")
 
 
 def default_stop_tokens(config) -> frozenset[int]:

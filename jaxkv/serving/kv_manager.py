@@ -16,6 +16,13 @@ that the prefix cache does not hold go to the host tier, pinned, and come back w
 The KV manager decides every move while the scheduler runs; the bytes move once per step, before
 it runs (``take_moves``: all reads from the device first, then all writes to it).
 
+With a disk tier (``kv_cache_dir``, ``jaxkv.serving.disk_link``) every page the prefix cache
+registers is also written to disk once (read from the device with the step's other reads, saved
+by the engine after them), so a restarted engine finds its prefixes there: a prefix hit may find
+pages on disk, read back into fresh device pages like host pages. A page already on disk is not
+written again; a page gone from disk between the lookup and the admission (another engine's size
+limit, a file refused as corrupt) makes the admission wait for the next lookup.
+
 Swap or recompute (``swap_pays``): preempting by recompute costs the tokens the prefix cache will
 not serve again, ``num_computed - num_registered * page_size`` (the registered pages stay cached in
 either case); swapping costs a round trip of the pages holding them to host memory. Swap when
@@ -27,11 +34,12 @@ is recomputed, a long tail (no prefix caching: every page) is swapped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from jaxkv.layers.paged import NULL_PAGE, pool_name, table_width
+from jaxkv.serving.disk_link import DiskTier
 from jaxkv.serving.host_tier import HostKey, HostPage, HostTier
 from jaxkv.serving.pages import Owner, PageManager, page_hashes
 from jaxkv.serving.requests import RequestError, SequenceState
@@ -81,14 +89,17 @@ class PagePool:
         """Pages to allocate so that ``seq`` holds its tokens up to ``end``."""
         return max(-(-end // self.page_size) - len(self.manager.pages(seq.key)), 0)
 
-    def cached_pages(self, hashes: Sequence[bytes], first: int, end: int, host: HostTier) -> list[PageSource] | None:
+    def cached_pages(
+        self, hashes: Sequence[bytes], first: int, end: int, below: Callable[[HostKey], bool]
+    ) -> list[PageSource] | None:
         """Where the cached pages ``first .. end - 1`` of the chain ``hashes`` are: a device page, or
-        the host tier; None if some page is in neither."""
+        a tier below the device (``below(key)``: the host tier or the disk holds it); None if some
+        page is in none."""
         found: list[PageSource] = []
         for page_hash in hashes[first:end]:
             page = self.manager.cached(page_hash)
             key = prefix_key(self.name, page_hash)
-            if page is None and not host.holds(key):
+            if page is None and not below(key):
                 return None
             found.append(HostSource(key, page_hash) if page is None else page)
         return found
@@ -145,10 +156,12 @@ class Swapped:
 class PageMoves:
     """The copies between the device pools and the host tier that the next step makes before it
     runs, per pool name: ``out`` ``(device page, host page)`` reads, all made first (a page read may
-    be written again this step), then ``into`` ``(host page, device page)`` writes."""
+    be written again this step), then ``into`` ``(host page, device page)`` writes; ``persist``:
+    ``(key, host page)`` of pages read for the disk tier, saved once the reads are made."""
 
     out: dict[str, list[tuple[int, HostPage]]] = dataclasses.field(default_factory=dict)
     into: dict[str, list[tuple[HostPage, int]]] = dataclasses.field(default_factory=dict)
+    persist: list[tuple[HostKey, HostPage]] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(self.out.values()) or any(self.into.values())
@@ -160,6 +173,7 @@ class TierStats:
 
     device_hit_pages: int = 0
     host_hit_pages: int = 0
+    disk_hit_pages: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,11 +187,19 @@ class Usage:
 class KVCacheManager:
     """The page pools of one engine, its prefix cache (``prefix_caching``: full pages are
     registered by the hash chain of their tokens and shared by later sequences) and its host tier
-    (``host_bytes``; 0: none). ``preemption``: 'auto' (swap when ``swap_pays``), 'swap' (whenever
-    the host tier has room) or 'recompute'; a cache with per-row state outside the pages
-    (``sizes.state_bytes``: recurrent states, evicted K/V) is always recomputed."""
+    (``host_bytes``; 0: none) and disk tier (``disk``; None: none). ``preemption``: 'auto' (swap
+    when ``swap_pays``), 'swap' (whenever the host tier has room) or 'recompute'; a cache with
+    per-row state outside the pages (``sizes.state_bytes``: recurrent states, evicted K/V) is
+    always recomputed."""
 
-    def __init__(self, sizes: PoolSizes, prefix_caching: bool, host_bytes: int = 0, preemption: str = "auto"):
+    def __init__(
+        self,
+        sizes: PoolSizes,
+        prefix_caching: bool,
+        host_bytes: int = 0,
+        preemption: str = "auto",
+        disk: DiskTier | None = None,
+    ):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
         self.pools: list[PagePool] = []
@@ -189,6 +211,7 @@ class KVCacheManager:
         self.page_size = sizes.page_size
         self.prefix_caching = prefix_caching
         self.host = HostTier(host_bytes)
+        self.disk = disk
         self.preemption = "recompute" if sizes.state_bytes else preemption
         self.swapped: dict[Owner, Swapped] = {}
         self.stats = TierStats()
@@ -226,7 +249,7 @@ class KVCacheManager:
         hashes = self._chain(seq, num_pages)
         while num_pages:
             found = [
-                pool.cached_pages(hashes, pool.first_needed_page(num_pages * self.page_size), num_pages, self.host)
+                pool.cached_pages(hashes, pool.first_needed_page(num_pages * self.page_size), num_pages, self._below)
                 for pool in self.pools
             ]
             if all(pages is not None for pages in found):
@@ -301,7 +324,7 @@ class KVCacheManager:
 
     def computed(self, seq: SequenceState) -> None:
         """``seq``'s computed tokens grew: offer its newly full pages to the prefix cache (a host
-        copy of a page it registers is dropped: a page lives in one tier)."""
+        copy of a page it registers is dropped: a page lives in one tier) and to the disk tier."""
         if not self.prefix_caching:
             return
         full = seq.num_computed // self.page_size
@@ -310,7 +333,9 @@ class KVCacheManager:
             pages = pool.manager.pages(seq.key)
             for logical in range(seq.num_registered, full):
                 if pages[logical] != NULL_PAGE and pool.manager.register(pages[logical], hashes[logical]):
-                    self.host.discard(prefix_key(pool.name, hashes[logical]))
+                    key = prefix_key(pool.name, hashes[logical])
+                    self.host.discard(key)
+                    self._persist(pool, pages[logical], key)
         seq.num_registered = full
 
     def free(self, seq: SequenceState) -> None:
@@ -338,13 +363,20 @@ class KVCacheManager:
         if not all(pool.manager.can_allocate(new[pool.name] + len(promoted[pool.name])) for pool in self.pools):
             self._free_device(seq)
             return None
-        taken = {name: [self.host.promote(source.key) for _, source in found] for name, found in promoted.items()}
+        from_disk = self._load_from_disk(promoted)
+        if from_disk is None:
+            self._free_device(seq)
+            return None
+        taken = {
+            name: [from_disk.get(source.key) or self.host.promote(source.key) for _, source in found]
+            for name, found in promoted.items()
+        }
         for pool in self.pools:  # the host pages are out of the tier before demotions make room there
             self._demote_evictions(pool, len(promoted[pool.name]) + new[pool.name])
             self._promote(pool, seq, promoted[pool.name], taken[pool.name])
             pool.manager.allocate(seq.key, new[pool.name])
         if not hit.resumes:
-            self._count_hit(hit)
+            self._count_hit(hit, len(from_disk))
         self._forget_swap(seq)  # promoted, or (a hit that does not resume) of no use any more
         seq.num_registered = hit.num_tokens // self.page_size if self.prefix_caching else 0
         return Allocation(new, hit.num_tokens)
@@ -368,11 +400,35 @@ class KVCacheManager:
             (logical, page) for logical, page in enumerate(sources) if isinstance(page, HostSource) and logical >= first
         ]
 
-    def _count_hit(self, hit: PrefixHit) -> None:
+    def _count_hit(self, hit: PrefixHit, from_disk: int) -> None:
+        """Count a prefix hit's pages per tier (``from_disk`` of its host sources came from disk)."""
         for sources in hit.pages.values():
-            on_host = sum(isinstance(page, HostSource) for page in sources)
-            self.stats.host_hit_pages += on_host
-            self.stats.device_hit_pages += sum(page != NULL_PAGE for page in sources) - on_host
+            below = sum(isinstance(page, HostSource) for page in sources)
+            self.stats.host_hit_pages += below
+            self.stats.device_hit_pages += sum(page != NULL_PAGE for page in sources) - below
+        self.stats.host_hit_pages -= from_disk
+        self.stats.disk_hit_pages += from_disk
+
+    def _below(self, key: HostKey) -> bool:
+        """Does a tier below the device hold the prefix page ``key`` (the host tier, else the disk)?"""
+        return self.host.holds(key) or (self.disk is not None and self.disk.holds(key))
+
+    def _load_from_disk(self, promoted: dict[str, list[tuple[int, HostSource]]]) -> dict[HostKey, HostPage] | None:
+        """The pages of ``promoted`` the host tier lacks, read from disk (before any host page is
+        taken, so that a miss changes nothing); None when one is gone from disk since the lookup."""
+        wanted = [source.key for found in promoted.values() for _, source in found if not self.host.holds(source.key)]
+        if not wanted:
+            return {}
+        loaded = {key: self.disk.load(key) for key in wanted}
+        return None if None in loaded.values() else loaded
+
+    def _persist(self, pool: PagePool, page: int, key: HostKey) -> None:
+        """Queue a read of the newly registered ``page`` for the disk tier, unless it is there already."""
+        if self.disk is None or self.disk.holds(key):
+            return
+        host_page = HostPage(pool.page_bytes)
+        self._moves.out.setdefault(pool.name, []).append((page, host_page))
+        self._moves.persist.append((key, host_page))
 
     def _resume_hit(self, seq: SequenceState, swapped: Swapped) -> PrefixHit | None:
         """The pages a swapped-out sequence resumes from: its registered pages found by hash (any
@@ -380,7 +436,7 @@ class KVCacheManager:
         pages = {}
         for pool in self.pools:
             first = min(pool.first_needed_page(swapped.num_tokens), swapped.num_registered)
-            prefix = pool.cached_pages(seq.page_hashes, first, swapped.num_registered, self.host)
+            prefix = pool.cached_pages(seq.page_hashes, first, swapped.num_registered, self._below)
             if prefix is None:
                 return None
             pages[pool.name] = [NULL_PAGE] * first + prefix + swapped.pages[pool.name]
