@@ -300,7 +300,7 @@ class KVCacheManager:
         and the host tier has room: its pages the prefix cache does not hold are copied to the host
         tier (pinned) before the next step, and all its device pages are freed. False, and nothing
         changed but pages a window had left, when it is to be recomputed instead."""
-        if self.preemption == "recompute" or not seq.num_computed:
+        if self.preemption == "recompute" or not seq.num_computed or not self.host.capacity:
             return False
         for pool in self.pools:
             pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
