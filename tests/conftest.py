@@ -135,7 +135,8 @@ FILE_SECONDS = {
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
     "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 73, "test_beam_smollm2.py": 62,
-    "test_experiment_smoke.py": 62,
+    "test_experiment_smoke.py": 62, "test_offload.py": 47, "test_engine_tiers.py": 20, "test_engine_disk.py": 15,
+    "test_tier_ledger.py": 10, "test_disk_tier.py": 8,
 }  # fmt: skip
 
 
@@ -163,7 +164,10 @@ SLOW: dict[str, set[str]] = {
     },
     "test_beam_smollm2.py": {"test_smollm2_beam_search_equals_transformers"},
     "test_behaviours.py": {"test_one_query_path_equals_the_batched_one"},
-    "test_bench_serving.py": {"test_engine_systems_on_a_tiny_llama", "test_static_and_transformers_on_a_tiny_llama"},
+    "test_bench_serving.py": {
+        "test_engine_systems_on_a_tiny_llama", "test_static_and_transformers_on_a_tiny_llama",
+        "test_multi_turn_with_the_host_tier_on_a_tiny_llama",
+    },
     "test_bench_smoke.py": {"test_bench_decode_quantized_and_gpu_refusal", "test_bench_decode_tiny_jaxkv"},
     "test_cli.py": {
         "test_generate_smollm2_prints_text_and_timings", "test_prompt_lengths_share_compiled_code_within_a_bucket",
