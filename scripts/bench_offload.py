@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Offloaded K/V (``jaxkv.offload``) against a resident cache: decode tok/s at a long context,
-and the bandwidth of one prefetched layer's copy each way.
+the bandwidth of one prefetched layer's copy each way, and of the serving engine's page copies
+to and from its host tier.
 
     python scripts/bench_offload.py --device gpu                     # SmolLM2-135M's shapes, 8k context
     python scripts/bench_offload.py --device cpu --layers 4 --vocab 512 --context 256 --new-tokens 8   # smoke
@@ -15,6 +16,10 @@ so the weights need not be real; the offloaded run must give the resident run's 
 * layer copy: a compiled scan over the cache's offloaded stack that fetches each layer's K/V
   to the device (``jaxkv.offload.fetch``, the copy a prefetch makes), or writes a device window
   back into each entry (``store``); bytes of one layer's K/V times layers over the median time.
+* page copies: the engine's host-tier copies (``ModelRunner.move_pages``) of a batch of
+  ``--copy-pages`` pages of the model's full-attention pool: read into host memory (a demotion
+  or a swap-out) and written back (a promotion or a swap-in); bytes over the median time, the
+  first run of each (its compile) apart.
 
 On the CPU backend host and device memory are the same RAM: the copies are memory copies and
 the figures say what a step costs there, not what a PCIe or NVLink link gives; ``--device gpu``
@@ -41,6 +46,7 @@ def parse(argv):
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--copy-pages", type=int, default=64, help="pages per batch of the engine's host-tier copies")
     parser.add_argument("--json", help="write the results here too")
     return parser.parse_args(argv)
 
@@ -116,6 +122,36 @@ def copy_bandwidth(cache, repeats: int) -> dict:
     return result
 
 
+def page_copy_bandwidth(model, args) -> dict:
+    """GB/s of the engine's host-tier copies of ``args.copy_pages`` pages each way (16-token pages)."""
+    import jax
+
+    from jaxkv.serving import Engine
+    from jaxkv.serving.host_tier import HostPage
+    from jaxkv.serving.kv_manager import PageMoves
+
+    probe = Engine(model, kv_memory="1MiB", max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64)
+    page_bytes = probe.kv.pools[0].page_bytes
+    engine = Engine(model, kv_memory=(args.copy_pages + 2) * page_bytes, max_num_seqs=1, max_num_batched_tokens=16,
+                    max_model_len=64, host_kv_memory=2 * args.copy_pages * page_bytes)  # fmt: skip
+    pool, pages = engine.kv.pools[0].name, range(1, args.copy_pages + 1)  # page 0 is the null page
+    host_pages = [HostPage(page_bytes) for _ in pages]
+    moves = {
+        "to_host": lambda: PageMoves(out={pool: list(zip(pages, host_pages))}),
+        "to_device": lambda: PageMoves(into={pool: list(zip(host_pages, pages))}),
+    }
+    result = {"copy_pages": args.copy_pages, "page_bytes": page_bytes}
+    for name, batch in moves.items():
+        times = []
+        for _ in range(args.repeats + 1):
+            start = time.perf_counter()
+            engine.runner.move_pages(batch())
+            jax.block_until_ready(engine.runner.cache)
+            times.append(time.perf_counter() - start)
+        result[f"pages_{name}_gb_per_s"] = args.copy_pages * page_bytes / statistics.median(times[1:]) / 1e9
+    return result
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     import jax
@@ -138,7 +174,7 @@ def main(argv=None) -> int:
         "dtype": args.dtype, "resident_tok_per_s": resident, "offloaded_tok_per_s": offloaded,
         "offloaded_over_resident": offloaded / resident, "same_tokens": offloaded_tokens == resident_tokens,
         "device_bytes": sum(cache.device_bytes().values()), "host_bytes": sum(cache.host_bytes().values()),
-        **copy_bandwidth(cache, args.repeats),
+        **copy_bandwidth(cache, args.repeats), **page_copy_bandwidth(model, args),
     }  # fmt: skip
     for key, value in report.items():
         print(f"{key:>24}: {value:.4g}" if isinstance(value, float) else f"{key:>24}: {value}")

@@ -164,6 +164,7 @@ SLOW: dict[str, set[str]] = {
     },
     "test_beam_smollm2.py": {"test_smollm2_beam_search_equals_transformers"},
     "test_behaviours.py": {"test_one_query_path_equals_the_batched_one"},
+    "test_offload.py": {"test_bench_offload_smoke"},
     "test_bench_serving.py": {
         "test_engine_systems_on_a_tiny_llama", "test_static_and_transformers_on_a_tiny_llama",
         "test_multi_turn_with_the_host_tier_on_a_tiny_llama",
