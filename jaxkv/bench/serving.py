@@ -156,6 +156,7 @@ from jaxkv.bench.vllm_worker import (
     process_tree_cpu_seconds,
     timed_drive,
 )  # fmt: skip
+from jaxkv.serving.kv_manager import PREEMPTION_MODES
 
 MODULE = "jaxkv.bench.serving"  # workers run as `python -m MODULE --worker SPEC`
 
@@ -432,6 +433,7 @@ def engine_options(spec: dict) -> dict:
     options = dict(
         kv_memory=f"{spec['kv_memory_mib']}MiB", page_size=spec["page_size"], max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], prefix_caching=spec["prefix_caching"],
+        preemption=spec["preemption"],
     )  # fmt: skip
     if spec.get("host_kv_memory_mib"):
         options["host_kv_memory"] = f"{spec['host_kv_memory_mib']}MiB"
@@ -700,6 +702,7 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=system in ENGINE_SYSTEMS and system != "engine-no-prefix", static_batch=args.static_batch,
         max_output=args.max_output, host_kv_memory_mib=args.host_kv_memory_mib if system in TIER_SYSTEMS else None,
+        preemption=args.preemption,
         requests=[dataclasses.asdict(r) for r in requests], device=args.device if system in GPU_SYSTEMS else "cpu",
     )  # fmt: skip
     if system in VLLM_SYSTEMS:
@@ -1080,6 +1083,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--turn-tokens", type=int, default=64, help="multi-turn: a user part's most tokens")
     parser.add_argument("--host-kv-memory-mib", type=int, default=4096,
                         help="the host page tier of engine-host-tier and engine-disk-tier")  # fmt: skip
+    parser.add_argument("--preemption", choices=PREEMPTION_MODES, default="auto",
+                        help="the engines' preemption: swap to the host tier (where one is) or recompute")  # fmt: skip
     parser.add_argument("--kv-memory-mib", type=int, default=1024, help="K/V pool of the engine and transformers")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")
