@@ -219,12 +219,14 @@ def test_arguments():
 
 
 def test_the_worker_imports_only_what_vllms_venv_has():
-    """vLLM's venv has no jaxkv, numpy's presence is not promised: stdlib, psutil (a vLLM dependency) and vllm."""
+    """vLLM's venv has no jaxkv, numpy's presence is not promised: stdlib, psutil and torch (vLLM's
+    dependencies: torch reports the CPU's AVX-512 as vLLM's kernel choice reads it) and vllm."""
     tree = ast.parse(Path(vllm_worker.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                 for alias in node.names}  # fmt: skip
     imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert imported - set(sys.stdlib_module_names) == {"__future__", "psutil", "vllm"} - set(sys.stdlib_module_names)
+    expected = {"__future__", "psutil", "torch", "vllm"} - set(sys.stdlib_module_names)
+    assert imported - set(sys.stdlib_module_names) == expected
 
 
 def test_a_completed_venv_is_not_made_again(tmp_path, monkeypatch):
