@@ -726,8 +726,9 @@ def competing_process(cpu: int | None):
     if cpu is None:
         yield
         return
-    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
     try:
+        os.sched_setaffinity(busy.pid, {cpu})  # after the start: a preexec_fn would fork this threaded process
         yield
     finally:
         busy.kill()
