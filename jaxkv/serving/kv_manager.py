@@ -401,12 +401,11 @@ class KVCacheManager:
         ]
 
     def _count_hit(self, hit: PrefixHit, from_disk: int) -> None:
-        """Count a prefix hit's pages per tier (``from_disk`` of its host sources came from disk)."""
-        for sources in hit.pages.values():
-            below = sum(isinstance(page, HostSource) for page in sources)
-            self.stats.host_hit_pages += below
-            self.stats.device_hit_pages += sum(page != NULL_PAGE for page in sources) - below
-        self.stats.host_hit_pages -= from_disk
+        """Count a prefix hit's pages per tier (``from_disk`` of its pages below the device came from disk)."""
+        pages = [page for sources in hit.pages.values() for page in sources if page != NULL_PAGE]
+        below = sum(isinstance(page, HostSource) for page in pages)
+        self.stats.device_hit_pages += len(pages) - below
+        self.stats.host_hit_pages += below - from_disk
         self.stats.disk_hit_pages += from_disk
 
     def _below(self, key: HostKey) -> bool:
