@@ -1,12 +1,13 @@
 """A serving step's packed batch: the per-step metadata that travels beside the cache.
 
-The serving engine packs the tokens of many rows into one ``[1, N]`` update: single decode
-tokens of many rows first, then prefill chunks in blocks of ``QUERY_BLOCK`` tokens of one row
-each. What each token belongs to changes every step, so it is an argument of the step, handed
+The serving engine packs the tokens of many rows into one ``[1, N]`` update: decode tokens of
+many rows first (one per row, or with speculation a row's token and its drafts), then prefill
+chunks in blocks of ``QUERY_BLOCK`` tokens of one row each. What each token belongs to
+changes every step, so it is an argument of the step, handed
 to the model beside the cache (``model(tokens, positions, cache, packed=...)``) and from there
 to the layers that read it (``Cache.attend(..., packed=...)``); nothing of it is stored in the
 cache. Jit contract: a traced argument of the compiled step whose shapes are fixed per
-bucket; ``single_tokens`` and ``tokens_per_row`` are static.
+bucket; ``decode_tokens``, ``decode_width`` and ``tokens_per_row`` are static.
 """
 
 from __future__ import annotations
@@ -32,15 +33,18 @@ class PackedBatch:
     ``token_rows`` ``[N]`` int32: the engine row (block-table row) of each packed token.
     ``block_tables``: per pool name (``'full'``, ``'sliding'``) ``[R, W]`` int32, row r's logical
     page j is pool page ``block_tables[pool][r, j]`` (the null page where it holds nothing).
-    ``single_tokens`` (static): the first tokens are one-token decodes that each read their own
-    row; the other ``N - single_tokens`` come in blocks of ``QUERY_BLOCK`` tokens of one row.
-    ``tokens_per_row`` (static): the most tokens one row brings in this step.
+    ``decode_tokens`` (static): the first tokens are decodes, in blocks of ``decode_width``
+    (static; 1 unless the step verifies drafts: a row's token and its drafts) tokens of one row
+    that read their row's pages together; the other ``N - decode_tokens`` come in blocks of
+    ``QUERY_BLOCK`` tokens of one row. ``tokens_per_row`` (static): the most tokens one row
+    brings in this step.
     """
 
     token_rows: jax.Array
     block_tables: dict
-    single_tokens: int = struct.field(pytree_node=False)
+    decode_tokens: int = struct.field(pytree_node=False)
     tokens_per_row: int = struct.field(pytree_node=False)
+    decode_width: int = struct.field(pytree_node=False, default=1)
 
 
 class PackedAttention(Capability):

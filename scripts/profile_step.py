@@ -212,6 +212,7 @@ def profile_case(engine: Engine, args, rows: int, prefill: bool) -> dict:
         events = _events(Path(trace_dir))
     runner = engine.runner
     shape = (args.max_num_seqs, args.max_num_batched_tokens) if prefill else runner.prepare_shape(rows, 0)
+    shape = (*shape, 1)
     executable = runner.executables[shape]
     hlo = executable.as_text()
     steps = step_breakdown(events, *op_categories(hlo))

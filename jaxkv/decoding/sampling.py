@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
 MAX_TOP_K = 2**31 - 1  # top-k is an int32 on the device; any k past the vocabulary keeps every token
 
 
@@ -103,15 +102,20 @@ def sample_rows(logits: jax.Array, keys: jax.Array, params: RowSampling) -> jax.
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw():
-        scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
-        needs_sort = jnp.any((params.top_k > 0) | (params.top_p < 1))
-        scaled = jax.lax.cond(needs_sort, lambda: top_k_top_p(scaled, params.top_k, params.top_p), lambda: scaled)
-        probs = jax.nn.softmax(scaled, axis=-1)
-        scaled = jnp.where(probs < params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, scaled)
-        return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jax.vmap(jax.random.categorical)(keys, row_logits(logits, params)).astype(jnp.int32)
 
     sampled = jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda: greedy)
     return jnp.where(params.temperature > 0, sampled, greedy)
+
+
+def row_logits(logits: jax.Array, params: RowSampling) -> jax.Array:
+    """``logits`` ``[R, V]`` as row r's sampling draws from them: divided by its temperature (1 for
+    a greedy row), then its top-k, top-p and min-p (dropped tokens at -inf)."""
+    scaled = logits / jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
+    needs_sort = jnp.any((params.top_k > 0) | (params.top_p < 1))
+    scaled = jax.lax.cond(needs_sort, lambda: top_k_top_p(scaled, params.top_k, params.top_p), lambda: scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    return jnp.where(probs < params.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, scaled)
 
 
 def top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ only writes and reads through the table it is given.
 The layer holds the pages and nothing per row or per step: each update is a serving step's
 packed batch (``jaxkv.batch.PackedBatch``, an argument beside the cache) that names each
 token's row and carries the block tables, so a step can run prefill chunks of some requests
-and single decode tokens of others as one ``[1, N]`` batch. Masks come from absolute
+and the decode tokens of others as one ``[1, N]`` batch. Masks come from absolute
 positions only: slot s of logical page j holds position ``j * page_size + s`` and is visible
 to a query at q if it is not in the future, is inside the window, and its page is not the
 null page.
@@ -125,7 +125,8 @@ class PagedKVView:
     index: jax.Array | int
     block_table: jax.Array  # [R, W]
     token_rows: jax.Array  # [N]
-    single_tokens: int = struct.field(pytree_node=False)  # see PackedBatch
+    decode_tokens: int = struct.field(pytree_node=False)  # see PackedBatch
+    decode_width: int = struct.field(pytree_node=False, default=1)
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
 
@@ -174,8 +175,9 @@ class PagedKVView:
         """Attention of the packed queries ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over their
         rows' pages. Returns ``[B, H_q, T, D]``.
 
-        The ``B * T`` query tokens (row-major) come from many rows. The first ``single_tokens``
-        each read their own row's pages (``token_rows``); the rest come in blocks of
+        The ``B * T`` query tokens (row-major) come from many rows. The first ``decode_tokens``
+        come in blocks of ``decode_width`` tokens of one row (single decodes, or a row's token and
+        its drafts), each block reading its row's pages (``token_rows``); the rest come in blocks of
         ``QUERY_BLOCK`` tokens of one row each (a prefill chunk), which read their row's pages
         once per block instead of once per token (``_read_blocks``). ``block_size`` is the
         plain views' option: pages are read ``block_pages`` at a time."""
@@ -185,12 +187,12 @@ class PagedKVView:
         tokens, num_kv_heads = batch * length, self.num_kv_heads
         grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         positions = q_positions.reshape(tokens)
-        single = self.single_tokens
+        single, width = self.decode_tokens, self.decode_width
 
         def read(start, end, rows, query_block):
             return self._read_blocks(grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap)
 
-        parts = [read(0, single, self.token_rows[:single], 1)] if single else []
+        parts = [read(0, single, self.token_rows[:single:width], width)] if single else []
         if single < tokens:
             parts.append(read(single, tokens, self.token_rows[single::QUERY_BLOCK], QUERY_BLOCK))
         out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [N, H_kv, G, D]
@@ -340,8 +342,8 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             key_pages=write(self.key_pages, _flat(keys)), value_pages=write(self.value_pages, _flat(values))
         )
         view = PagedKVView(
-            new.key_pages, new.value_pages, index, table, packed.token_rows, packed.single_tokens, self.window,
-            self.quantization,
+            new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
+            self.window, self.quantization,
         )  # fmt: skip
         out, _ = read(queries, view, positions, None)
         return new, out

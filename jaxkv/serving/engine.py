@@ -41,6 +41,7 @@ from jaxkv.serving.parallel_sampling import fork_sequences
 from jaxkv.serving.requests import Completion, RequestError, RequestOutput, SequenceState
 from jaxkv.serving.scheduler import Chunk, Scheduler
 from jaxkv.serving.sizing import PoolSizes, parse_bytes, pool_sizes
+from jaxkv.serving.speculation import NgramProposer, Speculation, SpeculationStats, SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,8 @@ class EngineConfig:
     and removed). Needs ``prefix_caching``.
     ``disk_kv_memory``: the disk tier's size limit per pool (``"16GiB"``); the least recently
     used pages leave first.
+    ``speculative``: draft tokens proposed for decoding sequences and verified in the step
+    (``jaxkv.serving.speculation.SpeculativeConfig``; None: none).
     """
 
     kv_memory: int | str = "1GiB"
@@ -94,6 +97,7 @@ class EngineConfig:
     preemption: str = "auto"
     kv_cache_dir: str | os.PathLike | None = None
     disk_kv_memory: int | str = "16GiB"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -113,14 +117,25 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.disk_kv_memory must be positive, got {self.disk_kv_memory!r}")
         if self.kv_cache_dir is not None and not self.prefix_caching:
             raise ValueError("EngineConfig.kv_cache_dir keeps prefix-cache pages on disk: it needs prefix_caching")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise TypeError(
+                f"EngineConfig.speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}"
+            )
+        if self.speculative is not None and self.eviction is not None:
+            raise ValueError("EngineConfig.speculative cannot roll back evicting layers: pass eviction=None")
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
         return prefill_buckets(self.max_num_batched_tokens)
 
-    def step_shapes(self) -> tuple[tuple[int, int], ...]:
-        """The compiled steps' ``(decode slots, prefill size)`` (``model_runner.step_shapes``)."""
-        return step_shapes(self.max_num_seqs, self.max_num_batched_tokens)
+    def step_shapes(self) -> tuple[tuple[int, int, int], ...]:
+        """The compiled steps' ``(decode slots, prefill size, decode width)`` (``model_runner.step_shapes``)."""
+        return step_shapes(self.max_num_seqs, self.max_num_batched_tokens, self.decode_width)
+
+    @property
+    def decode_width(self) -> int:
+        """Tokens of a decode slot in a step that verifies drafts: ``1 + k`` (1 without speculation)."""
+        return 1 if self.speculative is None else 1 + self.speculative.num_tokens
 
 
 class Engine:
@@ -149,17 +164,19 @@ class Engine:
         )  # fmt: skip
         cache = model.init_cache(
             self.config.max_num_seqs, paging=self._paging(self.sizes), quantization=self.config.quantization,
-            eviction=self.config.eviction,
+            eviction=self.config.eviction, rollback_slots=self.config.decode_width - 1,
         )  # fmt: skip
         self.runner = ModelRunner(
-            model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens, max(1, self.config.max_logprobs)
-        )
+            model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+            max(1, self.config.max_logprobs), self.config.decode_width,
+        )  # fmt: skip
         prefix_caching = self.config.prefix_caching and not self.has_states
         self.kv = KVCacheManager(
             self.sizes, prefix_caching, parse_bytes(self.config.host_kv_memory, "host_kv_memory"),
             self.config.preemption, self._disk_tier() if prefix_caching else None,
         )  # fmt: skip
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.speculation = self._speculation()
         self.outputs = OutputProcessor(tokenizer, self.max_model_len)
         self.sequences: dict[int, list[SequenceState]] = {}  # by request id, until ``pop``
         self.next_request_id = 0
@@ -175,6 +192,14 @@ class Engine:
                                quantization=self.config.quantization)  # fmt: skip
         return DiskTier(self.config.kv_cache_dir, identity=model_identity(self.model), formats=formats,
                         max_bytes=parse_bytes(self.config.disk_kv_memory, "disk_kv_memory"))  # fmt: skip
+
+    def _speculation(self) -> Speculation | None:
+        """The speculation stage of ``config.speculative`` (None: none)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        proposer = NgramProposer(spec.max_ngram, spec.min_ngram)
+        return Speculation(spec, proposer, self.kv, self.max_model_len)
 
     def _paging(self, sizes: PoolSizes) -> Paging:
         return Paging(
@@ -228,9 +253,15 @@ class Engine:
     def _end(self, request_id: int, reason: str, error: str | None = None) -> None:
         for seq in self.sequences.get(request_id, ()):
             if not seq.finished:
-                self.outputs.finished(seq, reason)
-                self.scheduler.finish(seq)
+                self._close(seq, reason)
                 self.final_outputs.append(self.outputs.output(seq, [], error))
+
+    def _close(self, seq: SequenceState, reason: str) -> None:
+        """Finish ``seq`` with ``reason``: its text completed, its pages and row freed."""
+        self.outputs.finished(seq, reason)
+        self.scheduler.finish(seq)
+        if self.speculation is not None:
+            self.speculation.release(seq)
 
     def request_finished(self, request_id: int) -> bool:
         """Have all of a request's sequences finished (its later sequences exist once the first
@@ -262,6 +293,8 @@ class Engine:
         error's message; the engine takes the next request as before."""
         with jax.profiler.TraceAnnotation("engine.schedule"):
             chunks = self.scheduler.schedule()
+            if self.speculation is not None:
+                chunks = self.speculation.plan(chunks)
         self._move_pages()  # even without chunks: the pages read may be written later
         if not chunks:
             return self._take_final()
@@ -272,10 +305,11 @@ class Engine:
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
         with jax.profiler.TraceAnnotation("engine.outputs"):
-            self.scheduler.computed(chunks)
+            drawn = [self._append(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]
+            self.scheduler.computed(chunks, outputs.num_accepted[: len(chunks)])
             self._fork()  # before a first sequence can finish and free its pages
             self._record_usage()
-            return self._take_final() + [self._advance(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]
+            return self._take_final() + [self._finish(chunk.seq, *new) for chunk, new in zip(chunks, drawn)]
 
     def _fork(self) -> None:
         """Start the further sequences of ``n > 1`` requests and copy their pages now (after the
@@ -318,20 +352,29 @@ class Engine:
         final, self.final_outputs = self.final_outputs, []
         return final
 
-    def _advance(self, chunk: Chunk, outputs, slot: int) -> RequestOutput:
-        """Append the token drawn (in sample ``slot``) for a chunk that computed its sequence's
-        last known token; finish the sequence if it stops."""
-        seq = chunk.seq
-        new: list[int] = []
-        if chunk.draws_next:
-            token = int(outputs.tokens[slot])
-            new.append(token)
+    def _append(self, chunk: Chunk, outputs, slot: int) -> tuple[list[int], str | None]:
+        """Append the tokens made in sample ``slot`` for a chunk that computed its sequence's last
+        known token: its accepted drafts and the token drawn after them, up to a stop. Returns
+        them and the finish reason (None: it goes on)."""
+        seq, new, reason = chunk.seq, [], None
+        if not chunk.draws_next:
+            return new, reason
+        accepted = int(outputs.num_accepted[slot])
+        if self.speculation is not None:
+            self.speculation.verified(chunk, accepted)
+        for j in range(accepted + 1):
+            new.append(int(outputs.tokens[slot, j]))
             reason = self.outputs.append(
-                seq, token, outputs.logprobs[slot], outputs.top_tokens[slot], outputs.top_logprobs[slot]
+                seq, new[-1], outputs.logprobs[slot, j], outputs.top_tokens[slot, j], outputs.top_logprobs[slot, j]
             )
             if reason is not None:
-                self.outputs.finished(seq, reason)
-                self.scheduler.finish(seq)
+                break
+        return new, reason
+
+    def _finish(self, seq: SequenceState, new: list[int], reason: str | None) -> RequestOutput:
+        """The step's output for ``seq``, finishing it if ``reason``."""
+        if reason is not None:
+            self._close(seq, reason)
         return self.outputs.output(seq, new)
 
     def warmup(self) -> None:
@@ -383,6 +426,7 @@ class Engine:
             "wasted_slot_fraction": self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0,
             "max_concurrent_tokens": self.sizes.max_concurrent_tokens,
             "tiers": self._tier_stats(),
+            "speculation": (SpeculationStats() if self.speculation is None else self.speculation.stats).as_dict(),
         }
 
     def _tier_stats(self) -> dict:

@@ -1,14 +1,16 @@
 """Model running: a step's chunks packed into the compiled step's inputs (nano-vllm's
 ``ModelRunner.prepare_*``), one executable per step shape, and the step run on the device.
 
-A step's tokens: ``D`` decode slots (single-token chunks) first, then ``prefill_size`` slots of
-prefill chunks, each starting a block of ``QUERY_BLOCK`` tokens (the unit paged attention
-reads), the rest padding. Each scheduled chunk also has a sample slot (chunk ``i``: slot ``i``
-of ``D``), where its row's next token is drawn. ``prefill_size`` is the smallest prefill bucket
-that holds the step's chunks. ``D`` is the engine's row count when the step prefills; a
+A step's tokens: ``D`` decode slots of ``W`` tokens first (``W`` = 1; a step that verifies
+drafts: ``1 + k``, a row's token then its drafts), then ``prefill_size`` slots of prefill
+chunks, each starting a block of ``QUERY_BLOCK`` tokens (the unit paged attention reads), the
+rest padding. Each scheduled chunk also has a sample slot (chunk ``i``: slot ``i`` of ``D``),
+where its row's next tokens are drawn. ``prefill_size`` is the smallest prefill bucket that
+holds the step's chunks. ``D`` is the engine's row count when the step prefills; a
 decode-only step takes the smallest decode bucket that holds its rows, so a few running rows
-do not pay for the GEMM rows, attention reads and LM head of all. ``warmup`` compiles every
-shape, and no step compiles after it.
+do not pay for the GEMM rows, attention reads and LM head of all (a verifying step's buckets
+go down to one slot: each is ``W`` tokens wide). ``warmup`` compiles every shape, and no step
+compiles after it.
 """
 
 from __future__ import annotations
@@ -63,27 +65,43 @@ def copy_bucket(num_pages: int) -> int:
     return 1 << max(num_pages - 1, 0).bit_length()
 
 
-def step_shapes(num_rows: int, max_num_batched_tokens: int) -> tuple[tuple[int, int], ...]:
-    """Every compiled step shape, ``(decode slots, prefill size)``: all rows with each prefill
-    bucket, and each smaller decode bucket without prefill."""
+def decode_buckets_wide(num_rows: int) -> tuple[int, ...]:
+    """Decode slots of a decode-only step that verifies drafts: ``num_rows`` halved while it
+    stays even, down to one slot, smallest first."""
+    sizes = [num_rows]
+    while sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return tuple(reversed(sizes))
+
+
+def step_shapes(num_rows: int, max_num_batched_tokens: int, width: int = 1) -> tuple[tuple[int, int, int], ...]:
+    """Every compiled step shape, ``(decode slots, prefill size, decode width)``: all rows with
+    each prefill bucket, and each smaller decode bucket without prefill; with ``width`` > 1 (a
+    speculating engine's ``1 + k``) the same again with decode slots that wide."""
     prefills = prefill_buckets(max_num_batched_tokens)
-    return (*((num_rows, size) for size in prefills), *((slots, 0) for slots in decode_buckets(num_rows)[:-1]))
+    shapes = [*((num_rows, size, 1) for size in prefills), *((slots, 0, 1) for slots in decode_buckets(num_rows)[:-1])]
+    if width > 1:
+        shapes += [(num_rows, size, width) for size in prefills]
+        shapes += [(slots, 0, width) for slots in decode_buckets_wide(num_rows)[:-1]]
+    return tuple(shapes)
 
 
 class ModelRunner:
     """The model's parameters and paged cache on the device, and the compiled steps over them.
     ``num_rows``: the engine's rows (block-table rows, the most decode slots); ``num_top``: top
-    log-probabilities computed per sample slot (at least 1)."""
+    log-probabilities computed per sample slot (at least 1); ``width``: ``1 + k`` for an engine
+    that verifies ``k`` drafts per row (1: none)."""
 
-    def __init__(self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int):
+    def __init__(self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int, width: int = 1):
         self.graphdef, self.state = nnx.split(model)
         self.cache = cache
         self.num_rows = num_rows
-        self.shapes = step_shapes(num_rows, max_num_batched_tokens)
+        self.width = width
+        self.shapes = step_shapes(num_rows, max_num_batched_tokens, width)
         self.prefills = prefill_buckets(max_num_batched_tokens)
-        self.decodes = decode_buckets(num_rows)
+        self.decodes = {1: decode_buckets(num_rows), width: decode_buckets_wide(num_rows)}
         self.num_top = num_top
-        self.executables: dict[tuple[int, int], Callable] = {}
+        self.executables: dict[tuple[int, int, int], Callable] = {}
         self.num_steps = 0
         self.page_formats = page_formats(cache)
 
@@ -93,7 +111,8 @@ class ModelRunner:
             self.cache = copy_pages(self.cache, {name: np.asarray(pairs, np.int32) for name, pairs in copies.items()})
 
     def run(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepOutputs:
-        """Run one step over ``chunks``; returns the outputs on the host, chunk ``i``'s in sample slot ``i``."""
+        """Run one step over ``chunks`` (with drafts: a verifying step); returns the outputs on the
+        host, chunk ``i``'s in sample slot ``i``."""
         with jax.profiler.TraceAnnotation("runner.prepare"):
             inputs = self.prepare(chunks, block_tables)
         with jax.profiler.TraceAnnotation("runner.dispatch"):
@@ -162,60 +181,71 @@ class ModelRunner:
 
     def warmup(self, block_tables: dict[str, np.ndarray]) -> None:
         """Compile the step for every shape, so no request waits for a compile."""
-        for slots, prefill in self.shapes:
-            self._executable(self._packed([], slots, prefill, block_tables))
+        for slots, prefill, width in self.shapes:
+            self._executable(self._packed([], slots, prefill, width, block_tables))
 
     def prepare(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepInputs:
-        """The step's inputs in the smallest shape that holds ``chunks``."""
-        slots, prefill_size = self.prepare_shape(len(chunks), sum(chunk_cost(chunk.count) for chunk in chunks))
-        return self._packed(chunks, slots, prefill_size, block_tables)
+        """The step's inputs in the smallest shape that holds ``chunks`` (decode slots ``width`` wide
+        when a chunk brings drafts)."""
+        width = self.width if any(chunk.draft for chunk in chunks) else 1
+        prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
+        slots, prefill_size = self.prepare_shape(len(chunks), prefill, width)
+        return self._packed(chunks, slots, prefill_size, width, block_tables)
 
-    def prepare_shape(self, num_chunks: int, prefill: int) -> tuple[int, int]:
+    def prepare_shape(self, num_chunks: int, prefill: int, width: int = 1) -> tuple[int, int]:
         """``(decode slots, prefill size)`` of a step of ``num_chunks`` chunks taking ``prefill``
         prefill slots: the smallest prefill bucket that holds them; all rows' decode slots when
-        it prefills, else the smallest decode bucket that holds the chunks."""
+        it prefills, else the smallest decode bucket (of slots ``width`` wide) that holds the chunks."""
         prefill_size = next(size for size in self.prefills if size >= prefill)
         return (
-            self.num_rows if prefill_size else next(size for size in self.decodes if size >= num_chunks)
+            self.num_rows if prefill_size else next(size for size in self.decodes[width] if size >= num_chunks)
         ), prefill_size
 
     def _executable(self, inputs: StepInputs) -> Callable:
         """The compiled step for this shape (compiled on first use, or by ``warmup``)."""
-        slots = inputs.packed.single_tokens
-        shape = (slots, inputs.tokens.shape[0] - slots)
+        slots, width = inputs.sample_index.shape
+        shape = (slots, inputs.tokens.shape[0] - slots * width, width)
         if shape not in self.executables:
             lowered = compiled_step.lower(self.graphdef, self.state, self.cache, inputs, self.num_top)
             self.executables[shape] = lowered.compile()
         return self.executables[shape]
 
     def _packed(
-        self, chunks: list[Chunk], slots: int, prefill_size: int, block_tables: dict[str, np.ndarray]
+        self, chunks: list[Chunk], slots: int, prefill_size: int, width: int, block_tables: dict[str, np.ndarray]
     ) -> StepInputs:
-        """``slots`` decode slots, then ``prefill_size`` slots of prefill chunks, each starting a
-        query block; chunk ``i`` draws in sample slot ``i``, with its sequence's sampling."""
-        size = slots + prefill_size
+        """``slots`` decode slots of ``width`` tokens, then ``prefill_size`` slots of prefill chunks,
+        each starting a query block; chunk ``i`` draws in sample slot ``i``, with its sequence's
+        sampling, at its last token and its drafts."""
+        size = slots * width + prefill_size
         tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
-        sample_index, num_logprobs = np.zeros(slots, np.int32), np.zeros(slots, np.int32)
+        sample_index, num_logprobs = np.zeros((slots, width), np.int32), np.zeros(slots, np.int32)
+        drafts, num_drafts = np.zeros((slots, width - 1), np.int32), np.zeros(slots, np.int32)
         seeds, numbers, counters = np.zeros(slots, np.uint32), np.zeros(slots, np.int32), np.zeros(slots, np.int32)
         slot_sampling = [GREEDY] * slots
-        decode_slot, prefill_slot = 0, slots
+        decode_slot, prefill_slot = 0, slots * width
         for slot, chunk in enumerate(chunks):
-            seq = chunk.seq
+            seq, length = chunk.seq, chunk.count + len(chunk.draft)
             if chunk.count == 1:
-                start, decode_slot = decode_slot, decode_slot + 1
+                start, decode_slot = decode_slot, decode_slot + width
+                token_rows[start : start + width] = seq.row  # padding of the decode block: its row too
             else:
                 start, prefill_slot = prefill_slot, prefill_slot + chunk_cost(chunk.count)
                 token_rows[start:prefill_slot] = seq.row  # padding of the chunk's last block: its row too
-            end = start + chunk.count
-            tokens[start:end] = seq.tokens[chunk.start : chunk.start + chunk.count]
-            positions[start:end] = np.arange(chunk.start, chunk.start + chunk.count)
-            token_rows[start:end] = seq.row
-            sample_index[slot], num_logprobs[slot] = end - 1, seq.options.logprobs
+            end = start + length
+            tokens[start:end] = [*seq.tokens[chunk.start : chunk.start + chunk.count], *chunk.draft]
+            positions[start:end] = np.arange(chunk.start, chunk.start + length)
+            sample_index[slot] = end - 1 - len(chunk.draft) + np.minimum(np.arange(width), len(chunk.draft))
+            drafts[slot, : len(chunk.draft)], num_drafts[slot] = chunk.draft, len(chunk.draft)
+            num_logprobs[slot] = seq.options.logprobs
             seeds[slot], numbers[slot], counters[slot] = seq.options.seed, seq.index, len(seq.output)
             slot_sampling[slot] = seq.options.sampling
         # A prefill chunk fills at most what the decode slots leave: the rows' [R, T] layout's T.
-        packed = PackedBatch(token_rows, block_tables, single_tokens=slots, tokens_per_row=max(1, prefill_size))
+        packed = PackedBatch(
+            token_rows, block_tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
+            decode_width=width,
+        )  # fmt: skip
         return StepInputs(
-            tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, num_logprobs=num_logprobs,
-            seeds=seeds, sample_numbers=numbers, counters=counters, sampling=RowSampling.stack(slot_sampling),
+            tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, drafts=drafts,
+            num_drafts=num_drafts, num_logprobs=num_logprobs, seeds=seeds, sample_numbers=numbers, counters=counters,
+            sampling=RowSampling.stack(slot_sampling),
         )  # fmt: skip

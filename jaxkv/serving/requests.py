@@ -42,6 +42,7 @@ class RequestOptions:
     seed: int = 0  # in [0, 2**32)
     logprobs: int = 0  # top log-probabilities returned per token (0: only the chosen token's)
     n: int = 1  # sequences of the prompt; sequences 1.. fork from sequence 0 after its prefill
+    speculative: bool = True  # may the engine's speculation draft tokens for it
 
 
 @dataclasses.dataclass
@@ -69,6 +70,9 @@ class SequenceState:
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (last admission)
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_proposed: int = 0  # draft tokens verified for it (speculation)
+    num_accepted: int = 0  # of those, the ones the target kept
+    num_speculative_steps: int = 0  # steps that verified drafts for it
 
     @property
     def key(self) -> tuple[int, int]:

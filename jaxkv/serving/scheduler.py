@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 
 from jaxkv.layers.paged import QUERY_BLOCK
 from jaxkv.serving.kv_manager import KVCacheManager
@@ -26,11 +27,13 @@ from jaxkv.serving.requests import SequenceState, Status
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """``count`` tokens of ``seq`` from position ``start`` on, computed this step."""
+    """``count`` tokens of ``seq`` from position ``start`` on, computed this step, followed by
+    ``draft`` tokens (a decode's drafts: computed and verified by the step, kept if accepted)."""
 
     seq: SequenceState
     start: int
     count: int
+    draft: tuple[int, ...] = ()
 
     @property
     def draws_next(self) -> bool:
@@ -129,11 +132,14 @@ class Scheduler:
         self.running.append(seq)
 
     # --- after the step -------------------------------------------------------------------
-    def computed(self, chunks: list[Chunk]) -> None:
-        """The step ran: advance each chunk's sequence (its full pages go to the prefix cache)."""
-        for chunk in chunks:
-            chunk.seq.num_computed = chunk.start + chunk.count
-            self.kv.computed(chunk.seq)
+    def computed(self, chunks: list[Chunk], accepted: Sequence[int]) -> None:
+        """The step ran and its tokens were appended: advance each chunk's sequence past its tokens
+        and its ``accepted`` drafts (at most to its tokens: a stop may cut the drafts); its full
+        pages go to the prefix cache. The K/V of rejected drafts stay past the computed count."""
+        for chunk, num_accepted in zip(chunks, accepted, strict=True):
+            seq = chunk.seq
+            seq.num_computed = min(chunk.start + chunk.count + int(num_accepted), seq.num_tokens)
+            self.kv.computed(seq)
 
     # --- leaving ----------------------------------------------------------------------------
     def _leave(self, seq: SequenceState) -> None:

@@ -154,13 +154,13 @@ def test_decode_only_steps_take_the_smallest_decode_bucket(llama):
     slots), a step that prefills all 16; the tokens still equal ``generate``'s, sampled tokens do
     not depend on the step shape, and ``warmup`` compiled every shape."""
     engine = Engine(llama, kv_memory=256 * 1024, page_size=4, max_num_seqs=16, max_num_batched_tokens=16)
-    assert engine.config.step_shapes() == ((16, 0), (16, 16), (8, 0))
+    assert engine.config.step_shapes() == ((16, 0, 1), (16, 16, 1), (8, 0, 1))
     engine.warmup()
     shapes, prepare = [], engine.runner.prepare
 
     def recorded(chunks, tables):  # (decode slots, chunks) of each step
         inputs = prepare(chunks, tables)
-        shapes.append((inputs.packed.single_tokens, len(chunks)))
+        shapes.append((inputs.packed.decode_tokens, len(chunks)))
         return inputs
 
     engine.runner.prepare = recorded
