@@ -15,7 +15,7 @@ row ``seq.row``), not pages in the engine's page manager. Why:
   counts), which a draft needs after every verification and whenever a row changes hands.
 
 The cost: ``num_rows * max_model_len`` positions of the draft's K/V are reserved up front
-(``cache.nbytes``; SmolLM2-135M in bfloat16 takes 23 KiB a position), and a new prompt is
+(``cache.nbytes``; SmolLM2-135M in bfloat16 takes 22.5 KiB a position), and a new prompt is
 prefilled by the draft even where the target's prefix cache had it.
 
 Each ``propose`` call, for every sequence with a positive limit: its row is cut back to the
@@ -33,6 +33,7 @@ one-hot proposal (exact for sampled requests too, see ``jaxkv.serving.speculatio
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -65,6 +66,14 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     size = min(len(a), len(b))
     differ = np.flatnonzero(a[:size] != b[:size])
     return int(differ[0]) if differ.size else size
+
+
+def catch_up_pieces(tokens: np.ndarray, start: int, chunk_size: int) -> list[tuple[int, np.ndarray]]:
+    """``tokens[start:]`` (at least one token) as ``(position, piece)``: full chunks of
+    ``chunk_size`` tokens, then a last piece of 1 to ``chunk_size`` tokens."""
+    last = (len(tokens) - start - 1) % chunk_size + 1
+    bounds = [*range(start, len(tokens) - last, chunk_size), len(tokens) - last, len(tokens)]
+    return [(begin, tokens[begin:end]) for begin, end in itertools.pairwise(bounds)]
 
 
 class DraftProposer(Proposer):
@@ -157,19 +166,21 @@ class DraftProposer(Proposer):
 
     def _drafted(self, tokens: dict[int, np.ndarray], num_drafts: np.ndarray) -> np.ndarray:
         """Drafts ``[R, k]`` (a row's first ``num_drafts[row]`` are its): each row of ``tokens``
-        (its sequence's tokens) caught up, full chunks first, then the last piece and the drafts."""
-        starts = {row: min(common_prefix(self.fed[row], held), len(held) - 1) for row, held in tokens.items()}
-        # A catch-up of n tokens: full chunks, then a last piece of 1 .. chunk_size tokens.
-        last = {row: (len(held) - starts[row] - 1) % self.chunk_size + 1 for row, held in tokens.items()}
+        (its sequence's tokens) cut to the longest prefix it holds (less the last token, whose
+        logits give the first draft) and caught up: full chunks first, then the last piece and
+        the drafts in one call."""
+        pieces = {
+            row: catch_up_pieces(held, min(common_prefix(self.fed[row], held), len(held) - 1), self.chunk_size)
+            for row, held in tokens.items()
+        }
         size = self.chunk_size
-        for offset in range(0, max(len(held) - starts[row] - last[row] for row, held in tokens.items()), size):
-            pieces = {row: (starts[row] + offset, held[starts[row] + offset :][:size])
-                      for row, held in tokens.items() if starts[row] + offset < len(held) - last[row]}  # fmt: skip
-            self.cache = self._executable("feed", size)(self.state, self.cache, *self._inputs(pieces, size))
-        width = next(w for w in self.widths if w >= max(last.values()))
-        pieces = {row: (len(held) - last[row], held[len(held) - last[row] :]) for row, held in tokens.items()}
+        for j in range(max(len(found) for found in pieces.values()) - 1):
+            chunks = {row: found[j] for row, found in pieces.items() if j < len(found) - 1}
+            self.cache = self._executable("feed", size)(self.state, self.cache, *self._inputs(chunks, size))
+        last = {row: found[-1] for row, found in pieces.items()}
+        width = next(w for w in self.widths if w >= max(len(piece) for _, piece in last.values()))
         drafts, self.cache = self._executable("propose", width)(
-            self.state, self.cache, *self._inputs(pieces, width), num_drafts
+            self.state, self.cache, *self._inputs(last, width), num_drafts
         )
         return np.asarray(jax.device_get(drafts))
 

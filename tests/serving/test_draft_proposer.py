@@ -8,7 +8,7 @@ import pytest
 from jaxkv.models.llama import Llama, LlamaConfig
 
 from jaxkv.decoding.generate import generate
-from jaxkv.serving.draft_proposer import DraftProposer, catch_up_widths, common_prefix
+from jaxkv.serving.draft_proposer import DraftProposer, catch_up_pieces, catch_up_widths, common_prefix
 from jaxkv.serving.requests import RequestOptions, SequenceState, Status
 from tests.cases import TINY_LLAMA, VOCAB, greedy_reference
 
@@ -42,7 +42,14 @@ def draft_continuations(model, seqs: list[SequenceState]) -> list[list[int]]:
     return [result.row(i) for i in range(len(prompts))]
 
 
-def test_widths_and_common_prefix():
+def test_catch_up_pieces_widths_and_common_prefix():
+    def pieces(start):
+        return [(position, piece.tolist()) for position, piece in catch_up_pieces(np.arange(11), start, 4)]
+
+    assert pieces(0) == [(0, [0, 1, 2, 3]), (4, [4, 5, 6, 7]), (8, [8, 9, 10])]
+    assert pieces(2) == [(2, [2, 3, 4, 5]), (6, [6, 7, 8, 9]), (10, [10])]
+    assert pieces(3) == [(3, [3, 4, 5, 6]), (7, [7, 8, 9, 10])]
+    assert pieces(10) == [(10, [10])]
     assert catch_up_widths(4) == (2, 4)
     assert catch_up_widths(20) == (2, 4, 8, 16, 20)
     assert catch_up_widths(1) == (1,)
