@@ -535,21 +535,26 @@ class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
 class RowPacking:
     """Where the serving engine's packed tokens go in a per-row layout: token i (of engine row
     ``rows[i]``, at ``positions[i]``) is token ``order[i]`` of its row, counted from the row's
-    length before the update; ``[N, ...]`` <-> ``[R, T, ...]``, padding (a negative position)
-    nowhere."""
+    first position in the update (``starts``); ``[N, ...]`` <-> ``[R, T, ...]``, padding (a
+    negative position) nowhere."""
 
     rows: jax.Array  # [N] int32
     order: jax.Array  # [N] int32, T for padding (dropped when unpacked)
     real: jax.Array  # [N] bool
+    starts: jax.Array  # [R] int32: each row's first position in the update, -1 for a row without tokens
     num_rows: int = struct.field(pytree_node=False)
     tokens_per_row: int = struct.field(pytree_node=False)
 
     @classmethod
-    def of(cls, rows, positions, row_lengths, tokens_per_row: int) -> RowPacking:
-        """``rows``, ``positions`` ``[N]``; ``row_lengths`` ``[R]`` before the update."""
+    def of(cls, rows, positions, num_rows: int, tokens_per_row: int) -> RowPacking:
+        """``rows``, ``positions`` ``[N]`` of ``num_rows`` engine rows; a row's tokens are consecutive
+        positions from its first one (in any order among the N)."""
         real = positions >= 0
-        order = jnp.where(real, positions - row_lengths[rows], tokens_per_row)
-        return cls(rows, order, real, row_lengths.shape[0], tokens_per_row)
+        none = jnp.iinfo(jnp.int32).max
+        first = jnp.full(num_rows, none, jnp.int32).at[rows].min(jnp.where(real, positions, none).astype(jnp.int32))
+        starts = jnp.where(first == none, -1, first)
+        order = jnp.where(real, positions - starts[rows], tokens_per_row)
+        return cls(rows, order, real, starts, num_rows, tokens_per_row)
 
     def unpacked(self, x: jax.Array, fill) -> jax.Array:
         """``[N, ...]`` -> ``[R, T, ...]``, ``fill`` where a row has no token."""
@@ -569,10 +574,14 @@ class PackedRowsLayer(CacheLayer):
     step, never stored here). Subclasses lay the tokens out ``[R, T]`` (``packing``), run their
     storage there and pack the outputs again.
 
-    A row whose tokens start at position 0 starts empty: a request that takes over a row (or is
-    computed again after a preemption) never sees what the row's previous request left. What
-    such a row holds cannot be rebuilt from cached pages, so the engine serves a model with
-    these layers without prefix caching, and nothing in them can be rolled back.
+    Each row that has tokens in an update starts from its first position there (``_started``):
+    a row whose tokens start at position 0 starts empty, so a request that takes over a row (or
+    is computed again after a preemption) never sees what the row's previous request left; a
+    layer that rolls back by position (``PackedStateLayer``) also takes a row back to a first
+    position below its length (the engine's rejected drafts); in the others a row that starts
+    above 0 must continue from its length. What a row holds cannot be rebuilt from cached pages,
+    so the engine serves a model with these layers without prefix caching, and ``Cache.rollback``
+    cannot undo their tokens.
 
     Subclasses declare the field ``slots``.
     """
@@ -594,18 +603,20 @@ class PackedRowsLayer(CacheLayer):
         return None
 
     def packing(self, index, positions: jax.Array, packed) -> tuple[CacheLayer, RowPacking]:
-        """``slots`` with entry ``index``'s rows that get position 0 in this update emptied, and
-        where the update's packed tokens (``positions`` ``[N]``, rows ``packed.token_rows``) go in ``[R, T]``."""
-        rows = packed.token_rows
-        current = self.slots.entry_view(index)
-        fresh = jnp.zeros(self.lengths.shape[1], bool).at[rows].max(positions == 0)
+        """Where the update's packed tokens (``positions`` ``[N]``, rows ``packed.token_rows``) go in
+        ``[R, T]``, and ``slots`` with entry ``index``'s rows set to start there (``_started``)."""
+        packing = RowPacking.of(packed.token_rows, positions, self.lengths.shape[1], packed.tokens_per_row)
+        current = self._started(self.slots.entry_view(index), packing.starts)
+        return self.slots.store_entry(index, current), packing
+
+    def _started(self, current: CacheLayer, starts: jax.Array) -> CacheLayer:
+        """One entry of ``slots`` (``current``, R rows) with the rows whose first position in the
+        update (``starts`` ``[R]``, -1 for a row without tokens) is 0 emptied."""
 
         def emptied(now: jax.Array, empty: jax.Array) -> jax.Array:
-            return jnp.where(fresh.reshape(-1, *[1] * (now.ndim - 1)), empty, now)
+            return jnp.where((starts == 0).reshape(-1, *[1] * (now.ndim - 1)), empty, now)
 
-        current = jax.tree.map(emptied, current, current.reset())
-        slots = self.slots.store_entry(index, current)
-        return slots, RowPacking.of(rows, positions, current.lengths, packed.tokens_per_row)
+        return jax.tree.map(emptied, current, current.reset())
 
     def reset(self) -> Self:
         return self.replace(slots=self.slots.reset())

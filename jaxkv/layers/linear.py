@@ -330,6 +330,16 @@ class PackedStateLayer(PackedRowsLayer, PackedState):
     pages. ``slots``: a ``LinearAttentionLayer`` with one row per engine row: the conv inputs and
     recurrent state of the request that holds the row. The layer lays an update's packed tokens
     out ``[R, T]``, runs the conv and the recurrence there, and returns the outputs packed again.
+
+    Rollback by position (the engine's speculative decoding): a row whose first position p in an
+    update is below its length continues from the state after position p - 1, as if the tokens
+    from p on had never been fed: its length moves back to p (``Rollback.rollback`` of the slots)
+    and the rings of ``rollback_slots`` R hold what the shorter row had. A verifying step feeds a
+    row its token and k <= R drafts and the next one starts after the accepted ones, so a row
+    never goes back more than k. Past a row's ``rollback_budget`` (R, less what it undid since
+    its longest length) it is, eagerly, an error naming the fix; under jit the rollback is
+    clamped to the budget while the tokens are still laid out from p, so that row's outputs and
+    state are wrong: build the cache with ``rollback_slots`` >= k.
     """
 
     slots: LinearAttentionLayer
@@ -337,6 +347,8 @@ class PackedStateLayer(PackedRowsLayer, PackedState):
     MEMORY_FORMULA = LinearAttentionLayer.MEMORY_FORMULA + "; B engine rows"
     WHY_NOT = {
         **PackedRowsLayer.WHY_NOT,
+        Rollback: "it rolls back by position: a packed update whose row starts below the row's length continues "
+        "from there (up to rollback_slots tokens back)",
         LinearState: "it serves the engine's packed batch: Cache.update_state(..., packed=PackedBatch)",
     }
     kv_bytes = staticmethod(LinearAttentionLayer.kv_bytes)
@@ -356,3 +368,9 @@ class PackedStateLayer(PackedRowsLayer, PackedState):
             index, packing.unpacked(conv_inputs[0], 0), packing.unpacked(positions[0], -1), packed_conv, step_fn
         )
         return self.replace(slots=slots), jax.tree.map(lambda a: packing.packed(a)[None], outputs)
+
+    def _started(self, current: LinearAttentionLayer, starts: jax.Array) -> LinearAttentionLayer:
+        """Rows starting at 0 emptied, rows starting at p below their length rolled back to p
+        (``starts`` ``[R]``, -1 for a row without tokens; see the class docstring)."""
+        current = super()._started(current, starts)
+        return current.rollback(jnp.where(starts > 0, jnp.maximum(current.lengths - starts, 0), 0))
