@@ -221,18 +221,21 @@ class Engine:
         seed: int | None = None,
         logprobs: int = 0,
         n: int = 1,
+        speculative: bool = True,
     ) -> int:
         """Queue a request; returns its id. ``stop_token_ids``: tokens that end it besides the
         model's end-of-sequence tokens (those unless ``ignore_eos``; the stop token is part of
         the output tokens); ``stop``: strings that end it (needs the engine's tokenizer; the
         text ends before them); ``cache_salt``: only requests with the same salt share prefix
         pages; ``seed``: its sequences' random stream, in ``[0, 2**32)`` (default: the engine
-        seed plus the request id); ``n``: sequences of the prompt, sharing its pages.
+        seed plus the request id); ``n``: sequences of the prompt, sharing its pages;
+        ``speculative``: False keeps the engine's speculation (``EngineConfig.speculative``) from
+        drafting for it.
         Raises ``RequestError`` (a ``ValueError``) naming the argument at fault."""
         request_id = self.next_request_id
         prompt, options = self.inputs.process(
             request_id, prompt_ids, sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, stop=stop,
-            ignore_eos=ignore_eos, cache_salt=cache_salt, seed=seed, logprobs=logprobs, n=n,
+            ignore_eos=ignore_eos, cache_salt=cache_salt, seed=seed, logprobs=logprobs, n=n, speculative=speculative,
         )  # fmt: skip
         if n > self.config.max_num_seqs:
             raise RequestError(f"add_request: n={n} sequences exceed max_num_seqs={self.config.max_num_seqs} rows", "n")

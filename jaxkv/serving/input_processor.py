@@ -86,6 +86,7 @@ class InputProcessor:
         seed: int | None,
         logprobs: int,
         n: int,
+        speculative: bool = True,
     ) -> tuple[list[int], RequestOptions]:
         """The prompt as a list of ints and the request's options (``Engine.add_request``'s
         keywords); raises ``RequestError`` naming the first argument at fault."""
@@ -114,6 +115,10 @@ class InputProcessor:
             raise RequestTypeError(
                 f"add_request: ignore_eos must be a bool, got {type(ignore_eos).__name__}", "ignore_eos"
             )
+        if not isinstance(speculative, bool):
+            raise RequestTypeError(
+                f"add_request: speculative must be a bool, got {type(speculative).__name__}", "speculative"
+            )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestTypeError(
                 f"add_request: cache_salt must be a string or None, got {type(cache_salt).__name__}", "cache_salt"
@@ -125,5 +130,5 @@ class InputProcessor:
         return prompt, RequestOptions(
             sampling=sampling, max_tokens=max_tokens,
             stop_token_ids=frozenset(extra) | (frozenset() if ignore_eos else self.eos_token_ids), stop=stops,
-            cache_salt=salt_key(cache_salt), seed=seed, logprobs=logprobs, n=n,
+            cache_salt=salt_key(cache_salt), seed=seed, logprobs=logprobs, n=n, speculative=speculative,
         )  # fmt: skip

@@ -99,7 +99,7 @@ class ModelRunner:
         self.width = width
         self.shapes = step_shapes(num_rows, max_num_batched_tokens, width)
         self.prefills = prefill_buckets(max_num_batched_tokens)
-        self.decodes = {1: decode_buckets(num_rows), width: decode_buckets_wide(num_rows)}
+        self.decodes = {width: decode_buckets_wide(num_rows), 1: decode_buckets(num_rows)}  # width 1: plain
         self.num_top = num_top
         self.executables: dict[tuple[int, int, int], Callable] = {}
         self.num_steps = 0

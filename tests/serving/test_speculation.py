@@ -1,0 +1,324 @@
+"""Speculative decoding in the serving engine (issue 40): drafts verified in the packed step and
+rolled back by position give exactly the engine's tokens without speculation (greedy), the
+target's distribution (sampled), never reach the prefix cache, and are counted."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
+from scipy import stats
+
+from jaxkv.decoding.sampling import RowSampling, Sampling, row_logits
+from jaxkv.quantization import QuantSpec
+from jaxkv.serving import Engine
+from jaxkv.serving.speculation import NgramProposer, Proposer, SpeculativeConfig, ngram_drafts
+from jaxkv.serving.step import verify_rows
+from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference, run_arrivals
+
+LLAMA = TINY_LLAMA | {"max_position_embeddings": 256}
+GEMMA = TINY_GEMMA | {"sliding_window": 8, "max_position_embeddings": 256}
+SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+NEW_TOKENS = 20
+SPECULATIVE = SpeculativeConfig(num_tokens=3, min_ngram=1)
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def model(request):
+    return Llama(LlamaConfig(**LLAMA)) if request.param == "llama" else Gemma3(Gemma3Config(**GEMMA))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return Llama(LlamaConfig(**LLAMA))
+
+
+def repeating_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts that repeat a random span (so prompt lookup finds n-grams), up to 33 tokens."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, int(n)).tolist() * int(r) for n, r in zip(rng.integers(1, 12, count),
+                                                                             rng.integers(1, 4, count))]  # fmt: skip
+
+
+@dataclasses.dataclass
+class Oracle(Proposer):
+    """Proposes each sequence's true greedy continuation (``references`` by prompt), each draft
+    replaced by a wrong token with probability ``wrong`` (none for an unknown prompt): acceptances and rejections at random
+    depths, which prompt lookup on a random model rarely gives."""
+
+    references: dict[tuple[int, ...], list[int]]
+    wrong: float
+    rng: np.random.Generator = dataclasses.field(default_factory=lambda: np.random.default_rng(0))
+
+    def propose(self, seqs, limits):
+        drafts = []
+        for seq, limit in zip(seqs, limits):
+            truth = self.references.get(tuple(seq.prompt), [])[len(seq.output) : len(seq.output) + limit]
+            drafts.append([(t + 1) % VOCAB if self.rng.random() < self.wrong else t for t in truth])
+        return drafts
+
+
+def speculating(model, oracle=None, **options) -> Engine:
+    engine = Engine(model, speculative=options.pop("speculative", SPECULATIVE), **options)
+    if oracle is not None:
+        engine.speculation.proposer = oracle
+    return engine
+
+
+# --- the pieces ----------------------------------------------------------------------------------
+def test_ngram_drafts_copy_what_followed_the_latest_match():
+    tokens = np.array([1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3])
+    assert ngram_drafts(tokens, 3, max_ngram=3, min_ngram=1) == [5, 7, 1]  # the latest "1 2 3" is at 5
+    assert ngram_drafts(tokens, 9, max_ngram=3, min_ngram=1) == [5, 7, 1, 2, 3]  # up to the end
+    assert ngram_drafts(np.array([4, 5, 6, 5]), 2, max_ngram=3, min_ngram=1) == [6, 5]  # a 1-gram
+    assert ngram_drafts(np.array([4, 5, 6, 5]), 2, max_ngram=3, min_ngram=2) == []
+    assert ngram_drafts(np.array([7]), 2, max_ngram=3, min_ngram=1) == []
+    assert ngram_drafts(tokens, 0, max_ngram=3, min_ngram=1) == []
+    assert NgramProposer(2, 1).propose([], []) == []
+
+
+def test_config_is_checked():
+    for bad, match in [
+        (dict(method="eagle"), "method"), (dict(num_tokens=0), "num_tokens"), (dict(num_tokens=16), "at most"),
+        (dict(min_ngram=3, max_ngram=2), "min_ngram"), (dict(min_fraction=2.0), "min_fraction"),
+        (dict(method="draft"), "draft_model"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            SpeculativeConfig(**bad)
+    with pytest.raises(TypeError, match="speculative"):
+        Engine(Llama(LlamaConfig(**LLAMA)), speculative={"method": "ngram"})
+
+
+def test_greedy_verification_keeps_the_argmax_prefix():
+    """Row 0 keeps both drafts and takes the bonus token; row 1 keeps one; row 2 none; row 3 has
+    no drafts (a plain draw); row 4's second draft is padding past its one real draft."""
+    logits = jax.nn.one_hot(jnp.array([[3, 4, 5], [3, 4, 5], [3, 4, 5], [6, 0, 0], [3, 4, 5]]), 8) * 5.0
+    drafts = jnp.array([[3, 4], [3, 7], [1, 4], [0, 0], [3, 4]])
+    num_drafts = jnp.array([2, 2, 2, 0, 1])
+    keys = jax.random.split(jax.random.key(0), 15).reshape(5, 3)
+    accepted, tokens = verify_rows(logits, drafts, num_drafts, keys, RowSampling.stack([Sampling()] * 5))
+    assert accepted.tolist() == [2, 1, 0, 0, 1]
+    assert [row[: a + 1] for row, a in zip(tokens.tolist(), accepted.tolist())] == [
+        [3, 4, 5], [3, 4], [3], [6], [3, 4],
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)])
+def test_sampled_verification_draws_the_target_distribution(sampling):
+    """20,000 draws of one verification (drafts d1, d2 against fixed target logits per position):
+    the first token follows p0, the second (where d1 was kept) follows p1, chi-square p > 0.001;
+    drafts are kept about as often as p0(d1) says."""
+    vocab, draws = 8, 20000
+    logits = jax.random.normal(jax.random.key(1), (3, vocab)) * 1.5
+    params = RowSampling.stack([sampling] * 3)
+    p = np.asarray(jax.nn.softmax(row_logits(logits, params), axis=-1), np.float64)
+    d1, d2 = int(np.argsort(p[0])[-2]), int(np.argmax(p[1]))  # a likely, not the likeliest, first draft
+    keys = jax.random.split(jax.random.key(2), draws * 3).reshape(draws, 3)
+
+    def one(key_row):
+        accepted, tokens = verify_rows(
+            logits[None], jnp.array([[d1, d2]]), jnp.array([2]), key_row[None], RowSampling.stack([sampling])
+        )
+        return accepted[0], tokens[0]
+
+    accepted, tokens = jax.jit(jax.vmap(one))(keys)
+    accepted, tokens = np.asarray(accepted), np.asarray(tokens)
+    first = np.bincount(tokens[:, 0], minlength=vocab)
+    assert_follows(first, p[0])
+    kept = accepted >= 1
+    assert_follows(np.bincount(tokens[kept, 1], minlength=vocab), p[1])
+    assert abs(kept.mean() - p[0, d1]) < 0.02
+
+
+def assert_follows(counts: np.ndarray, p: np.ndarray) -> None:
+    """Chi-square goodness of fit of ``counts`` to ``p`` over the tokens p gives mass."""
+    support = p > 0
+    assert counts[~support].sum() == 0
+    expected = p[support] / p[support].sum() * counts.sum()
+    assert stats.chisquare(counts[support], expected).pvalue > 1e-3
+
+
+# --- greedy: the engine's tokens without speculation -----------------------------------------------
+def test_ngram_speculation_equals_generate_with_staggered_arrivals(model):
+    """Prompt lookup on repeating prompts (Gemma: past its sliding window of 8, whose pages leave
+    as drafts come and go): staggered arrivals, chunked prefill, rows recycled; every request gets
+    ``generate``'s greedy tokens, drafts were verified and some kept."""
+    prompts = repeating_prompts(0, 10)
+    engine = speculating(model, kv_memory=64 * 1024, **SMALL)
+    got = run_arrivals(engine, prompts, [2 * (i // 2) for i in range(len(prompts))], NEW_TOKENS)
+    assert got == greedy_reference(model, prompts, NEW_TOKENS)
+    counters = engine.stats()["speculation"]
+    assert counters["steps"] > 0 and 0 < counters["accepted"] < counters["proposed"]
+    assert engine.stats()["pages"]["full"]["used"] == 0
+
+
+@pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
+def test_accepted_and_rejected_drafts_equal_generate_under_preemption(model, wrong):
+    """An oracle proposer (the true continuation, each draft wrong with probability ``wrong``) in
+    a pool too small for every admitted request: preemptions (recompute), rollbacks at every
+    depth, drafts past a page's end; every request equals ``generate`` and every page comes back."""
+    prompts = repeating_prompts(1, 8)
+    references = greedy_reference(model, prompts, NEW_TOKENS)
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, wrong)
+    engine = speculating(model, oracle, kv_memory=24 * 1024, **SMALL)
+    got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [c.token_ids for c in got] == references
+    assert engine.stats()["preemptions"] > 0
+    counters = engine.stats()["speculation"]
+    assert counters["proposed"] > 0
+    assert (counters["accepted"] == counters["proposed"]) == (wrong == 0.0)
+    assert (counters["accepted"] == 0) == (wrong == 1.0)
+    for pool in engine.kv.pools:
+        pool.manager.check()
+        assert pool.manager.num_free == pool.manager.num_usable
+
+
+def test_swap_preemption_with_drafts_equals_generate(llama):
+    """Preempted sequences swapped to the host tier (and back) with drafts' K/V past their
+    computed tokens in the swapped pages: every request equals ``generate``."""
+    prompts = repeating_prompts(2, 8)
+    references = greedy_reference(llama, prompts, NEW_TOKENS)
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 0.3)
+    engine = speculating(llama, oracle, kv_memory=24 * 1024, host_kv_memory="1MiB", preemption="swap", **SMALL)
+    got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert engine.stats()["swaps"] > 0
+    assert [c.token_ids for c in got] == references
+
+
+def test_quantized_pages_roll_back(model):
+    """int8 pages: speculation gives the tokens of the same engine without it."""
+    prompts = repeating_prompts(3, 6)
+    quantization = QuantSpec(nbits=8, axis_key=0, axis_value=0, q_group_size=8, residual_length=0)
+    plain = Engine(model, kv_memory=64 * 1024, quantization=quantization, **SMALL)
+    expected = [c.token_ids for c in plain.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)]
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, expected)}, 0.3)
+    engine = speculating(model, oracle, kv_memory=64 * 1024, quantization=quantization, **SMALL)
+    got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [c.token_ids for c in got] == expected
+    assert engine.stats()["speculation"]["accepted"] > 0
+
+
+class Letters:
+    """A tokenizer: token t is the letter ``chr(97 + t % 26)``."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_stops_aborts_and_forks_with_drafts(llama):
+    """A stop string inside an accepted run of drafts ends the text and the tokens where the
+    engine without speculation ends them; a stop token likewise; ``n=2`` forks; an abort between
+    steps frees the request's pages, drafts' included."""
+    prompts = repeating_prompts(4, 4)
+    references = greedy_reference(llama, prompts, NEW_TOKENS)
+    text = Letters().decode(references[0])
+    stop = text[9:11]
+    options = dict(max_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop], stop_token_ids=[references[1][7]], n=2)
+    plain = Engine(llama, kv_memory=64 * 1024, tokenizer=Letters(), **SMALL).generate_many(prompts, **options)
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 0.0)
+    engine = speculating(llama, oracle, kv_memory=64 * 1024, tokenizer=Letters(), **SMALL)
+    got = engine.generate_many(prompts, **options)
+    assert [(c.token_ids, c.text, c.finish_reason) for c in got] == [
+        (c.token_ids, c.text, c.finish_reason) for c in plain
+    ]
+    assert got[0].text.find(stop) == -1 and got[0].finish_reason == "stop" and len(got) == 8
+    request = engine.add_request(prompts[0], max_tokens=NEW_TOKENS, ignore_eos=True)
+    for _ in range(4):
+        engine.step()
+    assert engine.sequences[request][0].num_proposed > 0
+    engine.abort(request)
+    engine.step()
+    assert not engine.has_unfinished() and engine.stats()["pages"]["full"]["used"] == 0
+
+
+# --- the prefix cache never holds a draft ---------------------------------------------------------
+def test_prefix_cache_pages_hold_only_verified_tokens(llama):
+    """Every draft wrong (their K/V written past each sequence's computed tokens, often into the
+    next page): every page the prefix cache registered holds exactly the K/V the engine without
+    speculation registered under the same hash, and a later request on a prompt that covers a
+    finished one's whole text hits those pages and still equals ``generate``."""
+    prompts = repeating_prompts(5, 6)
+    references = greedy_reference(llama, prompts, NEW_TOKENS)
+    plain = Engine(llama, kv_memory=64 * 1024, **SMALL)
+    plain.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 1.0)
+    engine = speculating(llama, oracle, kv_memory=64 * 1024, **SMALL)
+    engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert engine.stats()["speculation"]["proposed"] > 0
+    registered = registered_pages(engine)
+    assert registered and registered.keys() <= registered_pages(plain).keys()
+    expected = registered_pages(plain)
+    for page_hash, contents in registered.items():
+        np.testing.assert_allclose(contents, expected[page_hash], atol=1e-5)
+    follow = prompts[-1] + references[-1] + [1, 2]
+    hit = engine.generate_many([follow], max_tokens=4, ignore_eos=True)[0]
+    assert hit.num_cached_tokens > len(prompts[-1])  # pages of its output's tokens too
+    assert hit.token_ids == greedy_reference(llama, [follow], 4)[0]
+
+
+def registered_pages(engine) -> dict[bytes, np.ndarray]:
+    """The full pool's K/V ``[layers, 2, page_size, H_kv, D]`` of every page the prefix cache holds, by hash."""
+    manager = engine.kv.pools[0].manager
+    group = engine.runner.cache.groups[0]
+    return {
+        manager.page_hash(page): np.stack(
+            [np.asarray(group.key_pages[:, page]), np.asarray(group.value_pages[:, page])], 1
+        )
+        for page in range(1, manager.num_pages)
+        if manager.page_hash(page) is not None
+    }
+
+
+# --- the rule, the opt-out and the counters -----------------------------------------------------------
+def test_opt_out_backoff_and_counters(llama):
+    """A request that opts out gets no drafts; a sequence whose drafts all fail backs off (fewer
+    verifications than steps); the per-request counters sum to the engine's; usage is unchanged."""
+    prompts = repeating_prompts(6, 2)
+    references = greedy_reference(llama, prompts, NEW_TOKENS)
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 1.0)
+    engine = speculating(llama, oracle, kv_memory=64 * 1024, **SMALL)
+    ids = [
+        engine.add_request(p, max_tokens=NEW_TOKENS, ignore_eos=True, speculative=s)
+        for p, s in zip(prompts, [True, False])
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    on, off = (engine.sequences[i][0] for i in ids)
+    assert off.num_proposed == 0 and [on.output, off.output] == references
+    assert 0 < on.num_speculative_steps < NEW_TOKENS // 2  # backed off after two misses in a row
+    counters = engine.stats()["speculation"]
+    assert (counters["proposed"], counters["accepted"], counters["steps"]) == (
+        on.num_proposed,
+        0,
+        on.num_speculative_steps,
+    )
+    assert counters["mean_accepted_length"] == 1.0 and counters["acceptance_rate"] == 0.0
+    with pytest.raises(TypeError, match="speculative"):
+        engine.add_request(prompts[0], speculative="yes")
+
+
+def test_min_fraction_skips_steps_with_few_drafts(llama):
+    """With ``min_fraction=1``, a step verifies only when every decoding sequence brings drafts:
+    a request that opts out (decoding in the same steps) keeps every step plain."""
+    prompts = repeating_prompts(7, 1) * 2
+    config = dataclasses.replace(SPECULATIVE, min_fraction=1.0)
+    engine = speculating(llama, kv_memory=64 * 1024, speculative=config, **SMALL)
+    for prompt, flag in zip(prompts, [True, False]):
+        engine.add_request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True, speculative=flag)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["speculation"]["steps"] == 0
+
+
+def test_warmup_compiles_every_verifying_shape(llama):
+    """The wide shapes (decode slots 1 + k tokens, decode-only buckets down to one slot) are
+    compiled by ``warmup``; none after."""
+    engine = speculating(llama, kv_memory=64 * 1024, **SMALL)
+    assert engine.config.step_shapes() == ((4, 0, 1), (4, 16, 1), (4, 0, 4), (4, 16, 4), (1, 0, 4), (2, 0, 4))
+    engine.warmup()
+    compiled = engine.stats()["num_compiled"]
+    engine.generate_many(repeating_prompts(8, 6), max_tokens=NEW_TOKENS, ignore_eos=True)
+    assert engine.stats()["num_compiled"] == compiled == 6
