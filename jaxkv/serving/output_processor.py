@@ -60,7 +60,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason, text="" if text is None else text.text,
             delta="" if text is None else text.delta(seq.finished),
             logprobs=seq.logprobs[len(seq.logprobs) - len(new) :], num_prompt_tokens=len(seq.prompt),
-            num_cached_tokens=seq.num_cached_tokens, error=error,
+            num_cached_tokens=seq.num_cached_tokens, error=error, num_proposed=seq.num_proposed,
+            num_accepted=seq.num_accepted, num_speculative_steps=seq.num_speculative_steps,
         )  # fmt: skip
 
     def completion(self, seq: SequenceState) -> Completion:

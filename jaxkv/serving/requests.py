@@ -102,7 +102,8 @@ class RequestOutput:
     still turn into a stop string, nor a character split across tokens (the last output of a
     sequence sends the rest). ``logprobs``: one dict per new token,
     ``{"token": id, "logprob": x, "top": [(id, x), ...]}``. ``error``: why a request failed
-    (finish reason 'error')."""
+    (finish reason 'error'). ``num_proposed`` / ``num_accepted`` / ``num_speculative_steps``: the
+    sequence's speculation counters so far (``SequenceState``'s)."""
 
     request_id: int
     index: int
@@ -115,6 +116,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_speculative_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
