@@ -479,6 +479,31 @@ def run_bench(args) -> int:
     return importlib.import_module(BENCHMARKS[args.benchmark]).main(args.options)
 
 
+class ServeSpeculativeConfig(Strict):
+    """``jaxkv serve``'s speculation (the engine's ``SpeculativeConfig``, whose checks it runs):
+    ``draft_model`` is a model name, checkpoint directory or .gguf, loaded as ``model`` is."""
+
+    method: str = "ngram"  # 'ngram' (prompt lookup) or 'draft' (draft_model drafts)
+    num_tokens: int = 4  # drafts verified per step
+    max_ngram: int = 4
+    min_ngram: int = 2
+    min_fraction: float = 0.5  # of a step's decoding requests that must bring drafts for it to verify any
+    draft_model: str | None = None
+
+    @model_validator(mode="after")
+    def _engine_accepts(self):
+        from jaxkv.serving.speculation import SpeculativeConfig
+
+        SpeculativeConfig(**self.model_dump())  # the name stands in for the model: the same checks
+        return self
+
+    def engine_config(self, draft_model=None):
+        """The engine's ``SpeculativeConfig``, with ``draft_model`` (the loaded model) for 'draft'."""
+        from jaxkv.serving.speculation import SpeculativeConfig
+
+        return SpeculativeConfig(**self.model_dump(exclude={"draft_model"}), draft_model=draft_model)
+
+
 class ServeConfig(Strict):
     """What ``jaxkv serve`` runs; ``--config FILE`` (YAML, e.g. configs/serve.yaml) sets any of these."""
 
@@ -499,6 +524,7 @@ class ServeConfig(Strict):
     quantization: QuantizationConfig | None = None  # quantized pages (per token, residual_length 0)
     eviction: BudgetedEvictionConfig | None = None  # full-attention K/V in a budget of slots per request
     mesh: MeshConfig | None = None  # shard the model and the page pools over the devices (this process's)
+    speculative: ServeSpeculativeConfig | None = None  # draft tokens verified in the engine's steps
 
     @model_validator(mode="after")
     def _eviction_without_prefix_caching(self):
@@ -510,7 +536,19 @@ class ServeConfig(Strict):
         return self
 
 
-SERVE_FLAGS = tuple(name for name in ServeConfig.model_fields if name not in ("quantization", "eviction", "mesh"))
+SERVE_FLAGS = tuple(
+    name for name in ServeConfig.model_fields if name not in ("quantization", "eviction", "mesh", "speculative")
+)
+# Flag, ServeSpeculativeConfig field, type, help.
+SPECULATIVE_FLAGS = (
+    ("--speculative-method", "method", str, "ngram (prompt lookup over the request's tokens) or draft (--draft-model)"),
+    ("--speculative-tokens", "num_tokens", int, "draft tokens verified per step, 1 to 15 (default 4)"),
+    ("--speculative-max-ngram", "max_ngram", int, "ngram: the longest n-gram matched (default 4)"),
+    ("--speculative-min-ngram", "min_ngram", int, "ngram: the shortest n-gram matched (default 2)"),
+    ("--speculative-min-fraction", "min_fraction", float,
+     "the least fraction of a step's decoding requests with drafts for the step to verify any (default 0.5)"),
+    ("--draft-model", "draft_model", str, "draft: a smaller model with the same vocabulary (name, directory, .gguf)"),
+)  # fmt: skip
 
 
 def _serve_parser(sub) -> None:
@@ -537,26 +575,43 @@ def _serve_parser(sub) -> None:
     parser.add_argument("--max-waiting", type=int, help="queued requests before answering 503 (default 64)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None)
     parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
+    spec = parser.add_argument_group("speculative decoding (greedy output unchanged; off unless a method is set)")
+    for flag, key, kind, help_text in SPECULATIVE_FLAGS:
+        spec.add_argument(flag, dest=f"speculative_{key}", type=kind, help=help_text)
 
 
 def resolve_serve_config(args) -> ServeConfig:
     """The YAML config (if any) with the command-line flags on top, validated as a whole."""
     merged = (load_config(args.config, ServeConfig) if args.config else ServeConfig()).model_dump()
     merged |= {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key) is not None}
+    merged["speculative"] = speculative_settings(args, merged["speculative"])
     return ServeConfig.model_validate(merged | mesh_setting(args))
 
 
-def serving_engine(config: ServeConfig, model, tokenizer=None) -> Engine:
-    """The engine ``jaxkv serve`` runs ``model`` on, as ``config`` sets it."""
+def speculative_settings(args, speculative: dict | None) -> dict | None:
+    """The config's ``speculative`` section with the ``--speculative-*`` and ``--draft-model``
+    flags on top; the flags tune speculation, so without the section they need ``--speculative-method``."""
+    flags = {key: getattr(args, f"speculative_{key}") for _, key, _, _ in SPECULATIVE_FLAGS}
+    options = {key: value for key, value in flags.items() if value is not None}
+    if options and speculative is None and "method" not in options:
+        given = ", ".join(flag for flag, key, _, _ in SPECULATIVE_FLAGS if key in options)
+        raise ValueError(f"{given} tune speculative decoding: add --speculative-method (or a speculative: config)")
+    return speculative if not options else {**(speculative or {}), **options}
+
+
+def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None) -> Engine:
+    """The engine ``jaxkv serve`` runs ``model`` on, as ``config`` sets it (``draft_model``: the
+    loaded ``speculative.draft_model``)."""
     from jaxkv.serving import Engine
 
+    speculative = None if config.speculative is None else config.speculative.engine_config(draft_model)
     return Engine(
         model, tokenizer=tokenizer, kv_memory=config.kv_memory, host_kv_memory=config.host_kv_memory,
         kv_cache_dir=config.kv_cache_dir, disk_kv_memory=config.disk_kv_memory, page_size=config.page_size,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
         quantization=None if config.quantization is None else config.quantization.spec(),
-        eviction=None if config.eviction is None else config.eviction.budgeted_spec(),
+        eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
     )  # fmt: skip
 
 
@@ -571,7 +626,10 @@ def run_serve(args) -> int:
     model, tokenizer = load_pretrained(config.model, mesh=mesh)  # the engine shards its pools like the model
     if tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer: the server needs one for text prompts and outputs")
-    engine = serving_engine(config, model, tokenizer)
+    draft_model = None
+    if config.speculative is not None and config.speculative.draft_model is not None:
+        draft_model = load_pretrained(config.speculative.draft_model, mesh=mesh)[0]  # its tokenizer is the model's
+    engine = serving_engine(config, model, tokenizer, draft_model)
     start = time.perf_counter()
     engine.warmup()
     name = config.served_model_name or config.model
