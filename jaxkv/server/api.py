@@ -9,7 +9,10 @@ an asyncio queue. The bodies are ``jaxkv.server.schemas``; every error is OpenAI
 a 4xx naming the field (``jaxkv.server.errors``); past ``max_waiting`` queued requests the
 server answers 503 with ``Retry-After``; a client that disconnects aborts its request; a
 request that fails in the engine answers 500 (or an error event in its stream) and leaves
-the others running; ``/health`` answers 503 once the engine thread has stopped.
+the others running; ``/health`` answers 503 once the engine thread has stopped. With the
+engine's speculative decoding, a body's ``speculative: false`` opts the request out, and a
+response (a streamed one: each chunk with usage) carries the request's draft counters under
+``speculation``, beside an unchanged ``usage``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from jaxkv.server.errors import APIError, error_body, install_handlers, parse_js
 from jaxkv.server.schemas import ChatRequest, CompletionRequest
 from jaxkv.serving.engine_thread import EngineThread, EngineUnavailable
 from jaxkv.serving.requests import RequestError, RequestOutput
+from jaxkv.serving.speculation import SpeculationStats
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
 ENDED = ("abort", "error")  # finish reasons that end a whole request (every sequence of it)
@@ -44,6 +48,16 @@ class Metrics:
         self.requests = Counter("jaxkv_requests", "requests by outcome", ["outcome"], registry=self.registry)
         self.ttft = Histogram("jaxkv_time_to_first_token_seconds", "time to first token", registry=self.registry)
         self.tpot = Histogram("jaxkv_time_per_output_token_seconds", "time per output token", registry=self.registry)
+        # Speculative decoding: counters of the engine's totals (``Engine.stats()["speculation"]``), by name.
+        self.speculation = {
+            name: Counter(f"jaxkv_speculative_{name}", help_text, registry=self.registry)
+            for name, help_text in {
+                "proposed_tokens": "draft tokens verified",
+                "accepted_tokens": "draft tokens the target model kept",
+                "steps": "request-steps that verified drafts",
+            }.items()
+        }
+        self.counted = dict.fromkeys(self.speculation, 0)  # the totals the counters have reached
         self.gauges = {
             name: Gauge(f"jaxkv_{name}", help_text, registry=self.registry)
             for name, help_text in {
@@ -64,11 +78,13 @@ class Metrics:
                 "disk_pages": "pages on disk in the disk tier (every engine's on its directory)",
                 "disk_bytes_written": "bytes of page files written to the disk tier since start",
                 "disk_bytes_read": "bytes of page files read from the disk tier since start",
+                "speculative_acceptance_rate": "accepted / proposed draft tokens since start",
+                "speculative_mean_accepted_length": "tokens a request-step that verified drafts made (1 + accepted)",
             }.items()
         }
 
     def render(self, stats: dict) -> bytes:
-        pools, tiers = stats["pages"].values(), stats["tiers"]
+        pools, tiers, speculation = stats["pages"].values(), stats["tiers"], stats["speculation"]
         values = {
             "running_requests": stats["num_running"],
             "waiting_requests": stats["num_waiting"],
@@ -87,9 +103,16 @@ class Metrics:
             "disk_pages": tiers["disk"]["pages"],
             "disk_bytes_written": tiers["disk"]["bytes_written"],
             "disk_bytes_read": tiers["disk"]["bytes_read"],
+            "speculative_acceptance_rate": speculation["acceptance_rate"],
+            "speculative_mean_accepted_length": speculation["mean_accepted_length"],
         }
         for name, value in values.items():
             self.gauges[name].set(value)
+        totals = {"proposed_tokens": speculation["proposed"], "accepted_tokens": speculation["accepted"],
+                  "steps": speculation["steps"]}  # fmt: skip
+        for name, total in totals.items():
+            self.speculation[name].inc(total - self.counted[name])
+            self.counted[name] = total
         return generate_latest(self.registry)
 
 
@@ -102,12 +125,14 @@ class ChoiceStream:
         self.sent_text, self.tokens, self.logprobs = "", [], []
         self.finish_reason: str | None = None
         self.cached_tokens = 0  # prompt tokens the prefix cache served
+        self.speculation = SpeculationStats()  # its drafts: proposed, accepted, verifying steps
 
     def take(self, output: RequestOutput) -> str:
         """Record ``output``; returns its new text."""
         self.tokens += output.new_token_ids
         self.logprobs += list(output.logprobs)
         self.cached_tokens = output.num_cached_tokens
+        self.speculation = SpeculationStats(output.num_proposed, output.num_accepted, output.num_speculative_steps)
         self.sent_text += output.delta
         if output.finished:
             self.finish_reason = output.finish_reason
@@ -161,6 +186,7 @@ class Server:
             cache_salt=body.cache_salt,
             n=body.n,
             logprobs=body.num_logprobs(),
+            speculative=body.speculative,
         )
         try:
             request_id = self.runner.submit(
@@ -206,6 +232,17 @@ def usage(prompt_tokens: int, streams: Sequence[ChoiceStream]) -> dict:
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": streams[0].cached_tokens},
     }
+
+
+def speculation(streams: Sequence[ChoiceStream]) -> dict:
+    """The request's speculative decoding over its sequences (jaxkv's extension of the response):
+    draft tokens ``proposed`` and ``accepted``, verifying ``steps``, ``acceptance_rate`` and
+    ``mean_accepted_length`` (``SpeculationStats.as_dict``; zeros without speculation)."""
+    return SpeculationStats(
+        proposed=sum(s.speculation.proposed for s in streams),
+        accepted=sum(s.speculation.accepted for s in streams),
+        steps=sum(s.speculation.steps for s in streams),
+    ).as_dict()
 
 
 def completion_logprobs(tokenizer, entries: Sequence[dict]) -> dict | None:
@@ -310,6 +347,7 @@ def whole_response(
         "model": server.model_name,
         "choices": choices,
         "usage": usage(prompt_tokens, streams),
+        "speculation": speculation(streams),
     }
 
 
@@ -324,6 +362,7 @@ async def stream_chunks(server: Server, body, response_id, streams, outputs, pro
         chunk = {"id": response_id, "object": kind, "created": created, "model": server.model_name, "choices": choices}
         if with_usage:
             chunk["usage"] = usage(prompt_tokens, streams)
+            chunk["speculation"] = speculation(streams)
         return f"data: {json.dumps(chunk)}\n\n"
 
     if chat:

@@ -87,6 +87,7 @@ class CommonParams(Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's: generate past the end-of-sequence token (fixed-length load tests)
     cache_salt: Text | None = None  # only requests with the same salt share prefix pages
+    speculative: bool = True  # jaxkv's: false keeps the server's speculative decoding from drafting for it
     user: Text | None = None
     frequency_penalty: float = NEUTRAL["frequency_penalty"]
     presence_penalty: float = NEUTRAL["presence_penalty"]
