@@ -28,11 +28,13 @@ import jax
 from jaxkv.batch import QUERY_BLOCK
 from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
+from jaxkv.decoding.speculative import DraftModel
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.paged import Paging
 from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.disk_link import DiskTier, pool_formats
+from jaxkv.serving.draft_proposer import DraftProposer
 from jaxkv.serving.input_processor import InputProcessor
 from jaxkv.serving.kv_manager import PREEMPTION_MODES, KVCacheManager
 from jaxkv.serving.model_runner import ModelRunner, prefill_buckets, step_shapes
@@ -198,7 +200,14 @@ class Engine:
         spec = self.config.speculative
         if spec is None:
             return None
-        proposer = NgramProposer(spec.max_ngram, spec.min_ngram)
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.max_ngram, spec.min_ngram)
+        else:
+            DraftModel(spec.draft_model).check(self.model)
+            proposer = DraftProposer(
+                spec.draft_model, num_rows=self.config.max_num_seqs, max_model_len=self.max_model_len,
+                num_tokens=spec.num_tokens,
+            )  # fmt: skip
         return Speculation(spec, proposer, self.kv, self.max_model_len)
 
     def _paging(self, sizes: PoolSizes) -> Paging:
@@ -384,6 +393,8 @@ class Engine:
         """Compile the step for every step shape (and, with a host or disk tier, its page copies for
         every bucket up to a pool's size), so no request waits for a compile."""
         self.runner.warmup(self._block_tables())
+        if self.speculation is not None:
+            self.speculation.proposer.warmup()
         if (self.kv.host.capacity or self.kv.disk is not None) and self.kv.pools:
             self.runner.warmup_copies(max(pool.manager.num_pages for pool in self.kv.pools))
 

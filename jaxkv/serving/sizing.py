@@ -84,8 +84,14 @@ def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
     devices = jax.device_count()
     paging = Paging(config.page_size, max(2, devices), max_model_len)
     probe = jax.eval_shape(
-        lambda: model.init_cache(devices, paging=paging, quantization=config.quantization, eviction=config.eviction)
-    )
+        lambda: model.init_cache(
+            devices,
+            paging=paging,
+            quantization=config.quantization,
+            eviction=config.eviction,
+            rollback_slots=config.decode_width - 1,
+        )  # fmt: skip
+    )  # rollback slots: a speculating engine's recurrent states keep the last k states of a row
     sizes, window, row_bytes = {FULL_POOL: 0, SLIDING_POOL: 0}, None, 0
     for group in probe.groups:
         if not has(group, PagedStorage):  # per-row slots: recurrent states, evicted K/V

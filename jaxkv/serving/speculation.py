@@ -88,7 +88,11 @@ class Proposer(abc.ABC):
         row, with exactly its last token not computed); an empty list: no proposal."""
 
     def release(self, seq: SequenceState) -> None:  # noqa: B027 - optional: proposers without per-row state
-        """``seq`` left its row (finished, aborted or preempted): forget what was kept for it."""
+        """``seq`` finished or was aborted: forget what was kept for it (a proposer must not need
+        this for correctness: a preempted sequence leaves its row without it)."""
+
+    def warmup(self) -> None:  # noqa: B027 - optional: proposers that compile nothing
+        """Compile what ``propose`` runs, so no step waits for a compile."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from scipy import stats
 
 from jaxkv.decoding.sampling import RowSampling, Sampling, row_logits
@@ -18,6 +19,7 @@ from jaxkv.serving import Engine
 from jaxkv.serving.speculation import NgramProposer, Proposer, SpeculativeConfig, ngram_drafts
 from jaxkv.serving.step import verify_rows
 from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference, run_arrivals
+from tests.serving.test_engine import QWEN
 
 LLAMA = TINY_LLAMA | {"max_position_embeddings": 256}
 GEMMA = TINY_GEMMA | {"sliding_window": 8, "max_position_embeddings": 256}
@@ -45,9 +47,9 @@ def repeating_prompts(seed: int, count: int) -> list[list[int]]:
 
 @dataclasses.dataclass
 class Oracle(Proposer):
-    """Proposes each sequence's true greedy continuation (``references`` by prompt), each draft
-    replaced by a wrong token with probability ``wrong`` (none for an unknown prompt): acceptances and rejections at random
-    depths, which prompt lookup on a random model rarely gives."""
+    """Proposes each sequence's true greedy continuation (``references`` by prompt; none for an
+    unknown prompt), each draft replaced by a wrong token with probability ``wrong``: acceptances
+    and rejections at random depths, which prompt lookup on a random model rarely gives."""
 
     references: dict[tuple[int, ...], list[int]]
     wrong: float
@@ -322,3 +324,62 @@ def test_warmup_compiles_every_verifying_shape(llama):
     compiled = engine.stats()["num_compiled"]
     engine.generate_many(repeating_prompts(8, 6), max_tokens=NEW_TOKENS, ignore_eos=True)
     assert engine.stats()["num_compiled"] == compiled == 6
+
+
+# --- recurrent states, draft models and sampled requests ------------------------------------------
+def test_qwen3_5_recurrent_states_roll_back():
+    """Qwen3.5's gated-DeltaNet states (one slot per row, with rollback rings of k states):
+    drafts kept and rejected at every depth, staggered arrivals, preemptions; every request equals
+    ``generate``."""
+    model = Qwen3_5(Qwen3_5Config(**QWEN))
+    prompts = repeating_prompts(9, 8)
+    references = greedy_reference(model, prompts, NEW_TOKENS)
+    oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 0.3)
+    engine = speculating(model, oracle, kv_memory=21 * 1024, prefix_caching=False, **SMALL)
+    got = run_arrivals(engine, prompts, [2 * i for i in range(len(prompts))], NEW_TOKENS)
+    assert got == references
+    counters = engine.stats()["speculation"]
+    assert 0 < counters["accepted"] < counters["proposed"] and engine.stats()["preemptions"] > 0
+
+
+def test_draft_model_speculation_equals_generate(llama):
+    """A separate tiny draft model (its own per-row cache) gives the target's tokens; the target
+    drafting for itself has every draft accepted."""
+    prompts = repeating_prompts(10, 6)
+    references = greedy_reference(llama, prompts, NEW_TOKENS)
+    draft = Llama(LlamaConfig(**LLAMA), seed=7)
+    for drafter, all_kept in ((draft, False), (llama, True)):
+        config = SpeculativeConfig(method="draft", num_tokens=3, draft_model=drafter)
+        engine = Engine(llama, kv_memory=64 * 1024, speculative=config, **SMALL)
+        got = run_arrivals(engine, prompts, [i for i in range(len(prompts))], NEW_TOKENS)
+        assert got == references
+        counters = engine.stats()["speculation"]
+        assert counters["proposed"] > 0 and (counters["accepted"] == counters["proposed"]) == all_kept
+    small_vocab = Llama(LlamaConfig(**LLAMA | {"vocab_size": VOCAB - 1}))
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(llama, speculative=SpeculativeConfig(method="draft", draft_model=small_vocab), **SMALL)
+
+
+def test_sampled_tokens_follow_the_target_distribution(llama):
+    """600 seeded requests at top-k 3, drafts the greedy continuation (often kept): the
+    first three output tokens' distributions with speculation equal those without (chi-square
+    test of homogeneity, p > 0.001 at each position)."""
+    prompt = repeating_prompts(11, 1)[0]
+    reference = greedy_reference(llama, [prompt], 3)[0]
+    sampling, seeds = Sampling(temperature=1.0, top_k=3), range(600)
+    options = dict(kv_memory=256 * 1024, page_size=4, max_num_seqs=16, max_num_batched_tokens=16)
+
+    def outputs(engine):
+        ids = [engine.add_request(prompt, sampling, max_tokens=3, ignore_eos=True, seed=s) for s in seeds]
+        while engine.has_unfinished():
+            engine.step()
+        return np.array([engine.sequences[i][0].output for i in ids])
+
+    plain = outputs(Engine(llama, **options))
+    engine = speculating(llama, Oracle({tuple(prompt): reference}, 0.0), **options)
+    speculated = outputs(engine)
+    assert engine.stats()["speculation"]["accepted"] > 100
+    for position in range(3):
+        counts = np.stack([np.bincount(x[:, position], minlength=VOCAB) for x in (plain, speculated)])
+        counts = counts[:, counts.sum(0) > 0]
+        assert stats.chi2_contingency(counts).pvalue > 1e-3
