@@ -1,13 +1,13 @@
 """The serving engine on the real models: greedy outputs of requests arriving over time equal
 ``generate``'s for each request (SmolLM2-135M, 32 requests; Gemma 3 270M past its 512-token
-window, with a prefix-cache hit that resumes prefill mid-prompt)."""
+window, with a prefix-cache hit that resumes prefill mid-prompt; SmolLM2 with speculation)."""
 
 import numpy as np
-
 from jaxkv.models.load import load_pretrained
+
 from jaxkv.serving import Engine
-from tests.cases import greedy_reference, run_arrivals
-from tests.cases import PARAGRAPH
+from jaxkv.serving.speculation import SpeculativeConfig
+from tests.cases import PARAGRAPH, greedy_reference, run_arrivals
 
 NEW_TOKENS = 16
 TOPICS = ["rivers", "bread", "volcanoes", "chess", "bees", "glass", "trains", "comets"]
@@ -54,3 +54,18 @@ def test_stop_strings_with_the_real_tokenizer():
     cut = engine.generate_many([prompt], max_tokens=24, ignore_eos=True, stop=[stop], cache_salt="a")[0]
     assert cut.finish_reason == "stop" and full.text.startswith(cut.text) and stop not in cut.text
     assert cut.num_cached_tokens > 0
+
+
+def test_smollm2_speculation_equals_generate():
+    """SmolLM2 with prompt lookup (k=4) on requests that copy a passage and on plain questions,
+    arriving over time: every request gets ``generate``'s greedy tokens, and copying keeps many drafts."""
+    model, tokenizer = load_pretrained("smollm2")
+    asks = [f"Repeat the following text exactly:\n\n{PARAGRAPH}", "Tell me 3 facts about bees.",
+            f"Fix the spelling in this text:\n\n{PARAGRAPH.replace('the', 'teh')}", "List five fruits."]  # fmt: skip
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}])) for ask in asks]
+    engine = Engine(model, kv_memory="64MiB", max_num_seqs=4, max_num_batched_tokens=64,
+                    speculative=SpeculativeConfig(num_tokens=4))  # fmt: skip
+    got = run_arrivals(engine, prompts, [0, 0, 3, 5], 48)
+    assert got == greedy_reference(model, prompts, 48)
+    copying = engine.sequences[0][0]
+    assert copying.num_accepted > 0.4 * copying.num_proposed > 0
