@@ -6,6 +6,7 @@ jaxkv's static-batch ``generate`` and transformers' continuous batching, on one 
     jaxkv bench serving --quick --out results/serving-smoke.json
     jaxkv bench serving --workload random --systems static hf --rate inf
     jaxkv bench serving --systems engine vllm vllm-matched --rate inf --repeat 3   # against vLLM
+    jaxkv bench serving --workload copy-heavy --systems engine engine-ngram --rate inf --max-concurrency 1 4 16
 
 Workloads (seeded by ``--seed``; the same requests for every system):
 
@@ -24,6 +25,12 @@ Workloads (seeded by ``--seed``; the same requests for every system):
   ``--min-prompt``..``--turn-tokens`` tokens. Its rows add the TTFT of first and of returning
   turns; give it a ``--kv-memory-mib`` below the working set (the report prints the prompts'
   distinct prefix tokens) to see what the memory tiers save.
+* ``copy-heavy`` (run only when named; issue 40): each request asks for a passage of the corpus
+  again, in the model's chat template: the user asks "Repeat the following text exactly:" and
+  the passage, the assistant answers with the passage, the user asks the same again (asked once,
+  SmolLM2-135M-Instruct repeats only part of it; asked again, the whole). Passages of
+  ``--min-output``..``--max-output`` tokens (log-uniform); each output is as long as its passage,
+  so it repeats long spans of the prompt. ``tiny-random``: the passage twice, no template.
 
 ``--workload both`` (the default) runs ``random`` and ``shared-prefix``.
 
@@ -66,6 +73,15 @@ system in turn, a fresh worker each):
   and come back on a prefix hit); the second also with a disk tier, measured after a restart:
   a first worker serves the workload with a fresh ``kv_cache_dir``, a second worker (the
   restarted server) is timed on that directory.
+* ``engine-ngram`` and ``engine-draft`` (run only when named; issue 40): the engine with
+  speculative decoding, ``--speculative-tokens`` drafts a step: n-gram prompt lookup, or a draft
+  model (``--draft-model``; by default the model itself, drafting for itself: a correctness
+  baseline, nearly every draft kept, that costs a second model's work).
+
+``--max-concurrency 1 4 16``: each engine system runs once per cap, at most that many requests in
+flight (the driver holds back a request that has arrived until one finishes; its TTFT counts the
+wait); with ``--rate inf`` the run holds that concurrency throughout. A row per workload, cap
+and system; greedy agreement is checked against ``engine`` at the same cap.
 
 Metrics, per workload x system, from per-request records (arrival, first token, finish,
 output tokens; seconds since the run start):
@@ -86,6 +102,10 @@ output tokens; seconds since the run start):
   the timed run (psutil; vLLM's engine core is a child process) / output tokens;
 * greedy = engine: requests whose token ids equal the engine's (``engine``, else
   ``engine-no-prefix``), of all; with repeats, the worst run's;
+* speculation (``engine-ngram``, ``engine-draft``, beside ``engine``): draft tokens proposed and
+  accepted, acceptance rate and mean accepted length (``stats()['speculation']``, JSON
+  ``rows[i].stats.speculation``), in a table of their own with output tok/s as a multiple of
+  ``engine``'s;
 * each run's 1-minute load average as it started (JSON ``runs[i].load_1min``). With ``--repeat``,
   a row's metrics are the medians over its runs and output tok/s shows its min-max too.
 
@@ -104,7 +124,8 @@ K/V < 4% (engine, random), shared-prefix TTFT p50 >= 3x lower with prefix cachin
 prefix caching costs < 2% output tok/s on the random workload (about 0% hits); engine >= 1.2x vLLM
 (its defaults) in output tok/s on random and shared-prefix; multi-turn: returning turns' TTFT p50
 >= 3x lower with the host tier than recomputing (``engine``), output tok/s not lower, and the disk
-tier after a restart within 1.5x of the host tier's returning-turn TTFT p50.
+tier after a restart within 1.5x of the host tier's returning-turn TTFT p50; at concurrency 1,
+each speculating system >= 1.8x ``engine``'s output tok/s on copy-heavy and >= 0.95x on random.
 
 Outputs: a markdown table and the targets on stdout, ``--out`` (JSON, per-request records
 included) and the same path with ``.png`` (throughput bars and TTFT CDFs). Timings are only
@@ -114,6 +135,7 @@ meaningful on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import importlib.util
@@ -169,14 +191,19 @@ SYSTEMS = {
     "vllm-matched": "vLLM (jaxkv's settings)",
     "engine-host-tier": "jaxkv engine + host page tier",
     "engine-disk-tier": "jaxkv engine + host and disk tiers, restarted",
+    "engine-ngram": "jaxkv engine + n-gram speculation",
+    "engine-draft": "jaxkv engine + draft-model speculation",
 }
-ENGINE_SYSTEMS = ("engine", "engine-no-prefix", "engine-host-tier", "engine-disk-tier")
+# Not run unless named: speculative decoding in the engine (issue 40), by its method.
+SPECULATIVE_SYSTEMS = {"engine-ngram": "ngram", "engine-draft": "draft"}
+ENGINE_SYSTEMS = ("engine", "engine-no-prefix", "engine-host-tier", "engine-disk-tier", *SPECULATIVE_SYSTEMS)
 # Not run unless named: the memory tiers (issue 39), for the multi-turn workload.
 TIER_SYSTEMS = ("engine-host-tier", "engine-disk-tier")
 VLLM_SYSTEMS = ("vllm", "vllm-matched")  # not run unless named: the first use installs vLLM (~5 min)
 GPU_SYSTEMS = ("engine", "engine-no-prefix", "static")  # --device gpu: jaxkv's systems, JAX on the GPU
+ON_GPU = (*GPU_SYSTEMS, *SPECULATIVE_SYSTEMS)  # what --device gpu runs there when named
 GPU_BANDWIDTH_MIB = 512  # the array the GPU's bandwidth is measured on
-WORKLOADS = ("random", "shared-prefix", "multi-turn")
+WORKLOADS = ("random", "shared-prefix", "multi-turn", "copy-heavy")
 BOTH = ("random", "shared-prefix")  # --workload both (multi-turn runs when named: it wants its own pool sizes)
 # --quick: a smoke run's defaults (flags given explicitly still win).
 QUICK = dict(
@@ -192,6 +219,9 @@ TARGET_PREFIX_COST = 0.02
 TARGET_VS_VLLM = 1.2  # engine / vLLM at its defaults, output tok/s, on each workload (issue 38)
 TARGET_TIER_TTFT = 3.0  # multi-turn: returning turns' TTFT p50, recompute / host tier (issue 39)
 TARGET_DISK_TTFT = 1.5  # multi-turn: the disk tier after a restart / the host tier, returning-turn TTFT p50
+TARGET_SPEC_COPY = 1.8  # copy-heavy at concurrency 1: speculation / plain decoding, output tok/s (issue 40)
+TARGET_SPEC_CONTROL = 0.95  # random at concurrency 1: speculation / plain decoding, output tok/s
+COPY_INSTRUCTION = "Repeat the following text exactly:\n\n"  # copy-heavy: the user's request, asked twice
 # Statistics every system reports (None where it does not apply or is not measured).
 STAT_KEYS = (
     "peak_kv_bytes", "wasted_slot_fraction", "prefix_hit_rate", "num_compiled", "xla_compiles_warmup",
@@ -294,6 +324,41 @@ def multi_turn_workload(rng: np.random.Generator, source: np.ndarray, shape: Wor
     return [ServingRequest(float(t), prompt, n, turn) for t, (prompt, n, turn) in zip(arrivals, requests)]
 
 
+CopyPrompt = Callable[[list[int]], list[int]]  # a passage's token ids -> the prompt asking to repeat it
+
+
+def copy_heavy_workload(
+    rng: np.random.Generator, source: np.ndarray, shape: WorkloadShape, copy_prompt: CopyPrompt
+) -> list[ServingRequest]:
+    """Each request asks for a passage of the corpus again (``copy_prompt``): passages of
+    ``--min-output``..``--max-output`` tokens (log-uniform), each request's output as long as its
+    passage, so the output repeats long spans of the prompt."""
+    passages = token_slices(rng, source, log_uniform(rng, shape.min_output, shape.max_output, shape.num_requests))
+    arrivals = poisson_arrivals(rng, shape.rate, len(passages))
+    return [ServingRequest(float(t), copy_prompt(p), len(p)) for t, p in zip(arrivals, passages)]
+
+
+def repeated(passage: list[int]) -> list[int]:
+    """A copy prompt without a tokenizer (``tiny-random``): the passage twice."""
+    return passage + passage
+
+
+def chat_copy_prompt(tokenizer) -> CopyPrompt:
+    """A copy prompt in ``tokenizer``'s chat template: the user asks for the passage
+    (``COPY_INSTRUCTION``), the assistant answers it, and the user asks again (SmolLM2-135M-Instruct
+    repeats a passage asked for once only in part, asked for a second time it repeats it whole)."""
+    if tokenizer.chat_template is None:
+        raise ValueError("the copy-heavy workload asks in the model's chat template, which this model lacks")
+
+    def prompt(passage: list[int]) -> list[int]:
+        text = tokenizer.decode(passage).strip()
+        ask = {"role": "user", "content": COPY_INSTRUCTION + text}
+        chat = tokenizer.apply_chat_template([ask, {"role": "assistant", "content": text}, ask])
+        return tokenizer.encode(chat, add_special_tokens=False)
+
+    return prompt
+
+
 def timed_requests(rng: np.random.Generator, prompts: list[list[int]], shape: WorkloadShape) -> list[ServingRequest]:
     """``prompts`` with drawn output lengths and arrival times, in arrival order."""
     outputs = log_uniform(rng, shape.min_output, shape.max_output, len(prompts))
@@ -308,9 +373,14 @@ WORKLOAD_BUILDERS: dict[str, Callable[..., list[ServingRequest]]] = {
 }
 
 
-def make_workload(kind: str, source: np.ndarray, shape: WorkloadShape, seed: int) -> list[ServingRequest]:
-    """The ``kind`` workload for ``seed``: the same requests on every call (each kind its own stream)."""
+def make_workload(
+    kind: str, source: np.ndarray, shape: WorkloadShape, seed: int, copy_prompt: CopyPrompt = repeated
+) -> list[ServingRequest]:
+    """The ``kind`` workload for ``seed``: the same requests on every call (each kind its own
+    stream); ``copy_prompt`` makes the copy-heavy workload's prompts."""
     rng = np.random.default_rng([seed, WORKLOADS.index(kind)])
+    if kind == "copy-heavy":
+        return copy_heavy_workload(rng, source, shape, copy_prompt)
     return WORKLOAD_BUILDERS[kind](rng, source, shape)
 
 
@@ -324,6 +394,15 @@ def token_source(model: str, vocab_size: int | None = None, seed: int = 0) -> np
 
     tokenizer = Pretrained(model).tokenizer(required=True)
     return np.asarray(tokenizer.encode(corpus_text(), add_special_tokens=False))
+
+
+def copy_prompter(model: str) -> CopyPrompt:
+    """The copy-heavy workload's prompts for ``model``: in its chat template (``repeated`` for ``tiny-random``)."""
+    if model == TINY:
+        return repeated
+    from jaxkv.models.load import Pretrained
+
+    return chat_copy_prompt(Pretrained(model).tokenizer(required=True))
 
 
 def distinct_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
@@ -417,11 +496,13 @@ def worker_engine(spec: dict, requests: list[ServingRequest]) -> dict:
 
     compiles = CompileCounter()
     model = jaxkv_model(spec)
-    engine = Engine(model, **engine_options(spec))
+    engine = Engine(model, speculative=speculative_config(spec, model), **engine_options(spec))
     start = time.perf_counter()
     engine.warmup()
     warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
-    result = timed_drive(EngineRequests(engine), requests, spec["system"])
+    driven = EngineRequests(engine)
+    result = timed_drive(driven if spec["max_concurrency"] is None else Capped(driven, spec["max_concurrency"]),
+                         requests, spec["system"])  # fmt: skip
     stats = dict.fromkeys(STAT_KEYS) | engine.stats()
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
     sizes = jaxkv_sizes(model, spec["dtype"])
@@ -440,6 +521,49 @@ def engine_options(spec: dict) -> dict:
     if spec.get("kv_cache_dir"):
         options["kv_cache_dir"] = spec["kv_cache_dir"]
     return options
+
+
+def speculative_config(spec: dict, model):
+    """The engine's ``SpeculativeConfig`` for a speculating system (``spec['draft_model']``
+    drafts for 'draft': ``model`` itself when it names the target), or None."""
+    from jaxkv.serving.speculation import SpeculativeConfig
+
+    method = SPECULATIVE_SYSTEMS.get(spec["system"])
+    if method is None:
+        return None
+    draft = None
+    if method == "draft":
+        draft = model if spec["draft_model"] == spec["model"] else jaxkv_model(spec | dict(model=spec["draft_model"]))
+    return SpeculativeConfig(method, num_tokens=spec["speculative_tokens"], draft_model=draft)
+
+
+class Capped:
+    """A driven engine (``vllm_worker.Driven``) with at most ``limit`` requests in flight: a
+    request whose arrival has passed waits here for one to finish (its TTFT counts the wait, as a
+    client's would), so a run holds a fixed concurrency."""
+
+    def __init__(self, engine, limit: int):
+        self.engine, self.limit = engine, limit
+        self.held: collections.deque = collections.deque()  # (index, request), in arrival order
+        self.in_flight = 0
+
+    def submit(self, index: int, request: ServingRequest) -> None:
+        self.held.append((index, request))
+        self._admit()
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        outputs = self.engine.step()
+        self.in_flight -= sum(finished for _, _, finished in outputs)
+        self._admit()
+        return outputs
+
+    def busy(self) -> bool:
+        return self.engine.busy() or bool(self.held)
+
+    def _admit(self) -> None:
+        while self.held and self.in_flight < self.limit:
+            self.engine.submit(*self.held.popleft())
+            self.in_flight += 1
 
 
 class EngineRequests:
@@ -693,17 +817,19 @@ def run_worker(spec: dict, vllm: VllmSetup | None, *, timeout: float | None, ver
 
 
 def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list[ServingRequest],
-                vllm: VllmSetup | None) -> dict:  # fmt: skip
-    """A worker's spec. With vLLM among the systems, every system loads its checkpoint folder."""
+                vllm: VllmSetup | None, concurrency: int | None = None) -> dict:  # fmt: skip
+    """A worker's spec (``concurrency``: the engine's cap on requests in flight, None: none).
+    With vLLM among the systems, every system loads its checkpoint folder."""
     model = args.model if vllm is None else str(vllm.checkpoint)
     spec = dict(
-        system=system, workload=kind, label=f"{kind} / {system}", model=model, dtype=args.dtype,
+        system=system, workload=kind, label=run_label(kind, system, concurrency), model=model, dtype=args.dtype,
         model_kwargs={}, threads=args.threads, kv_memory_mib=args.kv_memory_mib, page_size=args.page_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=system in ENGINE_SYSTEMS and system != "engine-no-prefix", static_batch=args.static_batch,
         max_output=args.max_output, host_kv_memory_mib=args.host_kv_memory_mib if system in TIER_SYSTEMS else None,
-        preemption=args.preemption,
-        requests=[dataclasses.asdict(r) for r in requests], device=args.device if system in GPU_SYSTEMS else "cpu",
+        preemption=args.preemption, max_concurrency=concurrency, speculative_tokens=args.speculative_tokens,
+        draft_model=args.draft_model or model,
+        requests=[dataclasses.asdict(r) for r in requests], device=args.device if system in ON_GPU else "cpu",
     )  # fmt: skip
     if system in VLLM_SYSTEMS:
         spec.update(
@@ -713,6 +839,10 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
             warm_up_requests=min(args.max_num_seqs, len(requests)), stat_keys=STAT_KEYS,
         )  # fmt: skip
     return spec
+
+
+def run_label(kind: str, system: str, concurrency: int | None) -> str:
+    return f"{kind} / {system}" + ("" if concurrency is None else f" / concurrency {concurrency}")
 
 
 # The competing process of ``--competing-cpu``: one Python busy loop.
@@ -785,12 +915,12 @@ def _median(values: list[float | None]) -> float | None:
     return float(np.median(present)) if present else None
 
 
-def make_row(kind: str, system: str, runs: list[dict]) -> dict:
+def make_row(kind: str, system: str, runs: list[dict], concurrency: int | None = None) -> dict:
     """A table row: the median run (by output tok/s: its records, stats and token ids) with the
     medians over all runs (``aggregate``) and every run under ``runs``."""
     ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["output_tok_s"])
     middle = ok[(len(ok) - 1) // 2] if ok else {}
-    return dict(workload=kind, system=system) | middle | aggregate(runs) | dict(runs=runs)
+    return dict(workload=kind, system=system, max_concurrency=concurrency) | middle | aggregate(runs) | dict(runs=runs)
 
 
 def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> int:
@@ -800,28 +930,32 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> int:
 
 def add_agreement(rows: list[dict]) -> None:
     """Each row with token ids gets ``agreement``: its runs' fewest requests whose greedy tokens
-    equal the reference engine's (``engine``, else ``engine-no-prefix``; its median run), of all."""
-    for kind in {r["workload"] for r in rows}:
-        reference = find_row(rows, kind, "engine") or find_row(rows, kind, "engine-no-prefix")
+    equal the reference engine's (``engine``, else ``engine-no-prefix``; its median run; at the
+    same concurrency), of all."""
+    for kind, concurrency in {(r["workload"], r.get("max_concurrency")) for r in rows}:
+        reference = find_row(rows, kind, "engine", concurrency) or find_row(rows, kind, "engine-no-prefix", concurrency)
         if reference is None:
             continue
         for row in rows:
             runs = [r for r in row.get("runs", []) if "token_ids" in r]
-            if row["workload"] == kind and row is not reference and runs:
+            same_run = (row["workload"], row.get("max_concurrency")) == (kind, concurrency)
+            if same_run and row is not reference and runs:
                 equal = min(greedy_agreement(reference["token_ids"], r["token_ids"]) for r in runs)
                 row["agreement"] = dict(equal=equal, total=len(reference["token_ids"]), reference=reference["system"])
 
 
 def run_all(args: argparse.Namespace, workloads: dict, vllm: VllmSetup | None) -> list[dict]:
-    """Per workload, ``--repeat`` rounds of every system (a fresh worker each), then one row per system."""
+    """Per workload (and per ``--max-concurrency`` cap), ``--repeat`` rounds of every system (a
+    fresh worker each), then one row per system."""
     rows = []
     for kind, requests in workloads.items():
-        specs = {system: system_spec(args, system, kind, requests, vllm) for system in args.systems}
-        runs = {system: [] for system in args.systems}
-        for _ in range(args.repeat):
-            for system, spec in specs.items():
-                runs[system].append(run_once(args, spec, vllm))
-        rows += [make_row(kind, system, runs[system]) for system in args.systems]
+        for concurrency in args.max_concurrency or [None]:
+            specs = {system: system_spec(args, system, kind, requests, vllm, concurrency) for system in args.systems}
+            runs = {system: [] for system in args.systems}
+            for _ in range(args.repeat):
+                for system, spec in specs.items():
+                    runs[system].append(run_once(args, spec, vllm))
+            rows += [make_row(kind, system, runs[system], concurrency) for system in args.systems]
     add_agreement(rows)
     return rows
 
@@ -862,7 +996,7 @@ def bandwidth_bounds(rows: list[dict], workloads: dict, membw: dict, max_num_seq
     """Per workload, ``decode_bandwidth_bound`` and each jaxkv row's output tok/s as a fraction of it."""
     bounds = {}
     for kind, requests in workloads.items():
-        measured = [r for r in rows if r["workload"] == kind and "error" not in r and r["system"] in GPU_SYSTEMS]
+        measured = [r for r in rows if r["workload"] == kind and "error" not in r and r["system"] in ON_GPU]
         if not measured:
             continue
         bound = decode_bandwidth_bound(requests, max_num_seqs, measured[0]["runs"][0]["sizes"], membw["gbps"])
@@ -886,8 +1020,11 @@ def measure_gpu_bandwidth(args: argparse.Namespace) -> dict:
     return run_decode_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
 
 
-def find_row(rows: list[dict], kind: str, system: str) -> dict | None:
-    return next((r for r in rows if r["workload"] == kind and r["system"] == system and "error" not in r), None)
+def find_row(rows: list[dict], kind: str, system: str, concurrency: int | None = None) -> dict | None:
+    """The successful row of ``system`` on ``kind`` at the ``concurrency`` cap (None: uncapped), or None."""
+    key = (kind, system, concurrency)
+    return next((r for r in rows if (r["workload"], r["system"], r.get("max_concurrency")) == key
+                 and "error" not in r), None)  # fmt: skip
 
 
 def ratio_target(name: str, numerator: float | None, denominator: float | None, threshold: float) -> dict:
@@ -900,16 +1037,16 @@ def ratio_target(name: str, numerator: float | None, denominator: float | None, 
 def check_targets(rows: list[dict]) -> list[dict]:
     """The issue's targets, each with its value, display and verdict (None: not measured)."""
 
-    def metric(kind: str, system: str, key: str) -> float | None:
-        row = find_row(rows, kind, system)
+    def metric(kind: str, system: str, key: str, concurrency: int | None = None) -> float | None:
+        row = find_row(rows, kind, system, concurrency)
         return None if row is None else row[key]
 
     def stat(kind: str, system: str, key: str) -> float | None:
         row = find_row(rows, kind, system)
         return None if row is None else row["stats"][key]
 
-    def tok_s(kind: str, system: str) -> float | None:
-        return metric(kind, system, "output_tok_s")
+    def tok_s(kind: str, system: str, concurrency: int | None = None) -> float | None:
+        return metric(kind, system, "output_tok_s", concurrency)
 
     wasted = stat("random", "engine", "wasted_slot_fraction")
     hits = stat("random", "engine", "prefix_hit_rate")
@@ -935,7 +1072,19 @@ def check_targets(rows: list[dict]) -> list[dict]:
         cost,
         *[ratio_target(f"{kind}: engine >= {TARGET_VS_VLLM:g}x vLLM (its defaults) output tok/s",
                        tok_s(kind, "engine"), tok_s(kind, "vllm"), TARGET_VS_VLLM) for kind in BOTH],
+        *speculation_targets(tok_s),
         *tier_targets(metric, tok_s),
+    ]  # fmt: skip
+
+
+def speculation_targets(tok_s: Callable[..., float | None]) -> list:
+    """Issue 40's targets at concurrency 1 (``--max-concurrency 1``), per speculating system:
+    copy-heavy output tok/s >= 1.8x plain decoding's (``engine``), random (the control) >= 0.95x."""
+    return [
+        ratio_target(f"{kind}, concurrency 1: {system} >= {threshold:g}x engine output tok/s",
+                     tok_s(kind, system, 1), tok_s(kind, "engine", 1), threshold)
+        for system in SPECULATIVE_SYSTEMS
+        for kind, threshold in (("copy-heavy", TARGET_SPEC_COPY), ("random", TARGET_SPEC_CONTROL))
     ]  # fmt: skip
 
 
@@ -965,19 +1114,25 @@ TABLE_HEADER = (
 def table_cells(row: dict) -> list[str]:
     """A row's cells; with several runs, output tok/s is the median (min-max), the others medians."""
     if "error" in row:
-        return [row["workload"], SYSTEMS[row["system"]], f"failed: {row['error'][:60]}"] + ["-"] * 11
+        return [workload_cell(row), SYSTEMS[row["system"]], f"failed: {row['error'][:60]}"] + ["-"] * 11
     stats, agreement = row["stats"], row.get("agreement")
     tok_s = fmt(row["output_tok_s"], ".1f")
     if row["repeats"] > 1:
         tok_s += " ({:.1f}-{:.1f})".format(*row["output_tok_s_min_max"])
     return [
-        row["workload"], SYSTEMS[row["system"]], tok_s, fmt(row["requests_s"], ".2f"),
+        workload_cell(row), SYSTEMS[row["system"]], tok_s, fmt(row["requests_s"], ".2f"),
         fmt(row["ttft_p50_s"], ".2f"), fmt(row["ttft_p99_s"], ".2f"), fmt(row["tpot_p50_ms"], ".1f"),
         fmt(row["tpot_p99_ms"], ".1f"), fmt(row["cpu_ms_per_token"], ".1f"),
         "-" if agreement is None else f"{agreement['equal']}/{agreement['total']}",
         fmt(stats["peak_kv_bytes"], ".1f", 2**-20), fmt(stats["wasted_slot_fraction"], ".1f", 100),
         fmt(stats["prefix_hit_rate"], ".1f", 100), fmt(stats["num_compiled"], ".0f"),
     ]  # fmt: skip
+
+
+def workload_cell(row: dict) -> str:
+    """The row's workload, and its concurrency cap if it had one."""
+    concurrency = row.get("max_concurrency")
+    return row["workload"] + ("" if concurrency is None else f", concurrency {concurrency}")
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -1007,6 +1162,38 @@ def turn_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SPECULATION_HEADER = ("workload", "system", "output tok/s", "x engine", "TPOT p50 ms", "proposed", "accepted",
+                      "acceptance %", "mean accepted length")  # fmt: skip
+
+
+def speculation_table(rows: list[dict]) -> str:
+    """The engine rows beside each speculating row (issue 40): output tok/s (and as a multiple of
+    ``engine``'s at the same workload and concurrency), TPOT and the draft counters of the run
+    (``Engine.stats()['speculation']``); empty without a speculating row."""
+    if not any(r["system"] in SPECULATIVE_SYSTEMS for r in rows):
+        return ""
+    lines = ["| " + " | ".join(SPECULATION_HEADER) + " |", "|---|---|" + "---:|" * 7]
+    for row in rows:
+        if row["system"] not in ("engine", *SPECULATIVE_SYSTEMS) or "error" in row:
+            continue
+        plain = find_row(rows, row["workload"], "engine", row.get("max_concurrency"))
+        spec = row["stats"]["speculation"]
+        cells = [
+            workload_cell(row), SYSTEMS[row["system"]], fmt(row["output_tok_s"], ".1f"),
+            "-" if plain is None else f"{row['output_tok_s'] / plain['output_tok_s']:.2f}",
+            fmt(row["tpot_p50_ms"], ".1f"), str(spec["proposed"]), str(spec["accepted"]),
+            fmt(spec["acceptance_rate"], ".1f", 100), fmt(spec["mean_accepted_length"], ".2f"),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def row_name(row: dict) -> str:
+    """The row's system, and its concurrency cap if it had one (the chart's labels)."""
+    concurrency = row.get("max_concurrency")
+    return SYSTEMS[row["system"]] + ("" if concurrency is None else f" @{concurrency}")
+
+
 def plot(rows: list[dict], kinds: list[str], path: Path, title: str) -> None:
     """Per workload: output tok/s per system (bars) and each system's TTFT CDF."""
     import matplotlib
@@ -1017,7 +1204,7 @@ def plot(rows: list[dict], kinds: list[str], path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(kinds), 2, figsize=(12, 4 * len(kinds)), squeeze=False)
     for (bars_ax, cdf_ax), kind in zip(axes, kinds):
         ok = [r for r in rows if r["workload"] == kind and "error" not in r]
-        bars = bars_ax.bar([SYSTEMS[r["system"]] for r in ok], [r["output_tok_s"] for r in ok],
+        bars = bars_ax.bar([row_name(r) for r in ok], [r["output_tok_s"] for r in ok],
                            color=[f"C{list(SYSTEMS).index(r['system'])}" for r in ok])  # fmt: skip
         bars_ax.bar_label(bars, fmt="%.0f", fontsize=8)
         bars_ax.set_ylabel("output tokens/s")
@@ -1025,7 +1212,7 @@ def plot(rows: list[dict], kinds: list[str], path: Path, title: str) -> None:
         bars_ax.tick_params(axis="x", labelsize=8)
         for row in ok:
             ttft = np.sort([r["first_token"] - r["arrival"] for r in row["records"]])
-            cdf_ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=SYSTEMS[row["system"]],
+            cdf_ax.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=row_name(row),
                         color=f"C{list(SYSTEMS).index(row['system'])}")  # fmt: skip
         cdf_ax.set_xscale("log")
         cdf_ax.set_xlabel("time to first token (s)")
@@ -1086,6 +1273,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the host page tier of engine-host-tier and engine-disk-tier")  # fmt: skip
     parser.add_argument("--preemption", choices=PREEMPTION_MODES, default="auto",
                         help="the engines' preemption: swap to the host tier (where one is) or recompute")  # fmt: skip
+    parser.add_argument("--max-concurrency", type=int, nargs="+",
+                        help="run the engine systems at each of these caps on requests in flight (e.g. 1 4 16; "
+                        "--rate inf holds the cap all run); a row per cap")  # fmt: skip
+    parser.add_argument("--speculative-tokens", type=int, default=4,
+                        help="engine-ngram and engine-draft: draft tokens verified per step (1 to 15)")  # fmt: skip
+    parser.add_argument("--draft-model", help="engine-draft: the draft model (default: --model, drafting for itself)")
     parser.add_argument("--kv-memory-mib", type=int, default=1024, help="K/V pool of the engine and transformers")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")
@@ -1107,7 +1300,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
     if args.systems is None:
-        named_only = (*VLLM_SYSTEMS, *TIER_SYSTEMS)
+        named_only = (*VLLM_SYSTEMS, *TIER_SYSTEMS, *SPECULATIVE_SYSTEMS)
         args.systems = list(GPU_SYSTEMS) if args.device == "gpu" else [s for s in SYSTEMS if s not in named_only]
     if args.worker is None:
         check_args(parser, args)
@@ -1125,10 +1318,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--min-prompt/--min-output must not exceed --max-prompt/--max-output")
     if not args.rate > 0:
         parser.error("--rate must be positive (inf: every request arrives at the start)")
-    off_gpu = [s for s in args.systems if s not in GPU_SYSTEMS]
+    off_gpu = [s for s in args.systems if s not in ON_GPU]
     if args.device == "gpu" and off_gpu:
         parser.error(
-            f"--device gpu runs jaxkv's systems ({', '.join(GPU_SYSTEMS)}), not {', '.join(off_gpu)}: "
+            f"--device gpu runs jaxkv's systems ({', '.join(ON_GPU)}), not {', '.join(off_gpu)}: "
             "vLLM's build here is its CPU build, transformers' continuous batching is measured on the CPU"
         )
     if args.competing_cpu is not None and not 0 <= args.competing_cpu < (os.cpu_count() or 1):
@@ -1136,11 +1329,27 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"got {args.competing_cpu}")  # fmt: skip
     if args.out.suffix != ".json":
         parser.error(f"--out names the JSON file (the chart takes its name with .png), got {args.out}")
+    check_speculation_args(parser, args)
     engines = [s for s in args.systems if s in ENGINE_SYSTEMS]
     problem = engines and engine_import_error()
     if problem:
         parser.error(f"{', '.join(engines)} need jaxkv.serving.Engine (issue 13), which does not import here "
                      f"({problem}); run --systems static hf meanwhile")  # fmt: skip
+
+
+def check_speculation_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--max-concurrency`` caps the engine systems only, each cap positive; ``--speculative-tokens``
+    in 1 to 15 (the engine's ``MAX_NUM_TOKENS``)."""
+    from jaxkv.serving.speculation import MAX_NUM_TOKENS
+
+    uncapped = [s for s in args.systems if s not in ENGINE_SYSTEMS]
+    if args.max_concurrency and uncapped:
+        parser.error(f"--max-concurrency caps the engine systems' requests in flight; {', '.join(uncapped)} "
+                     "have no such cap: run them without it")  # fmt: skip
+    if args.max_concurrency and min(args.max_concurrency) < 1:
+        parser.error(f"--max-concurrency must be positive, got {args.max_concurrency}")
+    if not 1 <= args.speculative_tokens <= MAX_NUM_TOKENS:
+        parser.error(f"--speculative-tokens must be in 1..{MAX_NUM_TOKENS}, got {args.speculative_tokens}")
 
 
 def engine_import_error() -> str | None:
@@ -1161,7 +1370,9 @@ def build_workloads(args: argparse.Namespace) -> dict[str, list[ServingRequest]]
 
     source = token_source(args.model, TINY_CONFIG["vocab_size"], args.seed)
     shape = WorkloadShape.from_args(args)
-    return {kind: make_workload(kind, source, shape, args.seed) for kind in selected_workloads(args)}
+    kinds = selected_workloads(args)
+    copy_prompt = copy_prompter(args.model) if "copy-heavy" in kinds else repeated
+    return {kind: make_workload(kind, source, shape, args.seed, copy_prompt) for kind in kinds}
 
 
 def print_report(title: str, table: str, targets: list[dict], workloads: dict, rows: list[dict]) -> None:
@@ -1175,6 +1386,8 @@ def print_report(title: str, table: str, targets: list[dict], workloads: dict, r
     print(table)
     if turns := turn_table(rows):
         print(f"\nmulti-turn, first and returning turns:\n\n{turns}")
+    if speculation := speculation_table(rows):
+        print(f"\nspeculative decoding in the engine:\n\n{speculation}")
     print_targets(targets)
     backends = sorted({r["backend"] for r in rows if "error" not in r and r["system"] != "hf"})
     if backends and backends != ["cpu"]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jaxkv.models.load import Pretrained
 
 import jaxkv.bench.serving
 
@@ -135,6 +136,99 @@ def test_tier_systems_options_targets_and_restart(bench, monkeypatch):
     assert targets[0]["value"] == pytest.approx(6.0)
 
 
+def test_copy_heavy_workload_asks_for_a_passage_as_long_as_its_output(bench):
+    """Each prompt repeats a corpus passage (``repeated``: twice) whose length is the request's
+    output, drawn in --min-output..--max-output; seeded."""
+    copy = shape(bench, num_requests=16, min_output=8, max_output=64)
+    requests = bench.make_workload("copy-heavy", SOURCE, copy, seed=0)
+    assert requests == bench.make_workload("copy-heavy", SOURCE, copy, seed=0)
+    assert requests != bench.make_workload("copy-heavy", SOURCE, copy, seed=1)
+    for r in requests:
+        passage = r.prompt[: r.max_tokens]
+        assert 8 <= r.max_tokens <= 64 and r.prompt == passage + passage
+        assert passage == list(range(passage[0], passage[0] + r.max_tokens))  # one corpus slice
+    asked = bench.make_workload("copy-heavy", SOURCE, copy, seed=0, copy_prompt=lambda p: [1, *p])
+    assert [r.prompt for r in asked] == [[1, *r.prompt[: r.max_tokens]] for r in requests]
+
+
+def test_the_copy_prompt_asks_twice_in_the_chat_template(bench):
+    """SmolLM2's copy prompt: the user asks for the passage, the assistant answers it, the user
+    asks again, and the assistant's turn opens."""
+    tokenizer = Pretrained("smollm2").tokenizer(required=True)
+    passage = tokenizer.encode(" The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    text = tokenizer.decode(bench.chat_copy_prompt(tokenizer)(passage), skip_special_tokens=False)
+    assert text.count(bench.COPY_INSTRUCTION + "The quick brown fox") == 2 and text.count("lazy dog.") == 3
+    opening = tokenizer.apply_chat_template([{"role": "user", "content": "x"}]).split("x")[-1]
+    assert text.endswith(opening) and opening.endswith("assistant\n")
+
+
+class FakeEngine:
+    """A driven engine whose requests each finish after their ``max_tokens`` steps, one token a step."""
+
+    def __init__(self):
+        self.left: dict[int, int] = {}
+        self.most_in_flight = 0
+
+    def submit(self, index, request):
+        self.left[index] = request.max_tokens
+        self.most_in_flight = max(self.most_in_flight, len(self.left))
+
+    def step(self):
+        outputs = [(i, [7], n == 1) for i, n in self.left.items()]
+        self.left = {i: n - 1 for i, n in self.left.items() if n > 1}
+        return outputs
+
+    def busy(self):
+        return bool(self.left)
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_capped_driving_holds_the_concurrency(bench, limit):
+    """``--max-concurrency``: never more requests in flight than the cap, each admitted as one
+    finishes, every request run to its length; its TTFT counts the wait."""
+    requests = [bench.ServingRequest(0.0, [1], n) for n in (3, 1, 2, 4, 2)]
+    engine = FakeEngine()
+    run = bench.vllm_worker.drive(bench.Capped(engine, limit), requests)
+    assert engine.most_in_flight == limit and not engine.left
+    assert [r.output_tokens for r in run.records] == [3, 1, 2, 4, 2]
+    if limit == 1:  # one at a time, in arrival order: each first token after the previous finish
+        assert all(a.finish <= b.first_token for a, b in zip(run.records, run.records[1:]))
+
+
+def test_speculation_targets_read_concurrency_1_and_the_options_are_checked(bench, capsys):
+    """The speculating systems against ``engine`` at concurrency 1: copy-heavy >= 1.8x, random
+    >= 0.95x; other caps do not count. The options are refused by name where they cannot apply."""
+
+    def row(kind, system, tok_s, concurrency):
+        return dict(workload=kind, system=system, output_tok_s=tok_s, max_concurrency=concurrency, stats={})
+
+    rows = [
+        row("copy-heavy", "engine", 100.0, 1), row("copy-heavy", "engine-ngram", 250.0, 1),
+        row("random", "engine", 100.0, 1), row("random", "engine-ngram", 90.0, 1),
+        row("copy-heavy", "engine", 100.0, 4), row("copy-heavy", "engine-draft", 500.0, 4),
+    ]  # fmt: skip
+    targets = [t for t in bench.check_targets(rows) if "concurrency 1" in t["target"]]
+    assert [(t["target"].split(":")[0], t["target"].split()[3], t["passed"]) for t in targets] == [
+        ("copy-heavy, concurrency 1", "engine-ngram", True), ("random, concurrency 1", "engine-ngram", False),
+        ("copy-heavy, concurrency 1", "engine-draft", None), ("random, concurrency 1", "engine-draft", None),
+    ]  # fmt: skip
+    assert targets[0]["value"] == pytest.approx(2.5)
+    assert not set(bench.SPECULATIVE_SYSTEMS) & set(bench.parse_args([]).systems)  # named only
+    for argv, named in [
+        (["--systems", "engine", "static", "--max-concurrency", "1"], "--max-concurrency"),
+        (["--systems", "engine", "--max-concurrency", "0"], "--max-concurrency"),
+        (["--systems", "engine-ngram", "--speculative-tokens", "16"], "--speculative-tokens"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert named in capsys.readouterr().err
+    args = bench.parse_args(["--systems", "engine-draft", "--max-concurrency", "1", "4", "--draft-model", "gemma3"])
+    spec = bench.system_spec(args, "engine-draft", "copy-heavy", [], None, 4)
+    assert spec["max_concurrency"] == 4 and spec["draft_model"] == "gemma3" and spec["speculative_tokens"] == 4
+    assert spec["label"] == "copy-heavy / engine-draft / concurrency 4"
+    assert bench.system_spec(bench.parse_args([]), "engine", "random", [], None)["draft_model"] == "smollm2"
+
+
 def test_token_slices_refuse_a_short_source(bench):
     with pytest.raises(ValueError, match="fewer than a 600-token prompt"):
         bench.token_slices(np.random.default_rng(0), SOURCE[:500], [600])
@@ -189,7 +283,9 @@ def test_targets_and_table(bench):
     targets = bench.check_targets(rows)
     # 3x HF, 2x static, 3% wasted, TTFT only 2.5x lower with prefix caching, 1% slower at 0% hits; no vLLM on
     # random, and 400 / 350 = 1.14x vLLM on shared-prefix; no multi-turn rows: its three tier targets not measured
-    assert [t["passed"] for t in targets] == [True, True, True, False, True, None, False, None, None, None], targets
+    # no concurrency-1 rows: the four speculation targets not measured
+    assert [t["passed"] for t in targets] == [True, True, True, False, True, None, False, *[None] * 4, None, None,
+                                              None], targets  # fmt: skip
     assert targets[6]["value"] == pytest.approx(400 / 350)
     cost = targets[4]
     assert cost["value"] == pytest.approx(300 / 303) and "0.0% prefix hits" in cost["display"]
@@ -296,6 +392,30 @@ def test_engine_systems_on_a_tiny_llama(tmp_path):
         assert [r["output_tokens"] for r in row["records"]] == [r["output_tokens"] for r in engine["records"]]
         assert row["stats"]["xla_compiles_run"] == 0 and row["stats"]["num_compiled"] > 0
     assert engine["stats"]["prefix_hit_rate"] > 0 and no_prefix["stats"]["prefix_hit_rate"] == 0
+
+
+def test_speculating_engines_on_a_tiny_llama(tmp_path):
+    """engine, engine-ngram and engine-draft (the model drafting for itself) on the copy-heavy
+    workload at concurrency 2: the same greedy tokens as the engine, drafts proposed and accepted
+    (the draft model's all but never rejected), the speculation table printed."""
+    out = tmp_path / "serving.json"
+    args = ["--model", "tiny-random", "--quick", "--requests", "4", "--workload", "copy-heavy", "--rate", "inf",
+            "--systems", "engine", "engine-ngram", "engine-draft", "--max-concurrency", "2", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "64", "--kv-memory-mib", "16", "--out", str(out)]  # fmt: skip
+    cli = Path(sys.executable).with_name("jaxkv")
+    proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine, ngram, draft = json.loads(out.read_text())["rows"]
+    assert all(row["max_concurrency"] == 2 and "error" not in row for row in (engine, ngram, draft))
+    for row in (ngram, draft):
+        assert row["agreement"]["equal"] == row["agreement"]["total"] == 4
+        assert row["stats"]["xla_compiles_run"] == 0
+    assert engine["stats"]["speculation"]["proposed"] == 0 and ngram["stats"]["speculation"]["proposed"] > 0
+    spec = draft["stats"]["speculation"]
+    assert spec["accepted"] >= 0.9 * spec["proposed"] > 0 and spec["mean_accepted_length"] > 2
+    assert "| copy-heavy, concurrency 2 | jaxkv engine + draft-model speculation |" in proc.stdout
+    assert "speculative decoding in the engine" in proc.stdout
 
 
 def test_multi_turn_with_the_host_tier_on_a_tiny_llama(tmp_path):
