@@ -208,7 +208,7 @@ class Engine:
                 spec.draft_model, num_rows=self.config.max_num_seqs, max_model_len=self.max_model_len,
                 num_tokens=spec.num_tokens,
             )  # fmt: skip
-        return Speculation(spec, proposer, self.kv, self.max_model_len)
+        return Speculation(spec, proposer, self.kv, self.max_model_len, self.runner.step_shape)
 
     def _paging(self, sizes: PoolSizes) -> Paging:
         return Paging(
@@ -311,11 +311,14 @@ class Engine:
         if not chunks:
             return self._take_final()
         block_tables = self._block_tables()
+        start = time.perf_counter()
         try:
             outputs = self.runner.run(chunks, block_tables)
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
+        if self.speculation is not None:
+            self.speculation.observe(chunks, time.perf_counter() - start)
         with jax.profiler.TraceAnnotation("engine.outputs"):
             drawn = [self._append(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]
             self.scheduler.computed(chunks, outputs.num_accepted[: len(chunks)])

@@ -188,9 +188,13 @@ class ModelRunner:
         """The step's inputs in the smallest shape that holds ``chunks`` (decode slots ``width`` wide
         when a chunk brings drafts)."""
         width = self.width if any(chunk.draft for chunk in chunks) else 1
+        return self._packed(chunks, *self.step_shape(chunks, width), block_tables)
+
+    def step_shape(self, chunks: list[Chunk], width: int) -> tuple[int, int, int]:
+        """``(decode slots, prefill size, width)``: the shape that runs ``chunks`` with decode slots
+        ``width`` tokens wide."""
         prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
-        slots, prefill_size = self.prepare_shape(len(chunks), prefill, width)
-        return self._packed(chunks, slots, prefill_size, width, block_tables)
+        return (*self.prepare_shape(len(chunks), prefill, width), width)
 
     def prepare_shape(self, num_chunks: int, prefill: int, width: int = 1) -> tuple[int, int]:
         """``(decode slots, prefill size)`` of a step of ``num_chunks`` chunks taking ``prefill``

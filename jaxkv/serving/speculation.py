@@ -15,21 +15,28 @@ greedily), so the target's sampled acceptance is the one-hot case of the specula
 rule: a draft ``d`` is kept with probability ``p(d)``, and at the first rejection the token is
 drawn from ``p`` with ``d`` removed; every kept token is distributed as plain sampling draws it.
 
-When speculation pays (``Speculation.plan``, the documented rule): a sequence proposes only
-when its proposer finds drafts, it has tokens left to make (``max_tokens``, the model's
-length), its request did not opt out, and its pages for the drafts fit without preempting
-anyone; a sequence whose last ``BACKOFF_AFTER`` proposals were all rejected stops proposing for
-``2 ** j`` steps (``j`` grows with each such run, to ``MAX_BACKOFF_EXPONENT``); and a step
-verifies drafts only when at least ``min_fraction`` of its decoding sequences bring drafts
-(each decode slot of a verifying step is ``1 + k`` tokens wide, so a few drafts among many
-plain decodes cost more than they save).
+When speculation pays (``Speculation.plan``, the documented rule): a sequence brings drafts only
+when its proposer finds some, it may still make more than one token (``max_tokens``, the
+model's length), its request did not opt out, and the drafts' pages fit without preempting
+anyone. A step then verifies them only when that makes more tokens a second than the plain
+step, measured: every compiled shape's wall time is a running mean (``observe``), and so is the
+number of drafts each sequence's verifications kept (a sequence not verified yet expects the
+running mean over all). With ``T`` tokens the plain step makes (a decode's, a finished
+prompt's) and ``G`` the kept drafts expected, the step verifies when ``(T + G) * t_plain >= T *
+t_wide`` (``t_wide``: the verifying shape's time, each of its decode slots ``1 + k`` tokens
+wide). A shape not timed yet is tried, and a verifying shape that lost ``RETRY_AFTER`` times in
+a row is tried again. So speculation turns itself off where drafts are rarely kept or where a
+wide step costs more than it brings (many rows on a busy CPU), and on where they pay. Greedy
+output never depends on it; a seeded sampled request's tokens do (a verified draft is kept with
+probability p(d), a plain step draws from p: the same distribution, different draws), so for
+reproducible seeded sampling set ``always_verify``.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -48,8 +55,9 @@ class SpeculativeConfig:
     ``method``: 'ngram' (prompt lookup over the sequence's own tokens) or 'draft' (a smaller
     model, ``draft_model``, with the target's vocabulary). ``num_tokens``: drafts per step
     (``k``, 1 to ``MAX_NUM_TOKENS``). ``max_ngram`` / ``min_ngram``: the n-gram lengths prompt
-    lookup matches, longest first. ``min_fraction``: the least fraction of a step's decoding
-    sequences that must bring drafts for the step to verify any (``Speculation.plan``).
+    lookup matches, longest first. ``always_verify``: verify whatever drafts a step's sequences
+    bring, without the measured rule of ``Speculation.plan`` (whether a step verifies then
+    depends on nothing but each sequence's own tokens, so seeded sampling is reproducible).
     ``draft_model``: the draft model (a ``DecoderModel``) for 'draft'.
     """
 
@@ -57,7 +65,7 @@ class SpeculativeConfig:
     num_tokens: int = 4
     max_ngram: int = 4
     min_ngram: int = 2
-    min_fraction: float = 0.5
+    always_verify: bool = False
     draft_model: object | None = None
 
     def __post_init__(self):
@@ -73,8 +81,6 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig needs min_ngram <= max_ngram, got {self.min_ngram} and {self.max_ngram}"
             )
-        if not 0 <= self.min_fraction <= 1:
-            raise ValueError(f"SpeculativeConfig.min_fraction must be in [0, 1], got {self.min_fraction}")
         if (self.method == "draft") != (self.draft_model is not None):
             raise ValueError("SpeculativeConfig: method 'draft' needs a draft_model, and only it takes one")
 
@@ -124,16 +130,13 @@ def ngram_drafts(tokens: np.ndarray, limit: int, max_ngram: int, min_ngram: int)
     return []
 
 
-# A sequence whose last ``BACKOFF_AFTER`` verifications kept no draft waits ``2 ** j`` steps
-# before it proposes again, ``j`` growing with each such verification up to ``MAX_BACKOFF_EXPONENT``.
-BACKOFF_AFTER = 2
-MAX_BACKOFF_EXPONENT = 5
+# The weight of the latest observation in the running means of step times and kept drafts.
+SMOOTHING = 0.3
+# A verifying shape that lost this many decisions in a row is tried once more (its time may have
+# been measured on a busy machine).
+RETRY_AFTER = 64
 
-
-@dataclasses.dataclass
-class _Backoff:
-    misses: int = 0  # verifications in a row that kept no draft
-    resume_step: int = 0  # the first step it proposes again
+Shape = tuple[int, int, int]  # a compiled step's (decode slots, prefill size, decode width)
 
 
 @dataclasses.dataclass
@@ -153,49 +156,69 @@ class SpeculationStats:
 class Speculation:
     """The engine's speculation stage: drafts for a step's decoding chunks when they pay (the
     module's rule), and what the step kept of them. ``kv`` grants the drafts' pages;
-    ``max_model_len``: no draft reaches past it."""
+    ``max_model_len``: no draft reaches past it; ``step_shape(chunks, width)``: the compiled step
+    shape that runs ``chunks`` with decode slots ``width`` tokens wide (``ModelRunner.step_shape``)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, kv: KVCacheManager, max_model_len: int):
+    def __init__(
+        self, config: SpeculativeConfig, proposer: Proposer, kv: KVCacheManager, max_model_len: int,
+        step_shape: Callable[[list[Chunk], int], Shape],
+    ):  # fmt: skip
         self.config, self.proposer, self.kv, self.max_model_len = config, proposer, kv, max_model_len
+        self.step_shape = step_shape
         self.stats = SpeculationStats()
-        self.backoff: dict[tuple[int, int], _Backoff] = {}
-        self.num_steps = 0
+        self.step_seconds: dict[Shape, float] = {}  # running mean of each step shape's wall time
+        self.expected: dict[tuple[int, int], float] = {}  # running mean of a sequence's kept drafts
+        self.prior = 1.0  # the same over every sequence: what a sequence not verified yet expects
+        self.losses: dict[Shape, int] = {}  # decisions a verifying shape lost in a row
 
     def plan(self, chunks: list[Chunk]) -> list[Chunk]:
-        """``chunks`` with drafts for the decoding sequences that get them, or unchanged when too
-        few would (``min_fraction`` of the decodes)."""
-        self.num_steps += 1
-        decodes = sum(chunk.count == 1 for chunk in chunks)
-        candidates = [i for i, chunk in enumerate(chunks) if self._may_propose(chunk)]
-        if not candidates or len(candidates) < self.config.min_fraction * decodes:
+        """``chunks`` with drafts for the decoding sequences that get them, or unchanged when
+        verifying them would not pay."""
+        limits = {i: self._limit(chunk.seq) for i, chunk in enumerate(chunks) if self._may_propose(chunk)}
+        if not limits or not self._pays(chunks, limits):
             return chunks
-        limits = [self._limit(chunks[i].seq) for i in candidates]
-        proposals = self.proposer.propose([chunks[i].seq for i in candidates], limits)
+        proposals = self.proposer.propose([chunks[i].seq for i in limits], list(limits.values()))
         drafts = {
             i: tuple(draft[:limit])
-            for i, draft, limit in zip(candidates, proposals, limits, strict=True)
+            for (i, limit), draft in zip(limits.items(), proposals, strict=True)
             if draft and self.kv.allocate(chunks[i].seq, 1 + len(draft[:limit])) is not None
         }  # a draft's pages are granted without preempting anyone (and kept when the step does not verify)
-        if not drafts or len(drafts) < self.config.min_fraction * decodes:
+        if not drafts or not self._pays(chunks, {i: len(draft) for i, draft in drafts.items()}):
             return chunks
         return [dataclasses.replace(chunk, draft=drafts[i]) if i in drafts else chunk for i, chunk in enumerate(chunks)]
 
     def _may_propose(self, chunk: Chunk) -> bool:
         seq = chunk.seq
-        backoff = self.backoff.get(seq.key)
-        return (
-            chunk.count == 1 and chunk.draws_next and seq.options.speculative and self._limit(seq) > 0
-            and (backoff is None or backoff.resume_step <= self.num_steps)
-        )  # fmt: skip
+        return chunk.count == 1 and chunk.draws_next and seq.options.speculative and self._limit(seq) > 0
 
     def _limit(self, seq: SequenceState) -> int:
         """Drafts ``seq`` may bring: ``num_tokens``, less than the tokens it may still make."""
         left = min(seq.options.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens)
         return min(self.config.num_tokens, left - 1)
 
+    def _pays(self, chunks: list[Chunk], drafts: dict[int, int]) -> bool:
+        """Would chunk i bringing ``drafts[i]`` drafts make more tokens a second than the plain
+        step (the module's rule)?"""
+        plain, wide = self.step_shape(chunks, 1), self.step_shape(chunks, 1 + self.config.num_tokens)
+        if self.config.always_verify or plain not in self.step_seconds or wide not in self.step_seconds:
+            return True
+        tokens = sum(chunk.draws_next for chunk in chunks)
+        gain = sum(min(self.expected.get(chunks[i].seq.key, self.prior), n) for i, n in drafts.items())
+        if (tokens + gain) * self.step_seconds[plain] >= tokens * self.step_seconds[wide]:
+            self.losses[wide] = 0
+            return True
+        self.losses[wide] = self.losses.get(wide, 0) + 1
+        return self.losses[wide] % RETRY_AFTER == 0
+
+    def observe(self, chunks: list[Chunk], seconds: float) -> None:
+        """A step ran ``chunks`` in ``seconds`` (wall time): update its shape's running mean."""
+        width = 1 + self.config.num_tokens if any(chunk.draft for chunk in chunks) else 1
+        shape = self.step_shape(chunks, width)
+        self.step_seconds[shape] = _smoothed(self.step_seconds.get(shape), seconds)
+
     def verified(self, chunk: Chunk, accepted: int) -> None:
-        """The step kept ``accepted`` of ``chunk``'s drafts: count them, and back off a sequence
-        whose drafts keep failing."""
+        """The step kept ``accepted`` of ``chunk``'s drafts: count them and update the sequence's
+        and the engine's running means."""
         if not chunk.draft:
             return
         seq = chunk.seq
@@ -205,13 +228,15 @@ class Speculation:
         self.stats.proposed += len(chunk.draft)
         self.stats.accepted += accepted
         self.stats.steps += 1
-        backoff = self.backoff.setdefault(seq.key, _Backoff())
-        backoff.misses = 0 if accepted else backoff.misses + 1
-        if backoff.misses >= BACKOFF_AFTER:
-            exponent = min(backoff.misses - BACKOFF_AFTER + 1, MAX_BACKOFF_EXPONENT)
-            backoff.resume_step = self.num_steps + 2**exponent
+        self.expected[seq.key] = _smoothed(self.expected.get(seq.key), accepted)
+        self.prior = _smoothed(self.prior, accepted)
 
     def release(self, seq: SequenceState) -> None:
-        """``seq`` finished or was aborted: forget its backoff and the proposer's record of it."""
-        self.backoff.pop(seq.key, None)
+        """``seq`` finished or was aborted: forget its running mean and the proposer's record of it."""
+        self.expected.pop(seq.key, None)
         self.proposer.release(seq)
+
+
+def _smoothed(mean: float | None, value: float) -> float:
+    """The running mean ``mean`` (None: none yet) after ``value``."""
+    return value if mean is None else (1 - SMOOTHING) * mean + SMOOTHING * value

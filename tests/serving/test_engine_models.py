@@ -64,7 +64,7 @@ def test_smollm2_speculation_equals_generate():
             f"Fix the spelling in this text:\n\n{PARAGRAPH.replace('the', 'teh')}", "List five fruits."]  # fmt: skip
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}])) for ask in asks]
     engine = Engine(model, kv_memory="64MiB", max_num_seqs=4, max_num_batched_tokens=64,
-                    speculative=SpeculativeConfig(num_tokens=4))  # fmt: skip
+                    speculative=SpeculativeConfig(num_tokens=4, always_verify=True))  # fmt: skip
     got = run_arrivals(engine, prompts, [0, 0, 3, 5], 48)
     assert got == greedy_reference(model, prompts, 48)
     copying = engine.sequences[0][0]
