@@ -487,7 +487,7 @@ class ServeSpeculativeConfig(Strict):
     num_tokens: int = 4  # drafts verified per step
     max_ngram: int = 4
     min_ngram: int = 2
-    min_fraction: float = 0.5  # of a step's decoding requests that must bring drafts for it to verify any
+    always_verify: bool = False  # verify every draft (no measured rule): reproducible seeded sampling
     draft_model: str | None = None
 
     @model_validator(mode="after")
@@ -545,8 +545,8 @@ SPECULATIVE_FLAGS = (
     ("--speculative-tokens", "num_tokens", int, "draft tokens verified per step, 1 to 15 (default 4)"),
     ("--speculative-max-ngram", "max_ngram", int, "ngram: the longest n-gram matched (default 4)"),
     ("--speculative-min-ngram", "min_ngram", int, "ngram: the shortest n-gram matched (default 2)"),
-    ("--speculative-min-fraction", "min_fraction", float,
-     "the least fraction of a step's decoding requests with drafts for the step to verify any (default 0.5)"),
+    ("--speculative-always-verify", "always_verify", bool,
+     "verify every draft, not only when measured step times say it pays (reproducible seeded sampling)"),
     ("--draft-model", "draft_model", str, "draft: a smaller model with the same vocabulary (name, directory, .gguf)"),
 )  # fmt: skip
 
@@ -577,7 +577,10 @@ def _serve_parser(sub) -> None:
     parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; off unless a method is set)")
     for flag, key, kind, help_text in SPECULATIVE_FLAGS:
-        spec.add_argument(flag, dest=f"speculative_{key}", type=kind, help=help_text)
+        if kind is bool:  # a switch: present means True
+            spec.add_argument(flag, dest=f"speculative_{key}", action="store_const", const=True, help=help_text)
+        else:
+            spec.add_argument(flag, dest=f"speculative_{key}", type=kind, help=help_text)
 
 
 def resolve_serve_config(args) -> ServeConfig:

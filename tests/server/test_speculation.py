@@ -32,11 +32,12 @@ def test_flags_and_config_reach_the_engine(tmp_path):
     """The YAML section and the flags on top of it make the engine's ``SpeculativeConfig``; off by default."""
     assert resolved().speculative is None
     config = tmp_path / "serve.yaml"
-    config.write_text("speculative: {method: ngram, num_tokens: 3, min_fraction: 0.25}\nkv_memory: 1MiB\n")
+    config.write_text("speculative: {method: ngram, num_tokens: 3, always_verify: true}\nkv_memory: 1MiB\n")
     served = resolved("--speculative-tokens", "5", "--speculative-max-ngram", "6", config=config)
     engine = serving_engine(served, Llama(LlamaConfig(**TINY_LLAMA)))
-    assert engine.config.speculative == SpeculativeConfig("ngram", num_tokens=5, max_ngram=6, min_fraction=0.25)
+    assert engine.config.speculative == SpeculativeConfig("ngram", num_tokens=5, max_ngram=6, always_verify=True)
     assert resolved("--speculative-method", "ngram", "--speculative-min-ngram", "1").speculative.min_ngram == 1
+    assert resolved("--speculative-method", "ngram", "--speculative-always-verify").speculative.always_verify is True
 
 
 def test_a_draft_model_is_named_and_loaded_by_the_caller():
@@ -57,12 +58,11 @@ def test_a_draft_model_is_named_and_loaded_by_the_caller():
         (["--speculative-method", "ngram", "--speculative-tokens", "0"], "num_tokens"),
         (["--speculative-method", "ngram", "--speculative-tokens", "16"], "num_tokens"),
         (["--speculative-method", "ngram", "--speculative-min-ngram", "5"], "min_ngram"),
-        (["--speculative-method", "ngram", "--speculative-min-fraction", "1.5"], "min_fraction"),
         (["--speculative-method", "draft"], "draft_model"),
         (["--speculative-method", "ngram", "--draft-model", "smollm2"], "draft_model"),
     ],
     ids=["tokens-without-method", "draft-without-method", "unknown-method", "no-tokens", "too-many-tokens",
-         "min-above-max", "fraction-above-1", "draft-without-model", "model-without-draft"],
+         "min-above-max", "draft-without-model", "model-without-draft"],
 )  # fmt: skip
 def test_bad_options_name_the_option(argv, named):
     with pytest.raises(ValueError, match=named):
