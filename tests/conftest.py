@@ -136,7 +136,7 @@ FILE_SECONDS = {
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
     "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 73, "test_beam_smollm2.py": 62,
     "test_experiment_smoke.py": 62, "test_offload.py": 47, "test_engine_tiers.py": 20, "test_engine_disk.py": 15,
-    "test_tier_ledger.py": 10, "test_disk_tier.py": 8,
+    "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103,
 }  # fmt: skip
 
 
@@ -159,6 +159,12 @@ SERVER_FILES = {  # start a server on 127.0.0.1
 # Tests (by file and function, every parametrization) over ~4 s each on this machine, their module
 # fixtures' loads counted: `pytest -m "not slow"` leaves them out (the quick tier).
 SLOW: dict[str, set[str]] = {
+    "test_speculation.py": {
+        "test_sampled_tokens_follow_the_target_distribution", "test_qwen3_5_recurrent_states_roll_back",
+        "test_quantized_pages_roll_back", "test_ngram_speculation_equals_generate_with_staggered_arrivals",
+        "test_accepted_and_rejected_drafts_equal_generate_under_preemption", "test_draft_model_speculation_equals_generate",
+        "test_swap_preemption_with_drafts_equals_generate",
+    },
     "test_beam.py": {
         "test_beam_search_equals_transformers", "test_cli_beam_flags",
     },
