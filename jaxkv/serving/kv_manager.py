@@ -34,6 +34,7 @@ is recomputed, a long tail (no prefix caching: every page) is swapped.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -97,12 +98,30 @@ class PagePool:
         page is in none."""
         found: list[PageSource] = []
         for page_hash in hashes[first:end]:
-            page = self.manager.cached(page_hash)
-            key = prefix_key(self.name, page_hash)
-            if page is None and not below(key):
+            source = self._source(page_hash, below)
+            if source is None:
                 return None
-            found.append(HostSource(key, page_hash) if page is None else page)
+            found.append(source)
         return found
+
+    def held_pages(self, hashes: Sequence[bytes], below: Callable[[HostKey], bool]) -> list[PageSource | None]:
+        """Where each page of the chain ``hashes`` is (``cached_pages``' sources), None where it is in
+        no tier. Pages past a full-attention pool's first miss are None unasked (no prefix reaches
+        them); a sliding pool asks for every page (a longer prefix needs only its window's)."""
+        found: list[PageSource | None] = []
+        for page_hash in hashes:
+            found.append(self._source(page_hash, below))
+            if found[-1] is None and self.window is None:
+                return found + [None] * (len(hashes) - len(found))
+        return found
+
+    def _source(self, page_hash: bytes, below: Callable[[HostKey], bool]) -> PageSource | None:
+        """The device page cached under ``page_hash``, else a ``HostSource`` if a tier below holds it."""
+        page = self.manager.cached(page_hash)
+        if page is not None:
+            return page
+        key = prefix_key(self.name, page_hash)
+        return HostSource(key, page_hash) if below(key) else None
 
 
 def prefix_key(pool: str, page_hash: bytes) -> HostKey:
@@ -247,18 +266,16 @@ class KVCacheManager:
             return NO_HIT
         num_pages = (seq.num_tokens - 1) // self.page_size
         hashes = self._chain(seq, num_pages)
-        while num_pages:
-            found = [
-                pool.cached_pages(hashes, pool.first_needed_page(num_pages * self.page_size), num_pages, self._below)
-                for pool in self.pools
-            ]
-            if all(pages is not None for pages in found):
+        held = [pool.held_pages(hashes, self._below) for pool in self.pools]  # one question per page and pool
+        missing = [list(itertools.accumulate((source is None for source in sources), initial=0)) for sources in held]
+        for end in range(num_pages, 0, -1):  # the longest prefix whose needed pages every pool holds
+            firsts = [pool.first_needed_page(end * self.page_size) for pool in self.pools]
+            if all(gaps[end] == gaps[first] for gaps, first in zip(missing, firsts)):
                 pages = {
-                    pool.name: [NULL_PAGE] * pool.first_needed_page(num_pages * self.page_size) + sources
-                    for pool, sources in zip(self.pools, found)
+                    pool.name: [NULL_PAGE] * first + sources[first:end]
+                    for pool, sources, first in zip(self.pools, held, firsts)
                 }
-                return PrefixHit(pages, num_pages * self.page_size)
-            num_pages -= 1
+                return PrefixHit(pages, end * self.page_size)
         return NO_HIT
 
     def allocate(self, seq: SequenceState, num_new_tokens: int, hit: PrefixHit | None = None) -> Allocation | None:

@@ -132,11 +132,12 @@ class Scheduler:
         self.running.append(seq)
 
     # --- after the step -------------------------------------------------------------------
-    def computed(self, chunks: list[Chunk], accepted: Sequence[int]) -> None:
+    def computed(self, chunks: list[Chunk], accepted: Sequence[int] | None = None) -> None:
         """The step ran and its tokens were appended: advance each chunk's sequence past its tokens
-        and its ``accepted`` drafts (at most to its tokens: a stop may cut the drafts); its full
-        pages go to the prefix cache. The K/V of rejected drafts stay past the computed count."""
-        for chunk, num_accepted in zip(chunks, accepted, strict=True):
+        and its ``accepted`` drafts (None: no drafts; at most to its tokens: a stop may cut the
+        drafts); its full pages go to the prefix cache. The K/V of rejected drafts stay past the
+        computed count."""
+        for chunk, num_accepted in zip(chunks, [0] * len(chunks) if accepted is None else accepted, strict=True):
             seq = chunk.seq
             seq.num_computed = min(chunk.start + chunk.count + int(num_accepted), seq.num_tokens)
             self.kv.computed(seq)

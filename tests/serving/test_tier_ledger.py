@@ -238,3 +238,20 @@ class TwoTierMachine(RuleBasedStateMachine):
 
 TwoTierMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestTwoTiers = TwoTierMachine.TestCase
+
+
+def test_lookup_asks_each_page_once():
+    """A prefix hit found in one pass over the chain: 4 cached pages then misses ask the pool 5
+    times, not once per page for every shorter prefix tried (with a disk tier each ask may be a
+    file's stat)."""
+    kv = KVCacheManager(FULL_ONLY, prefix_caching=True)
+    first = SequenceState(0, 0, list(range(20)), RequestOptions(), 0.0)
+    assert kv.allocate(first, 20, kv.lookup(first)) is not None
+    first.num_computed = 20
+    kv.computed(first)
+    second = SequenceState(1, 0, list(range(16)) + [99] * 24, RequestOptions(), 0.0)
+    manager, asked = kv.pools[0].manager, []
+    cached = manager.cached
+    manager.cached = lambda page_hash: asked.append(page_hash) or cached(page_hash)
+    hit = kv.lookup(second)
+    assert hit.num_tokens == 16 and len(hit.pages["full"]) == 4 and len(asked) == 5
