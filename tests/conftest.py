@@ -210,7 +210,7 @@ SLOW: dict[str, set[str]] = {
     },
     "test_engine_sharding.py": {
         "test_greedy_tokens_equal_generate", "test_quantized_pages_on_a_mesh_equal_generate",
-        "test_rows_need_not_divide_the_data_axis_without_per_row_slots",
+        "test_rows_need_not_divide_the_data_axis_without_per_row_slots", "test_speculation_on_a_mesh_equals_generate",
     },
     "test_eviction.py": {
         "test_attention_slot_mass_sums_to_the_weighted_queries", "test_compression_ratio_zero_builds_the_full_cache",

@@ -20,6 +20,7 @@ from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.sharding import device_bytes, make_mesh
 from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, collective_shapes, greedy_reference, run_arrivals, stack_shapes
+from tests.serving.test_speculation import SPECULATIVE, Oracle
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is not divisible by mesh axis:UserWarning")
 
@@ -160,3 +161,16 @@ def test_a_pool_too_small_for_the_data_axis_is_an_error():
     """7 pages' worth on a data axis of 8: no pool of a multiple of 8 pages fits."""
     with pytest.raises(ValueError, match=r"at least 8 pages of 6144 bytes \(a multiple of the 8 devices"):
         sharded_engine("llama", "8x1", kv_memory=7 * 6144)
+
+
+@pytest.mark.parametrize(("name", "mesh_name"), [("llama", "4x2"), ("gemma3", "2x4")])
+def test_speculation_on_a_mesh_equals_generate(references, name, mesh_name):
+    """Drafts verified on a mesh (an oracle's, each wrong with probability 0.3): the tokens equal
+    ``generate`` on one device and the pools stay sharded in place in the verifying steps too."""
+    oracle = Oracle({tuple(p): r for p, r in zip(PROMPTS, references[name])}, 0.3)
+    engine = sharded_engine(name, mesh_name, speculative=SPECULATIVE)
+    engine.speculation.proposer = oracle
+    assert run_arrivals(engine, PROMPTS, ARRIVALS, NEW_TOKENS) == references[name]
+    assert engine.stats()["speculation"]["accepted"] > 0
+    assert any(width > 1 for _, _, width in engine.runner.executables)
+    assert_pools_stay_put(engine)
