@@ -59,7 +59,7 @@ OPTIMIZED_FILES = {
     "test_smollm2.py", "test_engine_models.py", "test_mqar.py", "test_server.py", "test_load_test.py",
     "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
     "test_sharding_smollm2.py", "test_gemma3_gguf.py", "test_beam_smollm2.py",
-    "test_experiment_smoke.py",
+    "test_experiment_smoke.py", "test_server_speculation.py", "test_server_speculation_draft.py",
 }  # fmt: skip
 
 
@@ -154,7 +154,7 @@ MULTIDEVICE_FILES = {  # run on meshes of the 8 host devices, or several process
 }  # fmt: skip
 SERVER_FILES = {  # start a server on 127.0.0.1
     "test_server.py", "test_load_test.py", "test_bench_serving.py", "test_hostile_inputs.py", "test_failures.py",
-    "test_guidellm.py",
+    "test_guidellm.py", "test_server_speculation.py", "test_server_speculation_draft.py",
 }  # fmt: skip
 # Tests (by file and function, every parametrization) over ~4 s each on this machine, their module
 # fixtures' loads counted: `pytest -m "not slow"` leaves them out (the quick tier).

@@ -311,13 +311,13 @@ class Engine:
         if not chunks:
             return self._take_final()
         block_tables = self._block_tables()
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), len(self.runner.executables)
         try:
             outputs = self.runner.run(chunks, block_tables)
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
-        if self.speculation is not None:
+        if self.speculation is not None and len(self.runner.executables) == compiled:  # a compile is not a step's time
             self.speculation.observe(chunks, time.perf_counter() - start)
         with jax.profiler.TraceAnnotation("engine.outputs"):
             drawn = [self._append(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]

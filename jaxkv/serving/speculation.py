@@ -19,9 +19,9 @@ When speculation pays (``Speculation.plan``, the documented rule): a sequence br
 when its proposer finds some, it may still make more than one token (``max_tokens``, the
 model's length), its request did not opt out, and the drafts' pages fit without preempting
 anyone. A step then verifies them only when that makes more tokens a second than the plain
-step, measured: every compiled shape's wall time is a running mean (``observe``), and so is the
-number of drafts each sequence's verifications kept (a sequence not verified yet expects the
-running mean over all). With ``T`` tokens the plain step makes (a decode's, a finished
+step, measured: every compiled shape's wall time (a verifying one's with the time its drafts took
+to propose) is a running mean (``observe``), and so is the number of drafts each sequence's
+verifications kept (a sequence not verified yet expects the running mean over all). With ``T`` tokens the plain step makes (a decode's, a finished
 prompt's) and ``G`` the kept drafts expected, the step verifies when ``(T + G) * t_plain >= T *
 t_wide`` (``t_wide``: the verifying shape's time, each of its decode slots ``1 + k`` tokens
 wide). A shape not timed yet is tried, and a verifying shape that lost ``RETRY_AFTER`` times in
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -170,14 +171,18 @@ class Speculation:
         self.expected: dict[tuple[int, int], float] = {}  # running mean of a sequence's kept drafts
         self.prior = 1.0  # the same over every sequence: what a sequence not verified yet expects
         self.losses: dict[Shape, int] = {}  # decisions a verifying shape lost in a row
+        self.proposing_seconds = 0.0  # the wall time of this step's proposals (part of a verifying step's cost)
 
     def plan(self, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` with drafts for the decoding sequences that get them, or unchanged when
         verifying them would not pay."""
+        self.proposing_seconds = 0.0
         limits = {i: self._limit(chunk.seq) for i, chunk in enumerate(chunks) if self._may_propose(chunk)}
         if not limits or not self._pays(chunks, limits):
             return chunks
+        start = time.perf_counter()
         proposals = self.proposer.propose([chunks[i].seq for i in limits], list(limits.values()))
+        self.proposing_seconds = time.perf_counter() - start
         drafts = {
             i: tuple(draft[:limit])
             for (i, limit), draft in zip(limits.items(), proposals, strict=True)
@@ -211,9 +216,11 @@ class Speculation:
         return self.losses[wide] % RETRY_AFTER == 0
 
     def observe(self, chunks: list[Chunk], seconds: float) -> None:
-        """A step ran ``chunks`` in ``seconds`` (wall time): update its shape's running mean."""
-        width = 1 + self.config.num_tokens if any(chunk.draft for chunk in chunks) else 1
-        shape = self.step_shape(chunks, width)
+        """A step ran ``chunks`` in ``seconds`` (wall time): update its shape's running mean (a
+        verifying step's with the time its drafts took to propose: a draft model's passes)."""
+        verifying = any(chunk.draft for chunk in chunks)
+        shape = self.step_shape(chunks, 1 + self.config.num_tokens if verifying else 1)
+        seconds += self.proposing_seconds if verifying else 0.0
         self.step_seconds[shape] = _smoothed(self.step_seconds.get(shape), seconds)
 
     def verified(self, chunk: Chunk, accepted: int) -> None:

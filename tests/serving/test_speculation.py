@@ -278,11 +278,13 @@ def registered_pages(engine) -> dict[bytes, np.ndarray]:
 # --- the rule, the opt-out and the counters -----------------------------------------------------------
 def test_opt_out_and_counters(llama):
     """A request that opts out gets no drafts; the per-request counters sum to the engine's; usage
-    (the tokens made) is unchanged."""
+    (the tokens made) is unchanged; a step that compiled is not timed for the rule."""
     prompts = repeating_prompts(6, 2)
     references = greedy_reference(llama, prompts, NEW_TOKENS)
     oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 0.3)
     engine = speculating(llama, oracle, kv_memory=64 * 1024, **SMALL)
+    timed, observe = [], engine.speculation.observe
+    engine.speculation.observe = lambda chunks, seconds: timed.append(seconds) or observe(chunks, seconds)
     ids = [
         engine.add_request(p, max_tokens=NEW_TOKENS, ignore_eos=True, speculative=s)
         for p, s in zip(prompts, [True, False])
@@ -296,6 +298,7 @@ def test_opt_out_and_counters(llama):
     assert totals == (on.num_proposed, on.num_accepted, on.num_speculative_steps)
     assert counters["acceptance_rate"] == on.num_accepted / on.num_proposed
     assert counters["mean_accepted_length"] == 1 + on.num_accepted / on.num_speculative_steps
+    assert len(timed) == engine.stats()["num_steps"] - engine.stats()["num_compiled"] > 0
     with pytest.raises(TypeError, match="speculative"):
         engine.add_request(prompts[0], speculative="yes")
 
