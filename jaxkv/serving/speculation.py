@@ -16,20 +16,21 @@ rule: a draft ``d`` is kept with probability ``p(d)``, and at the first rejectio
 drawn from ``p`` with ``d`` removed; every kept token is distributed as plain sampling draws it.
 
 When speculation pays (``Speculation.plan``, the documented rule): a sequence brings drafts only
-when its proposer finds some, it may still make more than one token (``max_tokens``, the
-model's length), its request did not opt out, and the drafts' pages fit without preempting
-anyone. A step then verifies them only when that makes more tokens a second than the plain
-step, measured: every compiled shape's wall time (a verifying one's with the time its drafts took
-to propose) is a running mean (``observe``), and so is the number of drafts each sequence's
-verifications kept (a sequence not verified yet expects the running mean over all). With ``T`` tokens the plain step makes (a decode's, a finished
-prompt's) and ``G`` the kept drafts expected, the step verifies when ``(T + G) * t_plain >= T *
-t_wide`` (``t_wide``: the verifying shape's time, each of its decode slots ``1 + k`` tokens
-wide). A shape not timed yet is tried, and a verifying shape that lost ``RETRY_AFTER`` times in
-a row is tried again. So speculation turns itself off where drafts are rarely kept or where a
-wide step costs more than it brings (many rows on a busy CPU), and on where they pay. Greedy
-output never depends on it; a seeded sampled request's tokens do (a verified draft is kept with
-probability p(d), a plain step draws from p: the same distribution, different draws), so for
-reproducible seeded sampling set ``always_verify``.
+when its proposer finds some, it may still make more than one token (``max_tokens``, the model's
+length), its request did not opt out, and the drafts' pages fit without preempting anyone. A
+step then verifies them only when that makes more tokens a second than the plain step, measured:
+every compiled shape's wall time (a verifying one's with the time its drafts took to propose) is
+a running mean (``observe``), and so is the number of drafts each sequence's verifications kept
+(a sequence not verified yet expects the running mean over all). With ``T`` tokens the plain
+step makes (a decode's, a finished prompt's) and ``G`` the kept drafts expected, the step
+verifies when ``(T + G) * t_plain >= T * t_wide`` (``t_wide``: the verifying shape's time, each
+of its decode slots ``1 + k`` tokens wide). A shape not timed yet is tried (the verifying one
+first, then the plain one), and a verifying shape that lost ``RETRY_AFTER`` times in a row is
+tried again. So speculation turns itself off where drafts are rarely kept or where a wide step
+costs more than it brings (many rows on a busy CPU), and on where they pay. Greedy output never
+depends on it; a seeded sampled request's tokens do (a verified draft is kept with probability
+p(d), a plain step draws from p: the same distribution, different draws), so for reproducible
+seeded sampling set ``always_verify``.
 """
 
 from __future__ import annotations
@@ -205,8 +206,10 @@ class Speculation:
         """Would chunk i bringing ``drafts[i]`` drafts make more tokens a second than the plain
         step (the module's rule)?"""
         plain, wide = self.step_shape(chunks, 1), self.step_shape(chunks, 1 + self.config.num_tokens)
-        if self.config.always_verify or plain not in self.step_seconds or wide not in self.step_seconds:
-            return True
+        if self.config.always_verify or wide not in self.step_seconds:
+            return True  # verifying times the wide shape
+        if plain not in self.step_seconds:
+            return False  # a plain step times the plain shape
         tokens = sum(chunk.draws_next for chunk in chunks)
         gain = sum(min(self.expected.get(chunks[i].seq.key, self.prior), n) for i, n in drafts.items())
         if (tokens + gain) * self.step_seconds[plain] >= tokens * self.step_seconds[wide]:

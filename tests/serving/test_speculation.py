@@ -16,7 +16,9 @@ from scipy import stats
 from jaxkv.decoding.sampling import RowSampling, Sampling, row_logits
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
-from jaxkv.serving.speculation import NgramProposer, Proposer, SpeculativeConfig, ngram_drafts
+from jaxkv.serving.requests import RequestOptions, SequenceState
+from jaxkv.serving.scheduler import Chunk
+from jaxkv.serving.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig, ngram_drafts
 from jaxkv.serving.step import verify_rows
 from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference, run_arrivals
 from tests.serving.test_engine import QWEN
@@ -392,3 +394,21 @@ def test_sampled_tokens_follow_the_target_distribution(llama):
         counts = np.stack([np.bincount(x[:, position], minlength=VOCAB) for x in (plain, speculated)])
         counts = counts[:, counts.sum(0) > 0]
         assert stats.chi2_contingency(counts).pvalue > 1e-3
+
+
+def test_untimed_shapes_are_tried_verifying_first():
+    """The rule's exploration: a verifying shape not timed yet is tried, then the plain one (run
+    plain to time it), then the measured rule decides: one decoding sequence expecting one kept
+    draft pays for a verifying step up to twice the plain one's time."""
+    speculation = Speculation(
+        SpeculativeConfig(), NgramProposer(4, 2), kv=None, max_model_len=64, step_shape=lambda chunks, w: (1, 0, w)
+    )
+    seq = SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0)
+    chunks = [Chunk(seq, 2, 1)]
+    assert speculation._pays(chunks, {0: 3})
+    speculation.step_seconds[(1, 0, 5)] = 1.0
+    assert not speculation._pays(chunks, {0: 3})
+    speculation.step_seconds[(1, 0, 1)] = 0.5
+    assert speculation._pays(chunks, {0: 3})
+    speculation.step_seconds[(1, 0, 1)] = 0.4
+    assert not speculation._pays(chunks, {0: 3})
