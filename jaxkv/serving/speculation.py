@@ -26,11 +26,12 @@ step makes (a decode's, a finished prompt's) and ``G`` the kept drafts expected,
 verifies when ``(T + G) * t_plain >= T * t_wide`` (``t_wide``: the verifying shape's time, each
 of its decode slots ``1 + k`` tokens wide). A shape not timed yet is tried (the verifying one
 first, then the plain one), and a verifying shape that lost ``RETRY_AFTER`` times in a row is
-tried again. So speculation turns itself off where drafts are rarely kept or where a wide step
-costs more than it brings (many rows on a busy CPU), and on where they pay. Greedy output never
-depends on it; a seeded sampled request's tokens do (a verified draft is kept with probability
-p(d), a plain step draws from p: the same distribution, different draws), so for reproducible
-seeded sampling set ``always_verify``.
+tried again (after twice as many losses each time it is retried and loses again). So speculation
+turns itself off where drafts are rarely kept or where a wide step costs more than it brings
+(many rows on a busy CPU), and on where they pay. Greedy output never depends on it; a seeded
+sampled request's tokens do (a verified draft is kept with probability p(d), a plain step draws
+from p: the same distribution, different draws), so for reproducible seeded sampling set
+``always_verify``.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def ngram_drafts(tokens: np.ndarray, limit: int, max_ngram: int, min_ngram: int)
 # The weight of the latest observation in the running means of step times and kept drafts.
 SMOOTHING = 0.3
 # A verifying shape that lost this many decisions in a row is tried once more (its time may have
-# been measured on a busy machine).
+# been measured on a busy machine); each retry that loses again doubles the wait.
 RETRY_AFTER = 64
 
 Shape = tuple[int, int, int]  # a compiled step's (decode slots, prefill size, decode width)
@@ -171,7 +172,8 @@ class Speculation:
         self.step_seconds: dict[Shape, float] = {}  # running mean of each step shape's wall time
         self.expected: dict[tuple[int, int], float] = {}  # running mean of a sequence's kept drafts
         self.prior = 1.0  # the same over every sequence: what a sequence not verified yet expects
-        self.losses: dict[Shape, int] = {}  # decisions a verifying shape lost in a row
+        self.losses: dict[Shape, int] = {}  # decisions a verifying shape lost since it last won or was tried
+        self.patience: dict[Shape, int] = {}  # losses before it is tried again (doubling per retry)
         self.proposing_seconds = 0.0  # the wall time of this step's proposals (part of a verifying step's cost)
 
     def plan(self, chunks: list[Chunk]) -> list[Chunk]:
@@ -213,10 +215,13 @@ class Speculation:
         tokens = sum(chunk.draws_next for chunk in chunks)
         gain = sum(min(self.expected.get(chunks[i].seq.key, self.prior), n) for i, n in drafts.items())
         if (tokens + gain) * self.step_seconds[plain] >= tokens * self.step_seconds[wide]:
-            self.losses[wide] = 0
+            self.losses[wide], self.patience[wide] = 0, RETRY_AFTER
             return True
         self.losses[wide] = self.losses.get(wide, 0) + 1
-        return self.losses[wide] % RETRY_AFTER == 0
+        if self.losses[wide] < self.patience.get(wide, RETRY_AFTER):
+            return False
+        self.losses[wide], self.patience[wide] = 0, 2 * self.patience.get(wide, RETRY_AFTER)
+        return True
 
     def observe(self, chunks: list[Chunk], seconds: float) -> None:
         """A step ran ``chunks`` in ``seconds`` (wall time): update its shape's running mean (a

@@ -412,3 +412,14 @@ def test_untimed_shapes_are_tried_verifying_first():
     assert speculation._pays(chunks, {0: 3})
     speculation.step_seconds[(1, 0, 1)] = 0.4
     assert not speculation._pays(chunks, {0: 3})
+
+
+def test_a_losing_verifying_shape_is_retried_ever_more_rarely():
+    """A verifying shape that always loses is tried again after 64 losses, then 128, then 256."""
+    speculation = Speculation(
+        SpeculativeConfig(), NgramProposer(4, 2), kv=None, max_model_len=64, step_shape=lambda chunks, w: (1, 0, w)
+    )
+    speculation.step_seconds = {(1, 0, 1): 0.1, (1, 0, 5): 1.0}
+    chunks = [Chunk(SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0), 2, 1)]
+    tried = [n for n in range(1, 500) if speculation._pays(chunks, {0: 3})]
+    assert tried == [64, 64 + 128, 64 + 128 + 256]
