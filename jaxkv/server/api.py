@@ -49,39 +49,37 @@ class Metrics:
         self.ttft = Histogram("jaxkv_time_to_first_token_seconds", "time to first token", registry=self.registry)
         self.tpot = Histogram("jaxkv_time_per_output_token_seconds", "time per output token", registry=self.registry)
         # Speculative decoding: counters of the engine's totals (``Engine.stats()["speculation"]``), by name.
-        self.speculation = {
-            name: Counter(f"jaxkv_speculative_{name}", help_text, registry=self.registry)
-            for name, help_text in {
-                "proposed_tokens": "draft tokens verified",
-                "accepted_tokens": "draft tokens the target model kept",
-                "steps": "request-steps that verified drafts",
-            }.items()
-        }
+        self.speculation = self._named(Counter, "jaxkv_speculative_", {
+            "proposed_tokens": "draft tokens verified",
+            "accepted_tokens": "draft tokens the target model kept",
+            "steps": "request-steps that verified drafts",
+        })  # fmt: skip
         self.counted = dict.fromkeys(self.speculation, 0)  # the totals the counters have reached
-        self.gauges = {
-            name: Gauge(f"jaxkv_{name}", help_text, registry=self.registry)
-            for name, help_text in {
-                "running_requests": "sequences holding a row",
-                "waiting_requests": "sequences waiting for a row or pages",
-                "pages_used": "pages in use over all pools",
-                "pages_free": "free pages over all pools (cached ones included)",
-                "prefix_cache_hit_rate": "prompt tokens served from the prefix cache",
-                "preemptions": "sequences preempted since start",
-                "swaps": "preempted sequences whose pages went to the host tier",
-                "recomputes": "preempted sequences whose pages were freed, to be computed again",
-                "device_prefix_hit_pages": "prefix-cache pages found in the device pools since start",
-                "host_prefix_hit_pages": "prefix-cache pages found in the host tier since start",
-                "host_pages": "pages held in the host tier",
-                "host_bytes_in": "bytes copied from the device pools to the host tier since start",
-                "host_bytes_out": "bytes copied from the host tier to the device pools since start",
-                "disk_prefix_hit_pages": "prefix-cache pages read from the disk tier since start",
-                "disk_pages": "pages on disk in the disk tier (every engine's on its directory)",
-                "disk_bytes_written": "bytes of page files written to the disk tier since start",
-                "disk_bytes_read": "bytes of page files read from the disk tier since start",
-                "speculative_acceptance_rate": "accepted / proposed draft tokens since start",
-                "speculative_mean_accepted_length": "tokens a request-step that verified drafts made (1 + accepted)",
-            }.items()
-        }
+        self.gauges = self._named(Gauge, "jaxkv_", {
+            "running_requests": "sequences holding a row",
+            "waiting_requests": "sequences waiting for a row or pages",
+            "pages_used": "pages in use over all pools",
+            "pages_free": "free pages over all pools (cached ones included)",
+            "prefix_cache_hit_rate": "prompt tokens served from the prefix cache",
+            "preemptions": "sequences preempted since start",
+            "swaps": "preempted sequences whose pages went to the host tier",
+            "recomputes": "preempted sequences whose pages were freed, to be computed again",
+            "device_prefix_hit_pages": "prefix-cache pages found in the device pools since start",
+            "host_prefix_hit_pages": "prefix-cache pages found in the host tier since start",
+            "host_pages": "pages held in the host tier",
+            "host_bytes_in": "bytes copied from the device pools to the host tier since start",
+            "host_bytes_out": "bytes copied from the host tier to the device pools since start",
+            "disk_prefix_hit_pages": "prefix-cache pages read from the disk tier since start",
+            "disk_pages": "pages on disk in the disk tier (every engine's on its directory)",
+            "disk_bytes_written": "bytes of page files written to the disk tier since start",
+            "disk_bytes_read": "bytes of page files read from the disk tier since start",
+            "speculative_acceptance_rate": "accepted / proposed draft tokens since start",
+            "speculative_mean_accepted_length": "tokens a request-step that verified drafts made (1 + accepted)",
+        })  # fmt: skip
+
+    def _named(self, kind, prefix: str, helps: dict[str, str]) -> dict:
+        """A ``kind`` metric (Counter, Gauge) per name of ``helps`` (its help text), named ``prefix + name``."""
+        return {name: kind(prefix + name, help_text, registry=self.registry) for name, help_text in helps.items()}
 
     def render(self, stats: dict) -> bytes:
         pools, tiers, speculation = stats["pages"].values(), stats["tiers"], stats["speculation"]

@@ -180,7 +180,8 @@ class Speculation:
         """``chunks`` with drafts for the decoding sequences that get them, or unchanged when
         verifying them would not pay."""
         self.proposing_seconds = 0.0
-        limits = {i: self._limit(chunk.seq) for i, chunk in enumerate(chunks) if self._may_propose(chunk)}
+        limits = {i: self._limit(chunk.seq) for i, chunk in enumerate(chunks) if self._decodes(chunk)}
+        limits = {i: limit for i, limit in limits.items() if limit > 0}
         if not limits or not self._pays(chunks, limits):
             return chunks
         start = time.perf_counter()
@@ -195,9 +196,10 @@ class Speculation:
             return chunks
         return [dataclasses.replace(chunk, draft=drafts[i]) if i in drafts else chunk for i, chunk in enumerate(chunks)]
 
-    def _may_propose(self, chunk: Chunk) -> bool:
-        seq = chunk.seq
-        return chunk.count == 1 and chunk.draws_next and seq.options.speculative and self._limit(seq) > 0
+    @staticmethod
+    def _decodes(chunk: Chunk) -> bool:
+        """Is ``chunk`` a decode of a sequence that takes drafts?"""
+        return chunk.count == 1 and chunk.draws_next and chunk.seq.options.speculative
 
     def _limit(self, seq: SequenceState) -> int:
         """Drafts ``seq`` may bring: ``num_tokens``, less than the tokens it may still make."""

@@ -21,23 +21,12 @@ from jaxkv.layers.evicting import EvictingLayer
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.pages import NULL_PAGE
-from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference, run_arrivals
+from tests.cases import VOCAB, greedy_reference, run_arrivals
+from tests.serving.conftest import GEMMA, LLAMA
 
-LLAMA = TINY_LLAMA | {"max_position_embeddings": 256}
-GEMMA = TINY_GEMMA | {"sliding_window": 8, "max_position_embeddings": 256}
 # Small pages, rows and budget: prompts span many pages and chunks, and rows fill up.
 SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def model(request):
-    return Llama(LlamaConfig(**LLAMA)) if request.param == "llama" else Gemma3(Gemma3Config(**GEMMA))
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return Llama(LlamaConfig(**LLAMA))
 
 
 def prompts_of(seed: int, count: int, longest: int = 40) -> list[list[int]]:

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from scipy import stats
@@ -20,25 +19,13 @@ from jaxkv.serving.requests import RequestOptions, SequenceState
 from jaxkv.serving.scheduler import Chunk
 from jaxkv.serving.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig, ngram_drafts
 from jaxkv.serving.step import verify_rows
-from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference, run_arrivals
-from tests.serving.test_engine import QWEN
+from tests.cases import VOCAB, greedy_reference, run_arrivals
+from tests.serving.conftest import LLAMA
+from tests.serving.test_engine import QWEN, SMALL
 
-LLAMA = TINY_LLAMA | {"max_position_embeddings": 256}
-GEMMA = TINY_GEMMA | {"sliding_window": 8, "max_position_embeddings": 256}
-SMALL = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
 NEW_TOKENS = 20
 # Every draft verified (the measured rule's choices depend on timing: tested on its own).
 SPECULATIVE = SpeculativeConfig(num_tokens=3, min_ngram=1, always_verify=True)
-
-
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
-def model(request):
-    return Llama(LlamaConfig(**LLAMA)) if request.param == "llama" else Gemma3(Gemma3Config(**GEMMA))
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return Llama(LlamaConfig(**LLAMA))
 
 
 def repeating_prompts(seed: int, count: int) -> list[list[int]]:
