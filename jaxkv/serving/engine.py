@@ -206,7 +206,7 @@ class Engine:
             DraftModel(spec.draft_model).check(self.model)
             proposer = DraftProposer(
                 spec.draft_model, num_rows=self.config.max_num_seqs, max_model_len=self.max_model_len,
-                num_tokens=spec.num_tokens,
+                num_tokens=spec.num_tokens, page_size=self.config.page_size,
             )  # fmt: skip
         return Speculation(spec, proposer, self.kv, self.max_model_len, self.runner.step_shape)
 

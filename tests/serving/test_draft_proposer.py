@@ -8,7 +8,7 @@ import pytest
 from jaxkv.models.llama import Llama, LlamaConfig
 
 from jaxkv.decoding.generate import generate
-from jaxkv.serving.draft_proposer import DraftProposer, catch_up_pieces, catch_up_widths, common_prefix
+from jaxkv.serving.draft_proposer import DraftProposer, catch_up_pieces, catch_up_widths, common_prefix, row_buckets
 from jaxkv.serving.requests import RequestOptions, SequenceState, Status
 from tests.cases import TINY_LLAMA, VOCAB, greedy_reference
 
@@ -16,6 +16,8 @@ K = 3  # drafts per step
 ROWS = 4
 MAX_LEN = 30  # the engine's max_model_len
 CHUNK = 4  # catch-up chunk: prompts longer than it are fed in chunks
+# Per row bucket: the full-chunk feed and one call per catch-up width.
+COMPILED = len(row_buckets(ROWS)) * (len(catch_up_widths(CHUNK)) + 1)
 DRAFT = TINY_LLAMA | {"num_hidden_layers": 2, "max_position_embeddings": 64}
 
 
@@ -51,8 +53,10 @@ def test_catch_up_pieces_widths_and_common_prefix():
     assert pieces(3) == [(3, [3, 4, 5, 6]), (7, [7, 8, 9, 10])]
     assert pieces(10) == [(10, [10])]
     assert catch_up_widths(4) == (2, 4)
-    assert catch_up_widths(20) == (2, 4, 8, 16, 20)
+    assert catch_up_widths(20) == (2, 8, 20)
     assert catch_up_widths(1) == (1,)
+    assert row_buckets(32) == (1, 4, 16, 32)
+    assert row_buckets(4) == (1, 4)
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
     assert common_prefix(np.array([1, 2]), np.array([1, 2, 4])) == 2
     assert common_prefix(np.zeros(0, np.int32), np.array([1])) == 0
@@ -67,7 +71,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(draft):
     rng = np.random.default_rng(0)
     proposer = DraftProposer(draft, num_rows=ROWS, max_model_len=MAX_LEN, num_tokens=K, chunk_size=CHUNK)
     proposer.warmup()
-    assert proposer.num_compiled == len(catch_up_widths(CHUNK)) + 1
+    assert proposer.num_compiled == COMPILED
     prompt = lambda n: rng.integers(0, VOCAB, n).tolist()  # noqa: E731
     seqs = {0: running(0, prompt(1), 0), 1: running(1, prompt(6), 1), 2: running(2, prompt(11), 2)}
     next_id, proposals = 3, 0
@@ -83,11 +87,11 @@ def test_drafts_are_the_draft_models_greedy_continuation(draft):
             seqs[3] = running(seqs[2].request_id, seqs.pop(2).tokens, 3)
         order = sorted(seqs)
         limits = [int(rng.integers(0, K + 1)) if step else K for _ in order]
-        lengths = np.asarray(proposer.cache.lengths)
+        lengths = [len(fed) for fed in proposer.fed]
         got = proposer.propose([seqs[row] for row in order], limits)
         expected = draft_continuations(draft, [seqs[row] for row in order])
-        after = np.asarray(proposer.cache.lengths)
-        assert after.max() <= MAX_LEN == proposer.cache.max_length
+        after = [len(fed) for fed in proposer.fed]
+        assert max(after) <= MAX_LEN
         for row, limit, drafts, continuation in zip(order, limits, got, expected):
             seq = seqs[row]
             assert len(drafts) == min(limit, MAX_LEN - seq.num_tokens)
@@ -102,7 +106,7 @@ def test_drafts_are_the_draft_models_greedy_continuation(draft):
         for row in [row for row in order if seqs[row].num_tokens >= MAX_LEN]:  # finished at the model's length
             proposer.release(seqs.pop(row))
     assert proposals > 15
-    assert proposer.num_compiled == len(catch_up_widths(CHUNK)) + 1
+    assert proposer.num_compiled == COMPILED
 
 
 def test_target_as_its_own_draft_is_always_accepted():
@@ -127,7 +131,7 @@ def test_target_as_its_own_draft_is_always_accepted():
             seqs.remove(seq)
         steps += 1
     assert steps == 3  # 1 token from the prefill, then 4 a step
-    assert proposer.num_compiled <= len(catch_up_widths(CHUNK)) + 1
+    assert proposer.num_compiled <= COMPILED
 
 
 def test_bad_arguments_are_refused_by_name(draft):
