@@ -31,6 +31,7 @@ from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
+from jaxkv.layers.retrieval import RetrievalLayer, RetrievalSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.offload import (
@@ -84,6 +85,8 @@ class LayerSpec:
     paging: Paging | None = None
     # Keep full-attention K/V in a budget of slots, evicting by a policy (jaxkv.layers.evicting).
     eviction: EvictionSpec | None = None
+    # Keep every full-attention token; each query reads a budget of pages (jaxkv.layers.retrieval).
+    retrieval: RetrievalSpec | None = None
     num_layers: int = 1  # the model's layers (PyramidKV spreads its budget over them)
 
     def __post_init__(self):
@@ -127,7 +130,22 @@ def _full_attention_layer(spec: LayerSpec) -> CacheLayer:
     return layer
 
 
+def _retrieval_layer(spec: LayerSpec) -> CacheLayer:
+    others = {"quantization": spec.quantization, "paging": spec.paging, "eviction": spec.eviction}
+    given = [name for name, value in others.items() if value is not None]
+    if given or spec.full_attention != "static" or spec.max_length is None:
+        raise ValueError(
+            f"retrieval keeps every token in a preallocated full-precision buffer: pass max_length, "
+            f"full_attention='static' and no {' or '.join(given) or 'quantization, paging or eviction'}"
+        )
+    return RetrievalLayer.create(
+        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.retrieval, spec.dtype
+    )
+
+
 def _full_attention_storage(spec: LayerSpec) -> CacheLayer:
+    if spec.retrieval is not None:
+        return _retrieval_layer(spec)
     if spec.eviction is not None:
         return _evicting_layer(spec)
     if spec.paging is not None:
@@ -206,6 +224,8 @@ def _check_hybrid_options(spec: LayerSpec) -> None:
         raise ValueError(
             "eviction covers full_attention layers; a hybrid layer (hybrid, hybrid_sliding) keeps all its K/V"
         )
+    if spec.retrieval is not None:
+        raise ValueError("retrieval covers full_attention layers; a hybrid layer (hybrid, hybrid_sliding) reads all")
 
 
 def _hybrid_layer(spec: LayerSpec) -> CacheLayer:
@@ -226,7 +246,7 @@ class LayerType:
     ``storage``: the class per full-attention kind ('static', 'dynamic'), or under None for a
     type with one storage; empty for a type made of others (a hybrid holds a linear state and
     an attention layer). ``quantized``: the class that stores it under ``quantization``, if any;
-    ``paged``: under ``paging``; ``evicted``: under ``eviction``.
+    ``paged``: under ``paging``; ``evicted``: under ``eviction``; ``retrieved``: under ``retrieval``.
     """
 
     build: Callable[[LayerSpec], CacheLayer]
@@ -234,6 +254,7 @@ class LayerType:
     quantized: type[CacheLayer] | None = None
     paged: type[CacheLayer] | None = None
     evicted: type[CacheLayer] | None = None
+    retrieved: type[CacheLayer] | None = None
 
 
 # The config's layer_types value -> its builder and storage. A new layer family registers
@@ -245,6 +266,7 @@ LAYER_TYPES: dict[str, LayerType] = {
         quantized=QuantizedLayer,
         paged=PagedLayer,
         evicted=EvictingLayer,
+        retrieved=RetrievalLayer,
     ),
     "sliding_attention": LayerType(
         _sliding_layer, {None: SlidingWindowLayer}, quantized=QuantizedLayer, paged=PagedLayer
@@ -359,7 +381,7 @@ _PAGED_FIX = "build the cache with paging= (the serving engine's layers)"
 
 def _check_offload(spec: LayerSpec, mesh) -> None:
     """``offload`` covers a one-device cache of plain or quantized layers."""
-    other = {"paging": spec.paging, "eviction": spec.eviction, "mesh": mesh}
+    other = {"paging": spec.paging, "eviction": spec.eviction, "retrieval": spec.retrieval, "mesh": mesh}
     given = [name for name, value in other.items() if value is not None]
     if given:
         raise ValueError(
@@ -426,6 +448,7 @@ class Cache:
         quantization: QuantSpec | None = None,
         paging: Paging | None = None,
         eviction: EvictionSpec | None = None,
+        retrieval: RetrievalSpec | None = None,
         layer_builder: LayerBuilder | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
@@ -449,6 +472,9 @@ class Cache:
         evicting by its policy (``EvictingLayer``; models attend through ``cached_attention``);
         a compression ratio of 0 builds the uncompressed layers. With ``paging`` (the serving
         engine) they are ``PackedEvictingLayer``: a budget of slots per engine row, no pages.
+        ``retrieval``: a ``RetrievalSpec`` keeps every token of full-attention layers (static,
+        ``max_length``) and has each query read a budget of pages (``RetrievalLayer``); the other
+        layer types (Gemma 3's sliding rings) are unchanged.
         ``layer_builder``: builds every layer in place of ``LAYER_TYPES``' builders
         (``LayerBuilder``: ``layer_builder.build(layer_type, spec)``, the options above in ``spec``).
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
@@ -467,7 +493,7 @@ class Cache:
             sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
             rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
             state_shapes=state_shapes, quantization=quantization, paging=paging, eviction=eviction,
-            num_layers=len(layer_types),
+            retrieval=retrieval, num_layers=len(layer_types),
         )  # fmt: skip
         check_layer_types(layer_types)
         period = pattern_period(layer_types) if stacked else len(layer_types)

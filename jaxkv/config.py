@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
 from jaxkv.eviction import POLICIES, EvictionSpec
+from jaxkv.layers.retrieval import SUMMARIES, RetrievalSpec
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import DATA, MODEL, make_mesh, parse_mesh
 
@@ -73,6 +74,26 @@ class BudgetedEvictionConfig(EvictionConfig):
         return EvictionSpec(**self.model_dump())
 
 
+class RetrievalConfig(Strict):
+    """Page retrieval attention (``jaxkv.layers.retrieval.RetrievalSpec``): each query reads ``budget``
+    tokens (a multiple of ``page_size``) of every full-attention layer, the ``sink`` first and
+    ``recent`` last pages always, the rest chosen by their ``summary``."""
+
+    budget: PositiveInt
+    page_size: PositiveInt = 16
+    sink: NonNegativeInt = 1
+    recent: PositiveInt = 1
+    summary: Literal[SUMMARIES] = "minmax"
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        self.spec()  # the budget holds whole pages, the sink and the recent pages
+        return self
+
+    def spec(self) -> RetrievalSpec:
+        return RetrievalSpec(**self.model_dump())
+
+
 class CacheConfig(Strict):
     """How to build a ``Cache`` (the keyword arguments of ``Cache.from_config``)."""
 
@@ -81,12 +102,16 @@ class CacheConfig(Strict):
     rollback_slots: NonNegativeInt = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: QuantizationConfig | None = None
+    retrieval: RetrievalConfig | None = None  # full-attention layers read a budget of pages per query
     # K/V of these layers in host memory, one layer at a time on the device (jaxkv.offload): true
     # (full-attention layers), "all", a layer type, or a list of layer types and layer indices.
     offload: bool | str | list[str | int] | None = None
 
     def quantization_spec(self) -> QuantSpec | None:
         return None if self.quantization is None else self.quantization.spec()
+
+    def retrieval_spec(self) -> RetrievalSpec | None:
+        return None if self.retrieval is None else self.retrieval.spec()
 
 
 class MeshConfig(Strict):

@@ -23,11 +23,12 @@ def storage_rows() -> list[StorageRow]:
     """Every storage with a byte formula: ``cache.LAYER_TYPES``' classes, their quantized and
     paged classes (each once, under the first type that has it) and cross-attention's. In the
     table's order: K/V at the cache dtype (self-, then cross-attention), fixed-size states,
-    quantized K/V, evicted K/V, paged K/V."""
+    quantized K/V, evicted K/V, retrieved K/V, paged K/V."""
     rows = [(name, kind, cls) for name, layer_type in LAYER_TYPES.items() for kind, cls in layer_type.storage.items()]
     for kind, storage_of in (
         ("quantized", lambda t: t.quantized),
         ("evicted", lambda t: t.evicted),
+        ("retrieved", lambda t: t.retrieved),
         ("paged", lambda t: t.paged),
     ):
         first_with = {}
@@ -40,7 +41,8 @@ def storage_rows() -> list[StorageRow]:
 
 def _table_section(row: StorageRow) -> int:
     _, kind, cls = row
-    return {"quantized": 2, "evicted": 3, "paged": 4}.get(kind, 1 if issubclass(cls, LinearAttentionLayer) else 0)
+    sections = {"quantized": 2, "evicted": 3, "retrieved": 4, "paged": 5}
+    return sections.get(kind, 1 if issubclass(cls, LinearAttentionLayer) else 0)
 
 
 def layer_class(layer_type: str, full_attention: str = "static") -> type:

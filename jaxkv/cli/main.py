@@ -314,6 +314,7 @@ def cache_options(config: GenerateConfig) -> dict:
         "max_length": cache.max_length,
         "rollback_slots": cache.rollback_slots,
         "quantization": cache.quantization_spec(),
+        "retrieval": cache.retrieval_spec(),
         "offload": cache.offload,
     }
 

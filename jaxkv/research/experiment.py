@@ -18,9 +18,11 @@ A config (YAML, validated: an unknown key or a wrong type names the key and the 
       - {name: full}                                             # the uncompressed cache
       - {name: int4, quantization: {nbits: 4, axis_key: -1}}     # jaxkv.config.QuantizationConfig
       - {name: snapkv, eviction: {policy: snapkv, window: 32}}   # EvictionConfig below
+      - {name: quest, retrieval: {budget: 256, page_size: 16}}   # jaxkv.config.RetrievalConfig
 
-Cells: the plain and quantized caches run once per model, task context and seed; an eviction cache
-runs once per budget below 1.0, keeping ``max(1, int(budget * context))`` slots per row, K/V head and layer
+Cells: the plain, quantized and retrieval caches (the last at their own budget of tokens per query)
+run once per model, task context and seed; an eviction cache runs once per budget below 1.0, keeping
+``max(1, int(budget * context))`` slots per row, K/V head and layer
 (``jaxkv.eviction.EvictionSpec``; PyramidKV's mean over layers, its schedule planned for the task's
 prompt length where every row's is equal, MQAR's context, else for the context:
 ``Task.prompt_length``). Budget 1.0 of any policy is the uncompressed cache, so it is the
@@ -55,7 +57,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from jaxkv.config import EvictionConfig, QuantizationConfig, Strict, load_config
+from jaxkv.config import EvictionConfig, QuantizationConfig, RetrievalConfig, Strict, load_config
 from jaxkv.research.tasks import KVRetrievalTask, MQARTask, PasskeyTask, PerplexityTask
 
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -63,21 +65,29 @@ TaskConfig = Annotated[PerplexityTask | PasskeyTask | KVRetrievalTask | MQARTask
 
 
 class CacheChoice(Strict):
-    """One cache of the grid: plain (neither option), quantized or evicting."""
+    """One cache of the grid: plain (no option), quantized, evicting or retrieving pages."""
 
     name: str
     quantization: QuantizationConfig | None = None
     eviction: EvictionConfig | None = None
+    retrieval: RetrievalConfig | None = None
 
     @model_validator(mode="after")
     def _one_kind(self):
-        if self.quantization is not None and self.eviction is not None:
-            raise ValueError(f"cache {self.name!r}: give quantization or eviction, not both")
+        given = [name for name in ("quantization", "eviction", "retrieval") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"cache {self.name!r}: give one of quantization, eviction and retrieval, not {given}")
         return self
 
     @property
     def kind(self) -> str:
-        return "eviction" if self.eviction else "quantized" if self.quantization else "full"
+        kinds = {"eviction": self.eviction, "quantized": self.quantization, "retrieval": self.retrieval}
+        return next((kind for kind, option in kinds.items() if option is not None), "full")
+
+    def settings(self) -> dict:
+        """The cache's fields as results.jsonl records them; ``retrieval`` only when given, so that
+        the cells recorded before the option existed stay finished."""
+        return self.model_dump(exclude=None if self.retrieval else {"retrieval"})
 
     def options(self, budget: float, context: int, prompt_length: int | None = None) -> dict:
         """The cache keywords (``model.init_cache``, ``generate``) of this cache at ``budget`` (a
@@ -85,6 +95,8 @@ class CacheChoice(Strict):
         ``prompt_length`` tokens (``Task.prompt_length``; None: the cache's length)."""
         if self.quantization is not None:
             return {"quantization": self.quantization.spec()}
+        if self.retrieval is not None:
+            return {"retrieval": self.retrieval.spec()}
         if self.eviction is None or budget >= 1.0:
             return {}
         spec = self.eviction.spec(slots(budget, context))
@@ -176,7 +188,7 @@ def model_tasks(config: ExperimentConfig) -> list[tuple[str, TaskConfig]]:
 
 def cell_settings(config: ExperimentConfig, cell: Cell) -> dict:
     """What a cell's result depends on beyond its key: the dtype and its task's and cache's settings."""
-    return {"dtype": config.dtype, "task": task_of(config, cell).model_dump(), "cache": cache_of(config, cell).model_dump()}
+    return {"dtype": config.dtype, "task": task_of(config, cell).model_dump(), "cache": cache_of(config, cell).settings()}
 
 
 def finished(config: ExperimentConfig, results: Path) -> dict[tuple, dict]:
@@ -349,7 +361,8 @@ def markdown(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     """The metric against K/V MiB per row: one panel per model and task (rows) and context
     (columns); a line per eviction policy through its budgets from the plain cache's point, a
-    marker per quantized format, a star for the plain cache."""
+    marker per quantized format and retrieval cache (which holds every token: its bytes are the
+    plain cache's and its page summaries), a star for the plain cache."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,7 +391,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 axis.plot(
                     [p["kv_bytes"] / 2**20 for p in points], [p["value"] for p in points], marker="o", label=cache
                 )
-            quantized = [r for r in here if r["kind"] == "quantized"]
+            quantized = [r for r in here if r["kind"] in ("quantized", "retrieval")]
             for index, r in enumerate(quantized):  # colors after the policies' lines: one color per cache
                 color = f"C{(len(axis.lines) + index) % 10}"
                 axis.scatter(r["kv_bytes"] / 2**20, r["value"], marker="s", color=color, label=r["cache"], zorder=3)

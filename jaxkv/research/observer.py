@@ -85,7 +85,7 @@ class Observer:
 
 def _check_plain(spec: LayerSpec) -> None:
     """An observer cache stores plain K/V of ``max_length`` tokens (what every refill target reads)."""
-    others = [name for name in ("quantization", "paging", "eviction") if getattr(spec, name) is not None]
+    others = [name for name in ("quantization", "paging", "eviction", "retrieval") if getattr(spec, name) is not None]
     if others or spec.full_attention != "static" or spec.max_length is None:
         raise ValueError(
             f"an Observer cache holds plain K/V of max_length tokens: pass max_length, full_attention='static' "

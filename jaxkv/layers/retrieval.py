@@ -1,0 +1,347 @@
+"""Page retrieval attention (Quest, IceCache): every token kept, each query reads a budget of pages.
+
+``RetrievalLayer`` stores every token as ``StaticLayer`` does (slot ``p`` holds position ``p``,
+``[B, H_kv, S_max, D]``, on the device: host-memory pages are not implemented yet) and keeps one
+summary per page of ``page_size`` tokens and K/V head (``[B, H_kv, P, C, D]``):
+
+* ``minmax`` (Quest): the element-wise minimum and maximum of the page's keys (C = 2). For a query
+  q, ``sum_d max(q_d * min_d, q_d * max_d)`` bounds ``q . k`` of every key of the page from above.
+* ``centroid`` (IceCache's cluster centres, here of sequential pages): the mean of the page's keys
+  (C = 1), scored by ``q . mean``.
+
+Each query (every query of an update, so that a prefill in chunks and token by token agree) and
+K/V head reads ``budget`` tokens: the ``sink`` first pages, the ``recent`` pages up to and
+including the query's own page, and the ``budget / page_size - sink - recent`` best scored of the
+pages in between. Only those pages are candidates, and they are complete and before the query, so
+a query's choice depends on its own key prefix only: the summaries of a page still filling are
+never scored. A K/V head's score of a page is the largest over the query heads that read it (GQA).
+A budget covering the whole context reads every page: exactly full attention.
+
+Static shapes under jit: a top-k over the pages, then per query either a gather of the chosen pages
+(``[B, H_kv, T, budget, D]``: a decode step reads ``budget`` tokens per head, not the context) or,
+where that gather would hold more slots than the buffer (a long update), a mask of the chosen pages
+over the buffer read block by block: both compute the same attention.
+
+Rollback only shortens ``lengths`` (``Rollback``'s default): a page's summary is recomputed from
+its stored keys (those below the row's length) whenever an update writes into it, and a page is
+scored only once complete, so a rolled-back and refilled page is summarized again before it is
+read. Rows are gathered leaf by leaf (``BatchMajorLayer``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv.protocol import (
+    KV_AXES,
+    KVView,
+    PositionalLayer,
+    Refill,
+    Rollback,
+    check_capacity,
+    check_update_inputs,
+    describe_extent,
+    entry,
+    pytree_class,
+)
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, Axes
+from jaxkv.softmax import attention_block_size, softmax_init, softmax_step
+
+SUMMARIES = ("minmax", "centroid")
+_SUMMARY_ROWS = {"minmax": 2, "centroid": 1}  # C: vectors per page summary
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalSpec:
+    """What a ``RetrievalLayer`` reads per query and K/V head: ``budget`` tokens (a multiple of
+    ``page_size``), of which the ``sink`` first pages and the ``recent`` pages up to the query's own
+    (at least 1) always, the rest chosen by ``summary`` ('minmax' or 'centroid')."""
+
+    budget: int
+    page_size: int = 16
+    sink: int = 1
+    recent: int = 1
+    summary: str = "minmax"
+
+    def __post_init__(self):
+        if self.page_size < 1:
+            raise ValueError(f"RetrievalSpec: page_size must be at least 1 token, got {self.page_size}")
+        if self.budget < 1 or self.budget % self.page_size:
+            raise ValueError(
+                f"RetrievalSpec: budget must be a positive multiple of page_size {self.page_size} tokens, got "
+                f"{self.budget}"
+            )
+        if self.sink < 0:
+            raise ValueError(f"RetrievalSpec: sink must be >= 0 pages, got {self.sink}")
+        if self.recent < 1:
+            raise ValueError(f"RetrievalSpec: recent must be at least 1 page (the query's own), got {self.recent}")
+        if self.summary not in SUMMARIES:
+            raise ValueError(f"RetrievalSpec: summary must be one of {list(SUMMARIES)}, got {self.summary!r}")
+        if self.sink + self.recent > self.budget_pages:
+            raise ValueError(
+                f"RetrievalSpec: {self.sink} sink + {self.recent} recent pages are always read but the budget is "
+                f"{self.budget_pages} pages ({self.budget} tokens); give a larger budget or fewer pages"
+            )
+
+    @property
+    def budget_pages(self) -> int:
+        return self.budget // self.page_size
+
+    @property
+    def chosen_pages(self) -> int:
+        """Pages each query chooses by score (the budget less the sink and recent pages)."""
+        return self.budget_pages - self.sink - self.recent
+
+
+def _whole_pages(max_length: int, page_size: int) -> int:
+    return -(-max_length // page_size) * page_size
+
+
+@pytree_class
+class RetrievalLayer(PositionalLayer, Rollback, Refill):
+    """Every token's K/V ``[B, H_kv, S_max, D]`` and page summaries; each query reads a budget of pages."""
+
+    keys: jax.Array  # [B, H_kv, S_max, D], S_max a multiple of page_size
+    values: jax.Array  # [B, H_kv, S_max, D]
+    summaries: jax.Array  # [B, H_kv, P, C, D]: per page, min and max (C = 2) or the mean (C = 1) of its keys
+    lengths: jax.Array  # [B] int32
+    spec: RetrievalSpec = struct.field(pytree_node=False)
+
+    MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 4·B; C = 2 (minmax) or 1 (centroid)"
+
+    @classmethod
+    def create(cls, batch_size, num_kv_heads, head_dim, max_length: int, spec: RetrievalSpec, dtype=jnp.float32):
+        """Room for ``max_length`` tokens, rounded up to whole pages."""
+        if max_length <= 0:
+            raise ValueError(f"RetrievalLayer: max_length must be positive, got {max_length}")
+        slots = _whole_pages(max_length, spec.page_size)
+        shape = (batch_size, num_kv_heads, slots, head_dim)
+        pages = (batch_size, num_kv_heads, slots // spec.page_size, _SUMMARY_ROWS[spec.summary], head_dim)
+        return cls(
+            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(pages, dtype),
+            jnp.zeros((batch_size,), jnp.int32), spec,
+        )  # fmt: skip
+
+    @staticmethod
+    def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, spec=None, **_) -> int:
+        """Bytes of K/V for ``max_length`` (default ``seq_len``) tokens in whole pages, and their summaries."""
+        slots = _whole_pages(max_length or seq_len, spec.page_size)
+        per_token = num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        summary = _SUMMARY_ROWS[spec.summary] * (slots // spec.page_size) * per_token
+        return batch_size * (2 * slots * per_token + summary + 4)
+
+    @property
+    def max_length(self) -> int:
+        return self.capacity
+
+    def describe(self) -> str:
+        spec = self.spec
+        return describe_extent(0, budget=spec.budget, page=spec.page_size) + f" {spec.summary}"
+
+    def logical_axes(self):
+        return self.replace(
+            keys=KV_AXES, values=KV_AXES, summaries=Axes(BATCH, KV_HEADS, None, None, HEAD_DIM), lengths=Axes(BATCH)
+        )
+
+    def update_entry(self, index, keys, values, positions):
+        """Store ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` and summarize the pages written;
+        returns the layer and a ``RetrievalView`` of every stored token."""
+        positions = check_update_inputs(self, index, keys, values, positions)
+        check_capacity(self, positions, self.capacity)
+        old_lengths = entry(self.lengths, index)
+        new, view = self.write(index, keys, values, positions)
+        new = new.summarized(index, old_lengths, positions.shape[1])
+        summaries = entry(new.summaries, index)
+        return new, RetrievalView(view.key_stack, view.value_stack, index, view.mask_info, summaries, self.spec)
+
+    def summarized(self, index, old_lengths: jax.Array, num_new: int) -> RetrievalLayer:
+        """Entry ``index`` with the summaries of the pages an update of ``num_new`` tokens per row
+        wrote (from each row's ``old_lengths`` ``[B]`` on) computed again from their stored keys."""
+        page, num_pages = self.spec.page_size, self.summaries.shape[-3]
+        count = min(num_pages, (num_new - 1) // page + 2)  # pages a run of num_new tokens can touch
+        lengths = entry(self.lengths, index)
+        pages = old_lengths[:, None] // page + jnp.arange(count, dtype=jnp.int32)  # [B, n]
+        slots = pages[:, :, None] * page + jnp.arange(page, dtype=jnp.int32)  # [B, n, page]
+        rows = jnp.arange(lengths.shape[0])[:, None, None]
+        page_keys = self.keys[index, rows, :, jnp.minimum(slots, self.capacity - 1)]  # [B, n, page, H_kv, D]
+        filled = (slots < lengths[:, None, None])[..., None, None]
+        summary = _summary(self.spec.summary, page_keys.astype(jnp.float32), filled)  # [B, n, H_kv, C, D]
+        written = jnp.where(pages * page < lengths[:, None], pages, num_pages)  # a page with no token: dropped
+        stored = self.summaries.at[index, rows[:, :, 0], :, written].set(
+            summary.astype(self.summaries.dtype), mode="drop"
+        )
+        return self.replace(summaries=stored)
+
+
+def _summary(kind: str, page_keys: jax.Array, filled: jax.Array) -> jax.Array:
+    """Summaries ``[B, n, H_kv, C, D]`` of pages' keys ``[B, n, page, H_kv, D]`` (float32), over the
+    slots ``filled`` (``[B, n, page, 1, 1]``; at least one per page that is kept)."""
+    if kind == "minmax":
+        low = jnp.min(jnp.where(filled, page_keys, jnp.inf), axis=2)
+        high = jnp.max(jnp.where(filled, page_keys, -jnp.inf), axis=2)
+        return jnp.stack([low, high], axis=-2)
+    total = jnp.sum(jnp.where(filled, page_keys, 0.0), axis=2)
+    return (total / jnp.maximum(jnp.sum(filled, axis=2), 1))[..., None, :]
+
+
+def page_scores(kind: str, grouped: jax.Array, summaries: jax.Array) -> jax.Array:
+    """Scores ``[B, H_kv, T, P]`` (float32) of pages summarized by ``summaries`` ``[B, H_kv, P, C, D]``
+    for queries ``grouped`` ``[B, H_kv, G, T, D]``: per query head Quest's bound on ``q . k``
+    (``minmax``) or ``q . mean`` (``centroid``), the largest over the G query heads of a K/V head."""
+    q = grouped.astype(jnp.float32)
+    summaries = summaries.astype(jnp.float32)
+    if kind == "minmax":
+        score = jnp.einsum("bhgtd,bhpd->bhgtp", jnp.minimum(q, 0.0), summaries[..., 0, :])
+        score += jnp.einsum("bhgtd,bhpd->bhgtp", jnp.maximum(q, 0.0), summaries[..., 1, :])
+    else:
+        score = jnp.einsum("bhgtd,bhpd->bhgtp", q, summaries[..., 0, :])
+    return jnp.max(score, axis=2)
+
+
+def attended_pages(spec: RetrievalSpec, scores: jax.Array, q_positions: jax.Array) -> jax.Array:
+    """The pages ``[B, H_kv, T, A]`` (-1: none) each query at ``q_positions`` ``[B, T]`` reads, given
+    the ``scores`` ``[B, H_kv, T, P]`` of every page: the sink pages, the recent pages up to its own
+    (those not among the sink) and the best scored of the complete pages in between.
+    ``A = sink + recent + min(chosen_pages, P)``."""
+    batch, heads, length, num_pages = scores.shape
+    own = (q_positions // spec.page_size)[:, None, :, None]  # [B, 1, T, 1]; a padding query: -1
+    sink = jnp.broadcast_to(jnp.arange(spec.sink, dtype=jnp.int32), (batch, heads, length, spec.sink))
+    recent = own - spec.recent + 1 + jnp.arange(spec.recent, dtype=jnp.int32)
+    recent = jnp.broadcast_to(jnp.where(recent >= spec.sink, recent, -1), (batch, heads, length, spec.recent))
+    count = min(spec.chosen_pages, num_pages)
+    if count == 0:
+        return jnp.concatenate([sink, recent], axis=-1)
+    page = jnp.arange(num_pages, dtype=jnp.int32)
+    candidate = (page >= spec.sink) & (page <= own - spec.recent)
+    best, chosen = jax.lax.top_k(jnp.where(candidate, scores, -jnp.inf), count)
+    chosen = jnp.where(best > -jnp.inf, chosen, -1)
+    return jnp.concatenate([sink, recent, chosen.astype(jnp.int32)], axis=-1)
+
+
+@pytree_class
+class RetrievalView(KVView):
+    """A ``RetrievalLayer``'s update: ``keys``/``values``/``mask_info`` hold every stored token (what
+    a budget covering the context reads); ``attend`` reads each query's pages (``attended_pages``)."""
+
+    summaries: jax.Array  # [B, H_kv, P, C, D]
+    spec: RetrievalSpec = struct.field(pytree_node=False)
+
+    computed_reads: ClassVar[bool] = False
+
+    def pages(self, queries: jax.Array, q_positions: jax.Array) -> jax.Array:
+        """The pages ``[B, H_kv, T, A]`` (-1: none) that ``queries`` ``[B, H_q, T, D]`` at ``q_positions``
+        ``[B, T]`` read."""
+        grouped = _grouped(queries, self.shape[1])
+        return attended_pages(self.spec, page_scores(self.spec.summary, grouped, self.summaries), q_positions)
+
+    def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
+        """Softmax attention of ``queries`` ``[B, H_q, T, D]`` over each query's pages: a gather of them
+        where it holds fewer slots than the buffer, else a mask of them over the buffer read in blocks
+        of ``block_size`` slots (default ``attention_block_size``). Returns ``[B, H_q, T, D]``."""
+        if query_weights is not None:
+            raise ValueError(
+                "a retrieval layer reads a budget of pages per query and reports no slot mass; query_weights "
+                "serve an evicting layer's scores"
+            )
+        batch, num_heads, length, head_dim = queries.shape
+        pages = self.pages(queries, q_positions)
+        read = _Read(_grouped(queries, self.shape[1]), q_positions, scale, logit_softcap)
+        if length * pages.shape[-1] * self.spec.page_size < self.shape[2]:
+            out, total = read.gathered(self, pages)
+        else:
+            out, total = read.masked(self, pages, block_size or attention_block_size(self.shape[2]))
+        out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+        return out.reshape(batch, num_heads, length, head_dim).astype(queries.dtype)
+
+
+def _grouped(queries: jax.Array, num_kv_heads: int) -> jax.Array:
+    """``[B, H_q, T, D]`` -> ``[B, H_kv, G, T, D]`` (query head h reads K/V head ``h // G``)."""
+    batch, num_heads, length, head_dim = queries.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"attention: {num_heads} query heads is not a multiple of {num_kv_heads} K/V heads")
+    return queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, length, head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """One attention call over a ``RetrievalView``: queries ``[B, H_kv, G, T, D]`` at ``positions`` ``[B, T]``."""
+
+    grouped: jax.Array
+    positions: jax.Array
+    scale: float
+    logit_softcap: float | None
+
+    def logits(self, raw: jax.Array, kv_positions: jax.Array) -> jax.Array:
+        """``raw`` ``q . k`` ``[B, H_kv, G, T, S]`` scaled, capped and masked (-inf) by the causal rule
+        over ``kv_positions`` ``[B, H_kv, T, S]`` (-1: not read)."""
+        logits = raw * self.scale
+        if self.logit_softcap is not None:
+            logits = self.logit_softcap * jnp.tanh(logits / self.logit_softcap)
+        q = self.positions[:, None, :, None]
+        visible = (kv_positions >= 0) & (q >= 0) & (kv_positions <= q)
+        return jnp.where(visible[:, :, None], logits, -jnp.inf)
+
+    def softmax(self, raw: jax.Array, kv_positions: jax.Array, weigh, carry=None):
+        """``carry`` (default: empty) folded with one block of ``raw`` logits (see ``logits``) and
+        ``weigh(weights)``, its weighted values (``jaxkv.softmax.softmax_step``)."""
+        carry = softmax_init(self.grouped.shape[:-1], self.grouped.shape[-1]) if carry is None else carry
+        return softmax_step(carry, self.logits(raw, kv_positions), weigh)
+
+    def gathered(self, view: RetrievalView, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Weighted values and totals (``[B, H_kv, G, T, D]``, ``[..., 1]``) over the gathered ``pages``
+        ``[B, H_kv, T, A]``: ``A * page_size`` slots per query."""
+        page = view.spec.page_size
+        batch, heads, length, count = pages.shape
+        rows = jnp.arange(batch)[:, None, None, None]
+        head = jnp.arange(heads)[None, :, None, None]
+        safe = jnp.maximum(pages, 0)
+
+        def gather(stack: jax.Array) -> jax.Array:  # [L, B, H_kv, S, D] -> [B, H_kv, T, A * page, D]
+            paged = stack.reshape(*stack.shape[:3], stack.shape[3] // page, page, stack.shape[4])
+            return paged[view.index, rows, head, safe].reshape(batch, heads, length, count * page, -1)
+
+        keys, values = gather(view.key_stack), gather(view.value_stack)
+        slots = safe[..., None] * page + jnp.arange(page, dtype=jnp.int32)  # [B, H_kv, T, A, page]
+        held = view.mask_info.kv_positions[rows[..., None], slots]  # -1 past the row's length
+        kv_positions = jnp.where(pages[..., None] >= 0, held, -1).reshape(batch, heads, length, count * page)
+        raw = jnp.einsum("bhgtd,bhtsd->bhgts", self.grouped, keys, preferred_element_type=jnp.float32)
+
+        def weigh(weights: jax.Array) -> jax.Array:
+            return jnp.einsum(
+                "bhgts,bhtsd->bhgtd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+            )
+
+        _, total, out = self.softmax(raw, kv_positions, weigh)
+        return out, total
+
+    def masked(self, view: RetrievalView, pages: jax.Array, block_size: int) -> tuple[jax.Array, jax.Array]:
+        """Weighted values and totals over the whole buffer, each query's slots outside its ``pages``
+        ``[B, H_kv, T, A]`` masked, read in blocks of ``block_size`` slots up to the filled ones."""
+        page, num_slots = view.spec.page_size, view.shape[2]
+        chosen = jnp.any(pages[..., None] == jnp.arange(num_slots // page), axis=-2)  # [B, H_kv, T, P]
+        block = block_size if num_slots % block_size == 0 and block_size % page == 0 else num_slots
+
+        def step(number, carry):
+            start = number * block
+            keys, values = view.read(start, block)
+            held = jax.lax.dynamic_slice_in_dim(view.mask_info.kv_positions, start, block, axis=-1)  # [B, block]
+            read = jax.lax.dynamic_slice_in_dim(chosen, start // page, block // page, axis=-1)
+            kv_positions = jnp.where(jnp.repeat(read, page, axis=-1), held[:, None, None, :], -1)
+            raw = jnp.einsum("bhgtd,bhsd->bhgts", self.grouped, keys, preferred_element_type=jnp.float32)
+
+            def weigh(weights: jax.Array) -> jax.Array:
+                return jnp.einsum(
+                    "bhgts,bhsd->bhgtd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32
+                )
+
+            return self.softmax(raw, kv_positions, weigh, carry)
+
+        used = num_slots if view.mask_info.slots_used is None else view.mask_info.slots_used
+        init = softmax_init(self.grouped.shape[:-1], self.grouped.shape[-1])
+        _, total, out = jax.lax.fori_loop(0, (used + block - 1) // block, step, init)
+        return out, total

@@ -1,0 +1,260 @@
+"""Page retrieval attention (``jaxkv.layers.retrieval``).
+
+The oracles: a budget covering the whole context gives full attention's outputs (the static
+cache's, float32, at random chunk sizes, ragged rows, under jit; a tiny Llama's and Gemma 3's
+logits and greedy tokens); at a small budget each query's output is softmax attention over exactly
+the pages NumPy chooses here from the keys (Quest's bound or the centroid, the best over the query
+heads of a K/V head, besides the sink and recent pages), whatever the chunking; a rollback and a
+refill, or a reorder, give what feeding the final rows directly gives.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv import Cache, SlidingWindowLayer
+from jaxkv.attention import cached_attention
+from jaxkv.config import CacheConfig
+from jaxkv.decoding.generate import generate
+from jaxkv.eviction import EvictionSpec
+from jaxkv.layers.retrieval import RetrievalLayer, RetrievalSpec
+from jaxkv.memory import storage_rows
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.protocol import Refill, Rollback, RowSelection, has
+from jaxkv.quantization import QuantSpec
+from jaxkv.research.experiment import CacheChoice
+from tests.cases import TINY_GEMMA, TINY_LLAMA
+
+B, H_KV, H_Q, D = 2, 2, 4, 8
+GROUP = H_Q // H_KV
+PAGE, CAPACITY, LENGTH = 4, 64, 40
+ROW_LENGTHS = (40, 27)  # ragged: row 1 padded after 27 tokens
+SMALL = {"minmax": RetrievalSpec(budget=16, page_size=PAGE), "centroid": RetrievalSpec(16, PAGE, summary="centroid")}
+
+
+@jax.jit
+def feed(cache, q, k, v, positions):
+    return cached_attention(cache, 0, q, k, v, positions)
+
+
+def layer_cache(spec: RetrievalSpec | None, batch: int = B) -> Cache:
+    return Cache.from_layer_types(
+        ["full_attention"], batch_size=batch, num_kv_heads=H_KV, head_dim=D, max_length=CAPACITY, retrieval=spec
+    )
+
+
+@functools.cache
+def inputs(seed: int = 0):
+    """Queries, keys, values ``[B, H, LENGTH, D]`` and ragged positions ``[B, LENGTH]``."""
+    q, k, v = (
+        jax.random.normal(key, (B, heads, LENGTH, D))
+        for key, heads in zip(jax.random.split(jax.random.key(seed), 3), (H_Q, H_KV, H_KV))
+    )
+    positions = jnp.asarray([[t if t < n else -1 for t in range(LENGTH)] for n in ROW_LENGTHS], jnp.int32)
+    return q, k, v, positions
+
+
+def run(spec, sizes, seed: int = 0, cache=None) -> np.ndarray:
+    """Every update's outputs ``[B, H_q, LENGTH, D]`` (zeros at padding), fed in chunks of ``sizes``."""
+    q, k, v, positions = inputs(seed)
+    cache, outs, start = layer_cache(spec) if cache is None else cache, [], 0
+    for size in sizes:
+        part = slice(start, start + size)
+        cache, out = feed(cache, q[:, :, part], k[:, :, part], v[:, :, part], positions[:, part])
+        outs.append(out)
+        start += size
+    out = np.concatenate(outs, axis=2)
+    return np.where(np.asarray(positions >= 0)[:, None, :, None], out, 0.0)
+
+
+def chunk_sizes(seed: int) -> list[int]:
+    """Random chunk sizes from {1, 2, 3, 7} summing to LENGTH (few sizes: few compiles)."""
+    rng, sizes = np.random.default_rng(seed), []
+    while sum(sizes) < LENGTH:
+        sizes.append(min(int(rng.choice([1, 2, 3, 7])), LENGTH - sum(sizes)))
+    return sizes
+
+
+@functools.cache
+def full_outputs() -> np.ndarray:
+    return run(None, [LENGTH])
+
+
+# --- a budget covering the context: full attention ----------------------------------------------
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_budget_covering_the_context_equals_full_attention(seed):
+    """Random chunk sizes, ragged rows, under jit: every output equals the static cache's (float32,
+    1e-5), with a budget of 48 tokens over 40 (decode steps gather pages, longer updates mask them)."""
+    spec = RetrievalSpec(budget=48, page_size=PAGE, sink=1, recent=2)
+    np.testing.assert_allclose(run(spec, chunk_sizes(seed)), full_outputs(), atol=1e-5, rtol=1e-5)
+
+
+# --- a small budget: the pages NumPy chooses ------------------------------------------------------
+def numpy_pages(spec: RetrievalSpec, q, k, q_pos) -> list[int]:
+    """The pages a query ``q`` ``[G, D]`` (the query heads of one K/V head) at ``q_pos`` reads of keys
+    ``k`` ``[S, D]`` (at least up to its page): sink, recent, and the best scored complete pages between."""
+    own = q_pos // spec.page_size
+    pages = set(range(spec.sink)) | set(range(max(own - spec.recent + 1, 0), own + 1))
+    candidates = list(range(spec.sink, own - spec.recent + 1))
+    scores = []
+    for p in candidates:
+        page_keys = k[p * spec.page_size : (p + 1) * spec.page_size]
+        if spec.summary == "minmax":
+            low, high = page_keys.min(0), page_keys.max(0)
+            scores.append(max(np.maximum(g * low, g * high).sum() for g in q))
+        else:
+            scores.append(max(g @ page_keys.mean(0) for g in q))
+    order = np.argsort(scores)[::-1][: spec.chosen_pages]
+    return sorted(pages | {candidates[i] for i in order})
+
+
+def numpy_retrieval(spec: RetrievalSpec, seed: int = 0) -> np.ndarray:
+    q, k, v, positions = (np.asarray(x, np.float64) for x in inputs(seed))
+    out = np.zeros(q.shape)
+    for b, h, t in np.ndindex(B, H_KV, LENGTH):
+        p = int(positions[b, t])
+        if p < 0:
+            continue
+        heads = q[b, h * GROUP : (h + 1) * GROUP, t]
+        pages = numpy_pages(spec, heads, k[b, h], p)
+        slots = [s for page in pages for s in range(page * spec.page_size, (page + 1) * spec.page_size) if s <= p]
+        for g in range(GROUP):
+            logits = k[b, h, slots] @ heads[g] / np.sqrt(D)
+            weights = np.exp(logits - logits.max())
+            out[b, h * GROUP + g, t] = weights / weights.sum() @ v[b, h, slots]
+    return out
+
+
+@pytest.mark.parametrize("summary", sorted(SMALL))
+def test_a_small_budget_reads_the_pages_numpy_chooses_at_any_chunking(summary):
+    """16 tokens (sink, own page and 2 chosen pages of 4) over 40: token by token and in random
+    chunks, every output is attention over the pages NumPy chooses, and not full attention."""
+    spec = SMALL[summary]
+    want = numpy_retrieval(spec)
+    for sizes in ([1] * LENGTH, chunk_sizes(3)):
+        np.testing.assert_allclose(run(spec, sizes), want, atol=1e-5, rtol=1e-5)
+    assert np.max(np.abs(want - full_outputs())) > 1e-2
+
+
+def test_rollback_then_refill_equals_feeding_the_final_rows():
+    """Undo 6 tokens (a page and a half) of 30 and feed 10 others: the last update's outputs equal
+    a cache fed the final tokens directly, at a small budget (the refilled pages are summarized again)."""
+    spec = SMALL["minmax"]
+    q, k, v, _ = inputs(0)
+    q2, k2, v2, _ = inputs(1)
+    positions = jnp.broadcast_to(jnp.arange(LENGTH, dtype=jnp.int32), (B, LENGTH))
+    rolled, _ = feed(layer_cache(spec), q[:, :, :30], k[:, :, :30], v[:, :, :30], positions[:, :30])
+    rolled = rolled.rollback(6)
+    assert rolled.lengths.tolist() == [24, 24] and has(rolled.groups[0], Rollback)
+    direct, _ = feed(layer_cache(spec), q[:, :, :24], k[:, :, :24], v[:, :, :24], positions[:, :24])
+    tail = (q2[:, :, 24:34], k2[:, :, 24:34], v2[:, :, 24:34], positions[:, 24:34])
+    np.testing.assert_allclose(feed(rolled, *tail)[1], feed(direct, *tail)[1], atol=1e-6)
+
+
+def test_reorder_moves_rows_with_their_pages():
+    """After ``reorder([1, 0])`` the next update's outputs are the unreordered cache's, rows swapped."""
+    spec = SMALL["centroid"]
+    q, k, v, _ = inputs(0)
+    positions = jnp.broadcast_to(jnp.arange(LENGTH, dtype=jnp.int32), (B, LENGTH))
+    cache, _ = feed(layer_cache(spec), q[:, :, :32], k[:, :, :32], v[:, :, :32], positions[:, :32])
+    step = (q[:, :, 32:33], k[:, :, 32:33], v[:, :, 32:33], positions[:, 32:33])
+    swapped = tuple(x[::-1] for x in step)
+    np.testing.assert_array_equal(feed(cache.reorder(jnp.asarray([1, 0])), *swapped)[1], feed(cache, *step)[1][::-1])
+    assert has(cache.groups[0], RowSelection) and has(cache.groups[0], Refill)
+
+
+# --- models -------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def forward(graphdef, state, tokens, positions, cache):
+    return nnx.merge(graphdef, state)(tokens, positions, cache)
+
+
+def prefill_logits(model, cache, tokens: np.ndarray, sizes: list[int]) -> np.ndarray:
+    graphdef, state = nnx.split(model)
+    logits, start = [], 0
+    for size in sizes:
+        part = jnp.asarray(tokens[:, start : start + size])
+        out, cache = forward(graphdef, state, part, cache.next_positions(size), cache)
+        logits.append(out)
+        start += size
+    return np.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_models_at_a_budget_covering_the_context_equal_the_full_cache(family):
+    """A tiny Llama and Gemma 3 (global layers retrieve, sliding rings unchanged): logits fed in
+    chunks of 5 and 1 equal the full cache's (float32, 1e-4), and greedy tokens are equal."""
+    if family == "llama":
+        model = Llama(LlamaConfig(**TINY_LLAMA), seed=0)
+    else:
+        model = Gemma3(Gemma3Config(**TINY_GEMMA), seed=0)
+    spec = RetrievalSpec(budget=32, page_size=PAGE)
+    cache = model.init_cache(1, 32, retrieval=spec)
+    assert {type(layer) for layer in cache.layers} == (
+        {RetrievalLayer} if family == "llama" else {RetrievalLayer, SlidingWindowLayer}
+    )
+    tokens = np.random.default_rng(0).integers(1, TINY_LLAMA["vocab_size"], size=(1, 20))
+    sizes = [5, 5, 1, 1, 5, 1, 1, 1]
+    want = prefill_logits(model, model.init_cache(1, 32), tokens, sizes)
+    np.testing.assert_allclose(prefill_logits(model, cache, tokens, sizes), want, atol=1e-4, rtol=1e-4)
+    prompts = [tokens[0, :13].tolist(), tokens[0, :6].tolist()]
+    greedy = generate(model, prompts, max_new_tokens=8).tokens
+    np.testing.assert_array_equal(
+        generate(model, prompts, max_new_tokens=8, max_length=32, retrieval=spec).tokens, greedy
+    )
+
+
+# --- configuration and errors --------------------------------------------------------------------
+def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
+    """``cache.retrieval`` (the generate config) and an experiment's cache build a ``RetrievalLayer``
+    whose bytes are the formula's; its storage row is registered."""
+    spec = CacheConfig.model_validate(
+        {"retrieval": {"budget": 32, "page_size": 8, "summary": "centroid"}}
+    ).retrieval_spec()
+    assert spec == RetrievalSpec(32, 8, summary="centroid")
+    choice = CacheChoice.model_validate({"name": "quest", "retrieval": {"budget": 32, "page_size": 8}})
+    assert choice.kind == "retrieval" and choice.options(1.0, 64) == {"retrieval": RetrievalSpec(32, 8)}
+    assert "retrieval" not in CacheChoice(name="full").settings()
+    layer = Cache.from_layer_types(
+        ["full_attention"], batch_size=2, num_kv_heads=H_KV, head_dim=D, max_length=61, retrieval=spec
+    ).layer(0)
+    assert layer.capacity == 64 and layer.describe() == "budget=32 page=8 centroid"
+    assert layer.nbytes == RetrievalLayer.kv_bytes(2, 61, H_KV, D, jnp.float32, spec=spec)
+    assert ("full_attention", "retrieved", RetrievalLayer) in storage_rows()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"budget": 30, "page_size": 8}, "budget must be a positive multiple of page_size 8"),
+        ({"budget": 16, "page_size": 0}, "page_size must be at least 1"),
+        ({"budget": 16, "recent": 0}, "recent must be at least 1 page"),
+        ({"budget": 16, "sink": -1}, "sink must be >= 0"),
+        ({"budget": 16, "summary": "mean"}, "summary must be one of"),
+        ({"budget": 16, "page_size": 8, "sink": 2}, "2 sink \\+ 1 recent pages are always read but the budget is 2"),
+    ],
+)
+def test_spec_errors_name_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RetrievalSpec(**kwargs)
+
+
+def test_build_errors_name_the_fix():
+    spec = RetrievalSpec(16, PAGE)
+    options = {"batch_size": 1, "num_kv_heads": 1, "head_dim": D, "retrieval": spec}
+    with pytest.raises(ValueError, match="pass max_length, full_attention='static' and no quantization"):
+        Cache.from_layer_types(["full_attention"], max_length=8, quantization=QuantSpec(nbits=8), **options)
+    with pytest.raises(ValueError, match="and no eviction"):
+        Cache.from_layer_types(["full_attention"], max_length=8, eviction=EvictionSpec("h2o", budget=4), **options)
+    with pytest.raises(ValueError, match="pass max_length"):
+        Cache.from_layer_types(["full_attention"], full_attention="dynamic", **options)
+    with pytest.raises(ValueError, match="offload .* does not combine with retrieval"):
+        Cache.from_layer_types(["full_attention"], max_length=8, offload=True, **options)
+    with pytest.raises(ValueError, match="a hybrid layer .* reads all"):
+        linear = {"conv_width": 2, "conv_channels": 4, "state_shapes": ((2, 2),)}
+        Cache.from_layer_types(["hybrid"], max_length=8, **linear, **options)
