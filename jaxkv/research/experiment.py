@@ -76,7 +76,8 @@ class CacheChoice(Strict):
     def _one_kind(self):
         given = [name for name in ("quantization", "eviction", "retrieval") if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"cache {self.name!r}: give one of quantization, eviction and retrieval, not {given}")
+            both = " and ".join(given)
+            raise ValueError(f"cache {self.name!r}: give one of quantization, eviction and retrieval, not {both}")
         return self
 
     @property

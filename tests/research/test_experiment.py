@@ -66,7 +66,7 @@ def haystack(tokenizer):
             {"caches": [{"name": "full"}, {"name": "full", "quantization": {"nbits": 8}}]},
             "cache names must be distinct",
         ),
-        ({"caches": [{"name": "q", "quantization": {"nbits": 8}, "eviction": {"policy": "h2o"}}]}, "not both"),
+        ({"caches": [{"name": "q", "quantization": {"nbits": 8}, "eviction": {"policy": "h2o"}}]}, "not quantization and eviction"),
         ({"caches": [{"name": "full"}]}, "budgets below 1.0 apply to eviction caches"),
         ({"caches": [{"name": "snapkv", "eviction": {"policy": "snapkv", "window": 16}}]}, "add a plain cache"),
         (
