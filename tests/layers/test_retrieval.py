@@ -28,6 +28,7 @@ from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.protocol import Refill, Rollback, RowSelection, has
 from jaxkv.quantization import QuantSpec
 from jaxkv.research.experiment import CacheChoice
+from jaxkv.research.observer import Observer, refill
 from tests.cases import TINY_GEMMA, TINY_LLAMA
 
 B, H_KV, H_Q, D = 2, 2, 4, 8
@@ -166,6 +167,19 @@ def test_reorder_moves_rows_with_their_pages():
     swapped = tuple(x[::-1] for x in step)
     np.testing.assert_array_equal(feed(cache.reorder(jnp.asarray([1, 0])), *swapped)[1], feed(cache, *step)[1][::-1])
     assert has(cache.groups[0], RowSelection) and has(cache.groups[0], Refill)
+
+
+def test_a_refill_from_an_observed_prefill_equals_feeding_the_tokens():
+    """``refill`` (the experiment runner's one prefill per context) stores the observer's tokens and
+    summarizes their pages as feeding them does: every leaf equal."""
+    spec = SMALL["minmax"]
+    q, k, v, positions = inputs(0)
+    observed = Cache.from_layer_types(
+        ["full_attention"], batch_size=B, num_kv_heads=H_KV, head_dim=D, max_length=CAPACITY, layer_builder=Observer()
+    )
+    observed, _ = feed(observed, q, k, v, positions)
+    direct, _ = feed(layer_cache(spec), q, k, v, positions)
+    jax.tree.map(np.testing.assert_array_equal, jax.jit(refill)(observed, layer_cache(spec)), direct)
 
 
 # --- models -------------------------------------------------------------------------------------
