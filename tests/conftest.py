@@ -136,7 +136,7 @@ FILE_SECONDS = {
     "test_layer_protocol.py": 45, "test_container.py": 45, "test_speculative_gemma3.py": 40,
     "test_sharding_smollm2.py": 18, "test_gemma3_gguf.py": 73, "test_beam_smollm2.py": 62,
     "test_experiment_smoke.py": 62, "test_offload.py": 47, "test_engine_tiers.py": 20, "test_engine_disk.py": 15,
-    "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103,
+    "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103, "test_retrieval.py": 35,
 }  # fmt: skip
 
 
@@ -267,6 +267,10 @@ SLOW: dict[str, set[str]] = {
         "test_refilling_from_one_observed_prefill_equals_prefilling_at_the_budget",
     },
     "test_pages.py": {"runTest"},
+    "test_retrieval.py": {
+        "test_models_at_a_budget_covering_the_context_equal_the_full_cache",
+        "test_a_budget_covering_the_context_equals_full_attention",
+    },
     "test_prefix_chat.py": {
         "test_cache_file_loads_in_another_process", "test_cache_file_round_trip_in_process",
         "test_chat_cli_keeps_the_cache_across_turns_and_files",
