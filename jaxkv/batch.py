@@ -38,6 +38,10 @@ class PackedBatch:
     that read their row's pages together; the other ``N - decode_tokens`` come in blocks of
     ``QUERY_BLOCK`` tokens of one row. ``tokens_per_row`` (static): the most tokens one row
     brings in this step.
+    ``shifts`` and ``slot_positions``: per pool name whose rows may hold compacted pages (an engine
+    with ``max_pages_per_request``; empty: none), ``[R]`` int32 each row's shift (a token at
+    position p is written to slot ``p - shift`` of its row) and ``[R, W * page_size]`` int32 the
+    absolute position each slot of the row holds (or will hold once written).
     """
 
     token_rows: jax.Array
@@ -45,6 +49,8 @@ class PackedBatch:
     decode_tokens: int = struct.field(pytree_node=False)
     tokens_per_row: int = struct.field(pytree_node=False)
     decode_width: int = struct.field(pytree_node=False, default=1)
+    shifts: dict = struct.field(default_factory=dict)
+    slot_positions: dict = struct.field(default_factory=dict)
 
 
 class PackedAttention(Capability):
@@ -87,3 +93,8 @@ class PagedStorage(Capability):
     def with_page_copies(self, copies: dict) -> Self:
         """This stack with page ``copies[pool][k, 1]`` set to page ``copies[pool][k, 0]`` in every
         entry (``[K, 2]`` int32 per pool name; a null-page self-copy is padding)."""
+
+    @abc.abstractmethod
+    def page_keys(self, pages: jax.Array) -> jax.Array:
+        """The keys held in ``pages`` ``[M, K]`` by every entry: ``[L, M, K, page_size, H_kv, D]``
+        float32 (dequantized), for a policy that scores tokens by their keys."""

@@ -314,13 +314,7 @@ class EvictingLayer(BatchMajorLayer, Eviction, DepthBudgets, Refill):
         recent window first (always kept), then by ``scores``; empty and padding never."""
         positions, num_slots = candidates.positions, self.keys.shape[-2]
         num_candidates = positions.shape[-1]
-        protected = (positions < self.spec.sink_count()) | (positions >= (lengths - self.window)[:, None, None])
-        ranking = jnp.where(positions < 0, -jnp.inf, jnp.where(protected, jnp.inf, scores))
-        best_rank, best = jax.lax.top_k(ranking, num_slots)  # [B, H_kv, N], best first
-        chosen = (jnp.arange(num_slots) < self.budget[:, None, None]) & (best_rank > -jnp.inf)
-        # Sorting the chosen candidate indices (the rest after them) restores position order.
-        order = jnp.sort(jnp.where(chosen, best, num_candidates + best), axis=-1)
-        held = order < num_candidates
+        order, held = kept_order(self.spec, self.window, positions, scores, lengths, self.budget, num_slots)
         if self.paired:  # the chosen, in order, into the slots this layer owns (its last budget)
             first = num_slots - self.budget[:, None, None]
             rank = jnp.maximum(jnp.arange(num_slots) - first, 0)
@@ -383,6 +377,25 @@ class EvictingLayer(BatchMajorLayer, Eviction, DepthBudgets, Refill):
 
     def describe(self) -> str:
         return f"{self.spec.policy} N={self.keys.shape[-2]}{' paired' if self.paired else ''}"
+
+
+def kept_order(
+    spec: EvictionSpec, window: int, positions: jax.Array, scores: jax.Array, lengths: jax.Array, budget: jax.Array,
+    num_slots: int,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """Which of the candidates at ``positions`` ``[B, H_kv, C]`` (-1: empty) with ``scores`` keep
+    the ``budget`` ``[B]`` slots of each row and head (of ``num_slots``), after ``lengths`` ``[B]``
+    tokens seen: the sinks and the last ``window`` positions always, then the best scores (ties:
+    the earlier candidate), empty never. Returns the candidate indices in position order
+    ``[B, H_kv, num_slots]`` (those not kept after them, offset by ``C``) and whether each is kept."""
+    num_candidates = positions.shape[-1]
+    protected = (positions < spec.sink_count()) | (positions >= (lengths - window)[:, None, None])
+    ranking = jnp.where(positions < 0, -jnp.inf, jnp.where(protected, jnp.inf, scores))
+    best_rank, best = jax.lax.top_k(ranking, num_slots)  # [B, H_kv, N], best first
+    chosen = (jnp.arange(num_slots) < budget[:, None, None]) & (best_rank > -jnp.inf)
+    # Sorting the chosen candidate indices (the rest after them) restores position order.
+    order = jnp.sort(jnp.where(chosen, best, num_candidates + best), axis=-1)
+    return order, order < num_candidates
 
 
 def kept_stack(

@@ -15,7 +15,11 @@ token's row and carries the block tables, so a step can run prefill chunks of so
 and the decode tokens of others as one ``[1, N]`` batch. Masks come from absolute
 positions only: slot s of logical page j holds position ``j * page_size + s`` and is visible
 to a query at q if it is not in the future, is inside the window, and its page is not the
-null page.
+null page. A row whose pages were compacted (``jaxkv.serving.compaction``: an engine with
+``max_pages_per_request``) holds non-contiguous positions: the packed batch then carries each
+row's ``shift`` (a token at position p is written to the row's slot ``p - shift``) and the
+absolute position of each of its slots, and the masks read those (keys keep the positions
+RoPE gave them when they were written).
 
 Pages may hold quantized K/V (a ``QuantSpec`` with per-token groups and no residual: int8,
 int4 or fp8 codes with float16 group scales, quantized as they are written and dequantized
@@ -129,6 +133,8 @@ class PagedKVView:
     decode_width: int = struct.field(pytree_node=False, default=1)
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
+    shifts: jax.Array | None = None  # [R]: see PackedBatch (None: slot = position)
+    slot_positions: jax.Array | None = None  # [R, W * page_size]
 
     @property
     def page_size(self) -> int:
@@ -157,13 +163,27 @@ class PagedKVView:
         keys, values = self.gather(self.key_stack, pages), self.gather(self.value_stack, pages)
         tokens, _, size, heads, dim = keys.shape
         slots = block * width * size + jnp.arange(width * size, dtype=jnp.int32)
-        positions = jnp.where(jnp.repeat(pages, size, axis=1) != NULL_PAGE, slots[None, :], -1)
+        held = slots[None, :] if self.slot_positions is None else self._held_positions(block, rows)
+        positions = jnp.where(jnp.repeat(pages, size, axis=1) != NULL_PAGE, held, -1)
         shape = (tokens, width * size, heads, dim)
         return keys.reshape(shape), values.reshape(shape), positions
 
+    def _held_positions(self, block, rows: jax.Array) -> jax.Array:
+        """``[M, S]``: the positions the slots of page block ``block`` of ``rows`` hold (shifted rows)."""
+        span = self.block_pages * self.page_size
+        return jax.lax.dynamic_slice_in_dim(self.slot_positions, block * span, span, axis=1)[rows]
+
+    def query_slots(self, q_positions: jax.Array, rows: jax.Array) -> jax.Array:
+        """The slots ``[b, Q]`` queries at ``q_positions`` ``[b, Q]`` of block rows ``rows`` ``[b]``
+        are written to (their positions unless the rows are shifted; -1 for padding)."""
+        if self.shifts is None:
+            return q_positions
+        return jnp.where(q_positions >= 0, q_positions - self.shifts[rows][:, None], -1)
+
     def block_range(self, q_positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The blocks any of the queries at ``q_positions`` ``[N]`` may see: ``[first, end)``.
-        Up to the furthest query's page; a sliding window starts at the earliest query's window."""
+        """The blocks any of the queries at ``q_positions`` ``[N]`` (their slots when shifted) may see:
+        ``[first, end)``. Up to the furthest query's page; a sliding window starts at the earliest
+        query's window."""
         span = self.block_pages * self.page_size
         end = (jnp.max(q_positions) + span) // span  # 0 when every token is padding
         if self.window is None:
@@ -230,7 +250,7 @@ class PagedKVView:
 
             return softmax_step(carry, logits, weigh)
 
-        first, end = self.block_range(positions)
+        first, end = self.block_range(self.query_slots(q_positions, rows).reshape(-1))
         init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
         _, total, out = jax.lax.fori_loop(first, end, step, init)
         out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [b, H_kv, G, Q, D]
@@ -315,6 +335,11 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
 
         return self.replace(key_pages=copied(self.key_pages), value_pages=copied(self.value_pages))
 
+    def page_keys(self, pages: jax.Array) -> jax.Array:
+        found = jax.tree.map(lambda leaf: leaf[:, pages], self.key_pages)
+        keys = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
+        return keys.astype(jnp.float32)
+
     def update_entry(self, index, keys, values, positions):
         raise TypeError(
             "a paged layer is written by the serving engine's packed batch: "
@@ -332,7 +357,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         page. Under ``jit`` nothing checks that a row owns the page a position maps to: the
         host page manager gives rows their pages before the step."""
         table = packed.block_tables[self.pool]
-        page, offset = self._slots(table, packed.token_rows, keys, values, positions)
+        page, offset = self._slots(table, packed.token_rows, keys, values, positions, packed.shifts.get(self.pool))
 
         def write(pool: PageArray, new: jax.Array) -> PageArray:
             stored = new if self.quantization is None else quantize(new, self.quantization, PER_TOKEN)
@@ -343,13 +368,14 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         )
         view = PagedKVView(
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
-            self.window, self.quantization,
+            self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
         )  # fmt: skip
         out, _ = read(queries, view, positions, None)
         return new, out
 
-    def _slots(self, table, rows, keys, values, positions) -> tuple[jax.Array, jax.Array]:
-        """Checked inputs: the page and offset each packed token is written to ``[N]``."""
+    def _slots(self, table, rows, keys, values, positions, shifts) -> tuple[jax.Array, jax.Array]:
+        """Checked inputs: the page and offset each packed token is written to ``[N]`` (slot
+        ``position - shifts[row]`` of its row; ``shifts`` None: its position)."""
         caller = f"{type(self).__name__}.update"
         _, _, _, heads, _ = pool_shape(self.key_pages)
         dtype = keys.dtype if self.quantization else self.key_pages.dtype  # quantized: any float dtype
@@ -363,6 +389,8 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         if positions.size != rows.shape[0]:
             raise ValueError(f"{caller}: {positions.size} tokens but the batch names the rows of {rows.shape[0]}")
         tokens = positions.reshape(-1)
+        if shifts is not None:
+            tokens = jnp.where(tokens >= 0, tokens - shifts[rows], -1)
         logical = tokens // self.page_size
         stored = (tokens >= 0) & (logical < table.shape[1])
         page = jnp.where(stored, table[rows, jnp.clip(logical, 0, table.shape[1] - 1)], NULL_PAGE)

@@ -33,6 +33,7 @@ from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.paged import Paging
 from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
+from jaxkv.serving.compaction import PageBudget
 from jaxkv.serving.disk_link import DiskTier, pool_formats
 from jaxkv.serving.draft_proposer import DraftProposer
 from jaxkv.serving.input_processor import InputProcessor
@@ -83,6 +84,10 @@ class EngineConfig:
     used pages leave first.
     ``speculative``: draft tokens proposed for decoding sequences and verified in the step
     (``jaxkv.serving.speculation.SpeculativeConfig``; None: none).
+    ``max_pages_per_request``: at most this many pages of the full-attention pool per sequence
+    (None: unbounded; at least 2): a sequence that needs one more is compacted first, keeping
+    the best ``(max_pages_per_request - 1) * page_size`` tokens by ``compaction_policy``
+    (``jaxkv.serving.compaction``: 'streaming_llm' or 'key_norm', ``EvictionSpec``'s defaults).
     """
 
     kv_memory: int | str = "1GiB"
@@ -100,6 +105,8 @@ class EngineConfig:
     kv_cache_dir: str | os.PathLike | None = None
     disk_kv_memory: int | str = "16GiB"
     speculative: SpeculativeConfig | None = None
+    max_pages_per_request: int | None = None
+    compaction_policy: str = "streaming_llm"
 
     def __post_init__(self):
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -125,6 +132,30 @@ class EngineConfig:
             )
         if self.speculative is not None and self.eviction is not None:
             raise ValueError("EngineConfig.speculative cannot roll back evicting layers: pass eviction=None")
+        self._check_page_budget()
+
+    def _check_page_budget(self) -> None:
+        """``max_pages_per_request`` and ``compaction_policy`` are valid (``PageBudget``) and combine
+        with the other options."""
+        if self.max_pages_per_request is None:
+            return
+        self.page_budget()
+        if self.speculative is not None:
+            raise ValueError(
+                "EngineConfig.max_pages_per_request: compacted pages cannot roll back rejected drafts; pass "
+                "speculative=None"
+            )
+        if self.eviction is not None:
+            raise ValueError(
+                "EngineConfig.max_pages_per_request evicts inside the pages; eviction keeps full-attention K/V "
+                "outside them: pass one of the two"
+            )
+
+    def page_budget(self) -> PageBudget | None:
+        """The page budget of ``max_pages_per_request`` (None: none)."""
+        if self.max_pages_per_request is None:
+            return None
+        return PageBudget(self.max_pages_per_request, self.page_size, self.compaction_policy)
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
@@ -152,6 +183,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.sizes = pool_sizes(model, self.config, self.max_model_len)
+        budget = self.config.page_budget()
+        if budget is not None and not self.sizes.full_pages:
+            raise ValueError("EngineConfig.max_pages_per_request bounds the full-attention pool: this model has none")
         # A recurrent state or an evicted row cannot be rebuilt from cached pages or forked from a longer one.
         self.has_states = self.sizes.state_bytes > 0
         if self.has_states and self.config.prefix_caching:
@@ -170,12 +204,12 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(
             model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-            max(1, self.config.max_logprobs), self.config.decode_width,
+            max(1, self.config.max_logprobs), self.config.decode_width, budget,
         )  # fmt: skip
         prefix_caching = self.config.prefix_caching and not self.has_states
         self.kv = KVCacheManager(
             self.sizes, prefix_caching, parse_bytes(self.config.host_kv_memory, "host_kv_memory"),
-            self.config.preemption, self._disk_tier() if prefix_caching else None,
+            self.config.preemption, self._disk_tier() if prefix_caching else None, budget,
         )  # fmt: skip
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.speculation = self._speculation()
@@ -313,7 +347,7 @@ class Engine:
         block_tables = self._block_tables()
         start, compiled = time.perf_counter(), len(self.runner.executables)
         try:
-            outputs = self.runner.run(chunks, block_tables)
+            outputs = self.runner.run(chunks, block_tables, self._row_positions())
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
@@ -342,7 +376,7 @@ class Engine:
         with jax.profiler.TraceAnnotation("engine.move_pages"):
             moves = self.kv.take_moves()
             if moves:
-                self.runner.move_pages(moves)
+                self.kv.compacted_positions(moves.compactions, self.runner.move_pages(moves))
             for key, page in moves.persist:
                 self._save(key, page)
 
@@ -362,6 +396,9 @@ class Engine:
 
     def _block_tables(self):
         return self.kv.block_tables(self.scheduler.running, self.config.max_num_seqs, self.max_model_len)
+
+    def _row_positions(self):
+        return self.kv.row_positions(self.scheduler.running, self.config.max_num_seqs, self.max_model_len)
 
     def _take_final(self) -> list[RequestOutput]:
         final, self.final_outputs = self.final_outputs, []
@@ -395,7 +432,7 @@ class Engine:
     def warmup(self) -> None:
         """Compile the step for every step shape (and, with a host or disk tier, its page copies for
         every bucket up to a pool's size), so no request waits for a compile."""
-        self.runner.warmup(self._block_tables())
+        self.runner.warmup(self._block_tables(), self._row_positions())
         if self.speculation is not None:
             self.speculation.proposer.warmup()
         if (self.kv.host.capacity or self.kv.disk is not None) and self.kv.pools:
@@ -434,6 +471,7 @@ class Engine:
             "preemptions": self.scheduler.stats.preemptions,
             "swaps": self.scheduler.stats.swaps,
             "recomputes": self.scheduler.stats.recomputes,
+            "compactions": self.kv.num_compactions,
             "prefix_hit_rate": self.scheduler.stats.prefix_hit_rate,
             "page_size": self.config.page_size,
             "page_bytes": sum(pool.page_bytes for pool in pools),

@@ -29,6 +29,17 @@ either case); swapping costs a round trip of the pages holding them to host memo
 ``tokens >= PAGE_COPY_TOKENS * pages``: a page's round trip is priced like recomputing
 ``PAGE_COPY_TOKENS`` tokens. So a sequence whose unregistered tail is one page holding a token or two
 is recomputed, a long tail (no prefix caching: every page) is swapped.
+
+With a page budget (``max_pages_per_request``, ``jaxkv.serving.compaction``) a sequence whose
+next tokens would need one page more than its budget in the full-attention pool is compacted
+first (``allocate`` plans it, the step's moves make it, between the reads and the writes).
+``room`` caps a chunk so that it fits, and says 0 when the step's compactions are used up (the
+sequence waits a step). Compactions happen only to running sequences, so an admitted sequence is
+below its budget: a prefix hit is used up to ``max_pages - 1`` pages, and a sequence at its
+budget (or compacted in this step) is preempted by recompute, not swapped. A row's compactions
+then happen at the same lengths however it is batched, preempted or resumed. A compacted
+sequence's pages are never registered in the prefix cache (their contents are no longer their
+hash's tokens), and it is never forked (its children are computed like new requests).
 """
 
 from __future__ import annotations
@@ -39,7 +50,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxkv.layers.paged import NULL_PAGE, pool_name, table_width
+from jaxkv.layers.paged import FULL_POOL, NULL_PAGE, pool_name, table_width
+from jaxkv.serving.compaction import MAX_COMPACTIONS, Compaction, PageBudget
 from jaxkv.serving.disk_link import DiskTier
 from jaxkv.serving.host_tier import HostKey, HostPage, HostTier
 from jaxkv.serving.pages import Owner, PageManager, page_hashes
@@ -181,9 +193,10 @@ class PageMoves:
     out: dict[str, list[tuple[int, HostPage]]] = dataclasses.field(default_factory=dict)
     into: dict[str, list[tuple[HostPage, int]]] = dataclasses.field(default_factory=dict)
     persist: list[tuple[HostKey, HostPage]] = dataclasses.field(default_factory=list)
+    compactions: list[Compaction] = dataclasses.field(default_factory=list)  # made between the reads and the writes
 
     def __bool__(self) -> bool:
-        return any(self.out.values()) or any(self.into.values())
+        return any(self.out.values()) or any(self.into.values()) or bool(self.compactions)
 
 
 @dataclasses.dataclass
@@ -193,6 +206,15 @@ class TierStats:
     device_hit_pages: int = 0
     host_hit_pages: int = 0
     disk_hit_pages: int = 0
+
+
+@dataclasses.dataclass
+class Compacted:
+    """A compacted sequence's full-pool row: its first ``len(positions)`` slots hold those
+    positions (None until the planned compaction is made), slot s after them position s + ``shift``."""
+
+    shift: int
+    positions: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +231,7 @@ class KVCacheManager:
     (``host_bytes``; 0: none) and disk tier (``disk``; None: none). ``preemption``: 'auto' (swap
     when ``swap_pays``), 'swap' (whenever the host tier has room) or 'recompute'; a cache with
     per-row state outside the pages (``sizes.state_bytes``: recurrent states, evicted K/V) is
-    always recomputed."""
+    always recomputed. ``budget``: the full pool's pages per sequence (None: unbounded)."""
 
     def __init__(
         self,
@@ -218,6 +240,7 @@ class KVCacheManager:
         host_bytes: int = 0,
         preemption: str = "auto",
         disk: DiskTier | None = None,
+        budget: PageBudget | None = None,
     ):
         if preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {preemption!r}")
@@ -234,6 +257,9 @@ class KVCacheManager:
         self.preemption = "recompute" if sizes.state_bytes else preemption
         self.swapped: dict[Owner, Swapped] = {}
         self.stats = TierStats()
+        self.budget = budget
+        self.compacted: dict[Owner, Compacted] = {}
+        self.num_compactions = 0  # planned since start
         self._moves = PageMoves()
 
     # --- what a request needs, checked when it arrives -----------------------------------------------
@@ -243,6 +269,8 @@ class KVCacheManager:
         ``chunk_tokens`` tokens of it."""
         for pool in self.pools:
             pages = -(-num_tokens // pool.page_size)
+            if pool.window is None and self.budget is not None:  # its budget, and fresh pages to compact into
+                pages = min(pages, 2 * self.budget.max_pages)
             if pool.window is not None:  # what one step reads and writes: the window and a chunk
                 pages = min(pages, -(-(pool.window - 1 + chunk_tokens) // pool.page_size) + 1)
             needed = pages + (n - 1) * max(pages - (num_prompt - 1) // pool.page_size, 1)
@@ -265,6 +293,8 @@ class KVCacheManager:
         if not self.prefix_caching:
             return NO_HIT
         num_pages = (seq.num_tokens - 1) // self.page_size
+        if self.budget is not None:  # admitted below its budget (compactions are the running sequences')
+            num_pages = min(num_pages, self.budget.max_pages - 1)
         hashes = self._chain(seq, num_pages)
         held = [pool.held_pages(hashes, self._below) for pool in self.pools]  # one question per page and pool
         missing = [list(itertools.accumulate((source is None for source in sources), initial=0)) for sources in held]
@@ -287,7 +317,10 @@ class KVCacheManager:
             return self._admit(seq, num_new_tokens, hit)
         for pool in self.pools:  # pages a window has left go first: they may be what the others need
             pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
-        needed = {pool.name: pool.pages_needed(seq, seq.num_computed + num_new_tokens) for pool in self.pools}
+        end = seq.num_computed + num_new_tokens
+        if self.budget is not None and end - self._shift(seq) > self.budget.limit:
+            return self._compact(seq, num_new_tokens)
+        needed = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools}
         if not all(pool.manager.can_allocate(needed[pool.name]) for pool in self.pools):
             return None
         for pool in self.pools:
@@ -295,11 +328,29 @@ class KVCacheManager:
             pool.manager.allocate(seq.key, needed[pool.name])
         return Allocation(needed)
 
+    def room(self, seq: SequenceState, count: int, hit: PrefixHit | None = None) -> int:
+        """How many of ``count`` next tokens ``seq`` may compute this step under the page budget
+        (being admitted on ``hit``, always below its budget, or running): up to its budget; at its
+        budget a running sequence compacts first (a chunk then fits the page the compaction
+        leaves), or waits (0) when the step's compactions are used up."""
+        if self.budget is None:
+            return count
+        start = seq.num_computed if hit is None else hit.num_tokens
+        slots = start - (self._shift(seq) if hit is None or hit.resumes else 0)
+        if slots < self.budget.limit:
+            return min(count, self.budget.limit - slots)
+        if len(self._moves.compactions) >= MAX_COMPACTIONS:
+            return 0
+        return min(count, self.budget.limit - self.budget.keep_slots)
+
     def fork(self, parent: SequenceState, child: SequenceState) -> Allocation | None:
         """``child`` starts on ``parent``'s computed prompt: it shares the full pages of all but the
         prompt's last token and gets a copy of the page that token sits in (copy-on-write; it
         recomputes that token to draw its own first one). None, and nothing changed, when a pool
-        has no page for the copy."""
+        has no page for the copy or the parent was compacted (its pages no longer hold the
+        prompt's tokens in order)."""
+        if parent.key in self.compacted:
+            return None
         shared = len(child.prompt) - 1
         partial = 1 if shared % self.page_size else 0
         if not all(pool.manager.can_allocate(partial) for pool in self.pools):
@@ -319,6 +370,8 @@ class KVCacheManager:
         changed but pages a window had left, when it is to be recomputed instead."""
         if self.preemption == "recompute" or not seq.num_computed or not self.host.capacity:
             return False
+        if self._at_budget(seq):
+            return False  # admitted again, it could not compact before its next token
         for pool in self.pools:
             pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
         registered = seq.num_registered
@@ -342,7 +395,7 @@ class KVCacheManager:
     def computed(self, seq: SequenceState) -> None:
         """``seq``'s computed tokens grew: offer its newly full pages to the prefix cache (a host
         copy of a page it registers is dropped: a page lives in one tier) and to the disk tier."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.key in self.compacted:
             return
         full = seq.num_computed // self.page_size
         hashes = self._chain(seq, full)
@@ -360,13 +413,75 @@ class KVCacheManager:
         its swapped pages."""
         self._free_device(seq)
         self._forget_swap(seq)
+        self.compacted.pop(seq.key, None)
 
     def take_moves(self) -> PageMoves:
         """The copies decided since the last call; the engine makes them before the next step runs."""
         moves, self._moves = self._moves, PageMoves()
         return moves
 
+    def compacted_positions(self, compactions: Sequence[Compaction], kept: Sequence[np.ndarray]) -> None:
+        """The step's ``compactions`` were made, keeping ``kept`` positions each: record them (a
+        sequence freed since it was planned is skipped)."""
+        for compaction, positions in zip(compactions, kept, strict=True):
+            state = self.compacted.get(compaction.owner)
+            if state is not None and state.positions is None:
+                state.positions = positions
+
     # --- helpers ------------------------------------------------------------------------------------
+    def _shift(self, seq: SequenceState) -> int:
+        """How far the positions of ``seq``'s new tokens run ahead of their full-pool slots."""
+        state = self.compacted.get(seq.key)
+        return 0 if state is None else state.shift
+
+    def _at_budget(self, seq: SequenceState) -> bool:
+        """Does ``seq`` fill its budget, or was it compacted in this step (its pages are read before
+        the step's compactions are made)?"""
+        if self.budget is None:
+            return False
+        compacting = any(compaction.owner == seq.key for compaction in self._moves.compactions)
+        return compacting or seq.num_computed - self._shift(seq) >= self.budget.limit
+
+    def _pages_needed(self, pool: PagePool, seq: SequenceState, end: int) -> int:
+        """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
+        return pool.pages_needed(seq, end - (self._shift(seq) if pool.window is None else 0))
+
+    def _slot_positions(self, seq: SequenceState, num_slots: int) -> np.ndarray:
+        """``[num_slots]`` the position each of ``seq``'s first full-pool slots holds (or will)."""
+        state = self.compacted.get(seq.key)
+        if state is None:
+            return np.arange(num_slots, dtype=np.int32)
+        positions = np.arange(num_slots, dtype=np.int32) + state.shift
+        positions[: len(state.positions)] = state.positions
+        return positions
+
+    def _compact(self, seq: SequenceState, num_new_tokens: int) -> Allocation | None:
+        """``allocate`` for a running ``seq`` over its budget: plan its compaction into
+        ``max_pages - 1`` pages (sources: its full-pool pages), then pages for the new tokens."""
+        budget, full = self.budget, self._pool(FULL_POOL)
+        keep_pages = budget.max_pages - 1
+        end = seq.num_computed + num_new_tokens
+        fresh = full.manager.compaction_fresh_pages(seq.key, keep_pages)
+        extra = -(-(budget.keep_slots + num_new_tokens) // self.page_size) - keep_pages
+        needed = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools if pool is not full}
+        needed[full.name] = extra
+        taken = {**needed, full.name: fresh + extra}
+        if not all(pool.manager.can_allocate(taken[pool.name]) for pool in self.pools):
+            return None
+        filled = seq.num_computed - self._shift(seq)
+        for pool in self.pools:
+            self._demote_evictions(pool, taken[pool.name])
+        sources, destinations = full.manager.compact(seq.key, keep_pages)
+        positions = self._slot_positions(seq, len(sources) * self.page_size)
+        positions[filled:] = -1
+        self._moves.compactions.append(Compaction(seq.key, sources, destinations, positions, seq.num_computed))
+        self.num_compactions += 1
+        self.compacted[seq.key] = Compacted(seq.num_computed - budget.keep_slots)
+        seq.num_registered = 0
+        for pool in self.pools:
+            pool.manager.allocate(seq.key, needed[pool.name])
+        return Allocation(needed)
+
     def _admit(self, seq: SequenceState, num_new_tokens: int, hit: PrefixHit) -> Allocation | None:
         """``allocate`` for a sequence admitted on ``hit``: share its device pages (placeholders for
         its host pages), then fresh pages for the host pages and the new tokens."""
@@ -375,8 +490,10 @@ class KVCacheManager:
             pool.manager.share(seq.key, [NULL_PAGE if isinstance(page, HostSource) else page for page in sources])
             pool.manager.drop_leading(seq.key, pool.first_needed_page(hit.num_tokens))
         promoted = {pool.name: self._host_sources(pool, hit) for pool in self.pools}
+        if not hit.resumes:  # computed again from the start: no compaction holds
+            self.compacted.pop(seq.key, None)
         end = hit.num_tokens + num_new_tokens
-        new = {pool.name: pool.pages_needed(seq, end) for pool in self.pools}
+        new = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools}
         if not all(pool.manager.can_allocate(new[pool.name] + len(promoted[pool.name])) for pool in self.pools):
             self._free_device(seq)
             return None
@@ -534,12 +651,32 @@ class KVCacheManager:
         """Per pool name ``[R, W]`` int32: each running sequence's pages in its row, the null page elsewhere."""
         tables = {}
         for pool in self.pools:
-            table = np.full((num_rows, table_width(max_model_len, pool.page_size)), NULL_PAGE, np.int32)
+            table = np.full((num_rows, self._table_width(pool, max_model_len)), NULL_PAGE, np.int32)
             for seq in running:
                 pages = pool.manager.pages(seq.key)
                 table[seq.row, : len(pages)] = pages
             tables[pool.name] = table
         return tables
+
+    def _table_width(self, pool: PagePool, max_model_len: int) -> int:
+        """Block-table columns of ``pool``: a budgeted full pool's rows hold at most its budget."""
+        if pool.window is None and self.budget is not None:
+            max_model_len = min(max_model_len, self.budget.limit)
+        return table_width(max_model_len, pool.page_size)
+
+    def row_positions(
+        self, running: Sequence[SequenceState], num_rows: int, max_model_len: int
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``PackedBatch``'s ``shifts`` ``[R]`` and ``slot_positions`` ``[R, W * page_size]`` for the
+        full pool under a budget (each running row's, a plain row's elsewhere); empty without one."""
+        if self.budget is None or not self.pools or self.pools[0].window is not None:
+            return {}, {}
+        width = self._table_width(self.pools[0], max_model_len) * self.page_size
+        shifts = np.zeros(num_rows, np.int32)
+        positions = np.tile(np.arange(width, dtype=np.int32), (num_rows, 1))
+        for seq in running:
+            shifts[seq.row], positions[seq.row] = self._shift(seq), self._slot_positions(seq, width)
+        return {FULL_POOL: shifts}, {FULL_POOL: positions}
 
     def usage(self) -> Usage:
         return Usage(
@@ -557,5 +694,5 @@ class KVCacheManager:
         for seq in running:
             slots = sum(page != NULL_PAGE for page in pool.manager.pages(seq.key)) * pool.page_size
             allocated += slots
-            unused += max(slots - seq.num_computed, 0)
+            unused += max(slots - seq.num_computed + (self._shift(seq) if pool.window is None else 0), 0)
         return allocated, unused

@@ -24,6 +24,7 @@ from flax import nnx
 from jaxkv.batch import QUERY_BLOCK, PackedBatch
 from jaxkv.decoding.sampling import GREEDY, RowSampling
 from jaxkv.layers.paged import NULL_PAGE
+from jaxkv.serving.compaction import Compaction, PageBudget, compact_pages, compaction_inputs
 from jaxkv.serving.host_tier import HostPage
 from jaxkv.serving.kv_manager import PageMoves
 from jaxkv.serving.scheduler import Chunk, chunk_cost
@@ -36,6 +37,8 @@ from jaxkv.serving.step import (
     read_pages,
     write_pages,
 )
+
+RowPositions = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]  # PackedBatch's shifts and slot_positions
 
 # The fewest decode slots a decode-only step is given (fewer saves too little to compile for).
 MIN_DECODE_SLOTS = 8
@@ -90,9 +93,13 @@ class ModelRunner:
     """The model's parameters and paged cache on the device, and the compiled steps over them.
     ``num_rows``: the engine's rows (block-table rows, the most decode slots); ``num_top``: top
     log-probabilities computed per sample slot (at least 1); ``width``: ``1 + k`` for an engine
-    that verifies ``k`` drafts per row (1: none)."""
+    that verifies ``k`` drafts per row (1: none); ``budget``: the page budget whose compactions
+    ``move_pages`` makes (None: none)."""
 
-    def __init__(self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int, width: int = 1):
+    def __init__(
+        self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int, width: int = 1,
+        budget: PageBudget | None = None,
+    ):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.cache = cache
         self.num_rows = num_rows
@@ -104,31 +111,45 @@ class ModelRunner:
         self.executables: dict[tuple[int, int, int], Callable] = {}
         self.num_steps = 0
         self.page_formats = page_formats(cache)
+        self.budget = budget
 
     def copy_pages(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy forks' pages: ``(source, destination)`` pairs per pool name (none: nothing runs)."""
         if any(copies.values()):
             self.cache = copy_pages(self.cache, {name: np.asarray(pairs, np.int32) for name, pairs in copies.items()})
 
-    def run(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepOutputs:
+    def run(
+        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})
+    ) -> StepOutputs:
         """Run one step over ``chunks`` (with drafts: a verifying step); returns the outputs on the
-        host, chunk ``i``'s in sample slot ``i``."""
+        host, chunk ``i``'s in sample slot ``i``. ``row_positions``: the packed batch's ``shifts``
+        and ``slot_positions`` (``KVCacheManager.row_positions``)."""
         with jax.profiler.TraceAnnotation("runner.prepare"):
-            inputs = self.prepare(chunks, block_tables)
+            inputs = self.prepare(chunks, block_tables, row_positions)
         with jax.profiler.TraceAnnotation("runner.dispatch"):
             outputs, self.cache = self._executable(inputs)(self.state, self.cache, inputs)
         self.num_steps += 1
         with jax.profiler.TraceAnnotation("runner.wait"):
             return jax.device_get(outputs)
 
-    def move_pages(self, moves: PageMoves) -> None:
+    def move_pages(self, moves: PageMoves) -> list[np.ndarray]:
         """Make a step's copies between the device pools and the host tier: every read first (a
-        page read may be written by a later copy or by the step), then every write. Each batch is
-        padded to ``copy_bucket`` pages of every pool."""
+        page read may be written by a later copy or by the step), then the compactions (a page a
+        compaction reads may be written by a promotion), then every write. Each batch of copies
+        is padded to ``copy_bucket`` pages of every pool. Returns the positions each compaction kept."""
         if any(moves.out.values()):
             self._read(moves.out)
+        kept = self._compact(moves.compactions) if moves.compactions else []
         if any(moves.into.values()):
             self._write(moves.into)
+        return kept
+
+    def _compact(self, compactions: list[Compaction]) -> list[np.ndarray]:
+        """Make ``compactions`` in one call of the compiled compaction; the positions each kept."""
+        inputs = compaction_inputs(compactions, self.budget)
+        self.cache, kept = compact_pages(self.cache, *inputs, spec=self.budget.spec)
+        kept = jax.device_get(kept)
+        return [kept[row] for row in range(len(compactions))]
 
     def _read(self, out: dict[str, list[tuple[int, HostPage]]]) -> None:
         """Fill each host page with its device page: one array per leaf of its pool's paged groups."""
@@ -179,16 +200,21 @@ class ModelRunner:
             data.append(group)
         return data
 
-    def warmup(self, block_tables: dict[str, np.ndarray]) -> None:
-        """Compile the step for every shape, so no request waits for a compile."""
+    def warmup(self, block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})) -> None:
+        """Compile the step for every shape (and the compaction, under a page budget: run on
+        padding rows, which write the null page only), so no request waits for a compile."""
         for slots, prefill, width in self.shapes:
-            self._executable(self._packed([], slots, prefill, width, block_tables))
+            self._executable(self._packed([], slots, prefill, width, block_tables, row_positions))
+        if self.budget is not None:
+            self._compact([])
 
-    def prepare(self, chunks: list[Chunk], block_tables: dict[str, np.ndarray]) -> StepInputs:
+    def prepare(
+        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})
+    ) -> StepInputs:
         """The step's inputs in the smallest shape that holds ``chunks`` (decode slots ``width`` wide
         when a chunk brings drafts)."""
         width = self.width if any(chunk.draft for chunk in chunks) else 1
-        return self._packed(chunks, *self.step_shape(chunks, width), block_tables)
+        return self._packed(chunks, *self.step_shape(chunks, width), block_tables, row_positions)
 
     def step_shape(self, chunks: list[Chunk], width: int) -> tuple[int, int, int]:
         """``(decode slots, prefill size, width)``: the shape that runs ``chunks`` with decode slots
@@ -215,8 +241,9 @@ class ModelRunner:
         return self.executables[shape]
 
     def _packed(
-        self, chunks: list[Chunk], slots: int, prefill_size: int, width: int, block_tables: dict[str, np.ndarray]
-    ) -> StepInputs:
+        self, chunks: list[Chunk], slots: int, prefill_size: int, width: int, block_tables: dict[str, np.ndarray],
+        row_positions: RowPositions,
+    ) -> StepInputs:  # fmt: skip
         """``slots`` decode slots of ``width`` tokens, then ``prefill_size`` slots of prefill chunks,
         each starting a query block; chunk ``i`` draws in sample slot ``i``, with its sequence's
         sampling, at its last token and its drafts."""
@@ -244,9 +271,10 @@ class ModelRunner:
             seeds[slot], numbers[slot], counters[slot] = seq.options.seed, seq.index, len(seq.output)
             slot_sampling[slot] = seq.options.sampling
         # A prefill chunk fills at most what the decode slots leave: the rows' [R, T] layout's T.
+        shifts, slot_positions = row_positions
         packed = PackedBatch(
             token_rows, block_tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
-            decode_width=width,
+            decode_width=width, shifts=shifts, slot_positions=slot_positions,
         )  # fmt: skip
         return StepInputs(
             tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, drafts=drafts,

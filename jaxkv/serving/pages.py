@@ -227,6 +227,38 @@ class PageManager:
             return []
         return [(parent_pages[num_full], self.allocate(child, 1)[0])]
 
+    def compaction_fresh_pages(self, owner: Owner, num_pages: int) -> int:
+        """Fresh pages ``compact(owner, num_pages)`` takes (what its reusable pages do not cover)."""
+        return max(num_pages - len(self._reusable(owner)), 0)
+
+    def compact(self, owner: Owner, num_pages: int) -> tuple[list[int], list[int]]:
+        """Give the owner ``num_pages`` pages to compact its tokens into; returns its pages before
+        (the compaction's sources) and after (its destinations, now its whole list).
+
+        A destination is one of its pages that nobody else holds and the prefix cache does not
+        hold (reused in place, in logical order), else a fresh page; its other pages are released
+        (a shared page keeps its other owners, a cached one stays findable): a page others may
+        read is never written. Raises ``PoolExhausted``, changing nothing, when too few pages are
+        free."""
+        if num_pages < 1:
+            raise ValueError(f"compact: num_pages must be at least 1, got {num_pages}")
+        sources = self.pages(owner)
+        reused = self._reusable(owner)[:num_pages]
+        self._require_free(num_pages - len(reused))
+        fresh = [self._take_free() for _ in range(num_pages - len(reused))]
+        for page in reversed(sources):  # tail first, as in free
+            if page not in reused:
+                self._release(page)
+        self._lists[owner] = reused + fresh
+        return sources, reused + fresh
+
+    def _reusable(self, owner: Owner) -> list[int]:
+        """The owner's pages only it holds that hold no cached prefix, in logical order."""
+        return [
+            page for page in self._lists.get(owner, ())
+            if page != NULL_PAGE and self._refcounts[page] == 1 and page not in self._hash_of_page
+        ]  # fmt: skip
+
     def drop_leading(self, owner: Owner, num_logical_pages: int) -> None:
         """Release the owner's pages at logical indices below ``num_logical_pages`` (they left a sliding
         window), leaving ``NULL_PAGE`` in their place so later indices keep their meaning. Idempotent."""

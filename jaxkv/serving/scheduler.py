@@ -11,7 +11,8 @@ preempts the newest running sequence: the KV manager swaps its pages to the host
 that beats recomputing them (``KVCacheManager.swap_out``, a documented cost rule), and it
 resumes from them; else they are freed and it is computed again later, so nothing is
 dropped (with prefix caching the pages it filled stay cached and usually make its
-recomputation a cache hit).
+recomputation a cache hit). Under a page budget (``max_pages_per_request``) the KV manager's
+``room`` caps each chunk, and a sequence waiting for a compaction skips the step.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted for an older sequence this step
                 continue
-            count = chunk_length(seq.num_tokens - seq.num_computed, budget)
+            count = self.kv.room(seq, chunk_length(seq.num_tokens - seq.num_computed, budget))
             if count and self._reserve_or_preempt(seq, count):
                 chunks.append(Chunk(seq, seq.num_computed, count))
                 budget -= chunk_cost(count)
@@ -114,7 +115,7 @@ class Scheduler:
         when its pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
         hit rate nor the sequence's cached tokens."""
         hit = self.kv.lookup(seq)
-        count = chunk_length(seq.num_tokens - hit.num_tokens, budget)
+        count = self.kv.room(seq, chunk_length(seq.num_tokens - hit.num_tokens, budget), hit)
         allocation = self.kv.allocate(seq, count, hit) if count else None
         if allocation is None:
             return None

@@ -147,8 +147,8 @@ def test_decode_only_steps_take_the_smallest_decode_bucket(llama):
     engine.warmup()
     shapes, prepare = [], engine.runner.prepare
 
-    def recorded(chunks, tables):  # (decode slots, chunks) of each step
-        inputs = prepare(chunks, tables)
+    def recorded(chunks, *tables):  # (decode slots, chunks) of each step
+        inputs = prepare(chunks, *tables)
         shapes.append((inputs.packed.decode_tokens, len(chunks)))
         return inputs
 

@@ -1,0 +1,194 @@
+"""Compressed pages (``max_pages_per_request``, ``jaxkv.serving.compaction``): a budget that
+covers every token changes nothing; a compacted row keeps what ``EvictingLayer`` keeps for the
+same tokens and budget and draws ``generate``'s tokens under that policy; shared prefix pages
+are never written; no page leaks through compactions, aborts, preemptions and swaps; freed
+pages may hold NaN."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jaxkv.models.llama import Llama, LlamaConfig
+
+from jaxkv.batch import PagedStorage
+from jaxkv.decoding.generate import generate
+from jaxkv.eviction import EvictionSpec
+from jaxkv.protocol import has
+from jaxkv.serving import Engine
+from jaxkv.serving.compaction import MAX_COMPACTIONS
+from jaxkv.serving.engine import EngineConfig
+from jaxkv.serving.pages import NULL_PAGE
+from tests.cases import VOCAB, greedy_reference, run_arrivals
+from tests.serving.conftest import LLAMA
+
+SMALL = {"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, "kv_memory": 64 * 1024}
+NEW_TOKENS = 12
+# Pages of one token: a compaction then keeps max_pages - 1 tokens and the row writes the next
+# one, which is what an EvictingLayer of max_pages - 1 slots attends over at each decode step.
+ONE_TOKEN_PAGES = {"page_size": 1, "max_num_seqs": 4, "max_num_batched_tokens": 16, "kv_memory": 64 * 1024}
+MAX_PAGES = 10
+
+
+def prompts_of(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, n).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def one_head():
+    """One layer and one K/V head: a policy's score of a token is the pool's (mean over layers and heads)."""
+    return Llama(LlamaConfig(**LLAMA | {"num_hidden_layers": 1, "num_key_value_heads": 1}))
+
+
+def test_options_are_checked_with_named_errors():
+    with pytest.raises(ValueError, match="max_pages_per_request must be an int of at least 2"):
+        EngineConfig(max_pages_per_request=1)
+    with pytest.raises(ValueError, match="compaction_policy must be one of"):
+        EngineConfig(max_pages_per_request=4, compaction_policy="h2o")
+    with pytest.raises(ValueError, match="pass one of the two"):
+        EngineConfig(max_pages_per_request=4, eviction=EvictionSpec("streaming_llm", budget=8))
+    assert EngineConfig().page_budget() is None
+
+
+def test_a_budget_covering_every_token_gives_generates_tokens(model):
+    """Prompts of up to 39 tokens and 12 new ones in pages of 4 never reach 13 pages: no
+    compaction, exactly ``generate``'s tokens (Gemma: its sliding pool is not budgeted)."""
+    prompts = prompts_of(0, [5, 39, 17, 26, 1])
+    engine = Engine(model, max_pages_per_request=13, **SMALL)
+    got = run_arrivals(engine, prompts, [0, 0, 1, 2, 3], NEW_TOKENS)
+    assert got == greedy_reference(model, prompts, NEW_TOKENS)
+    assert engine.stats()["compactions"] == 0
+
+
+@pytest.mark.parametrize("policy", ["streaming_llm", "key_norm"])
+def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
+    """Pages of one token, a budget of 10: after every compaction the row holds the positions an
+    ``EvictingLayer`` of 9 slots holds after the same tokens (same scores, same ties), and the
+    row draws the tokens ``generate`` draws with that layer."""
+    spec = EvictionSpec(policy, budget=MAX_PAGES - 1)
+    prompts = prompts_of(1, [7, 3, 9])
+    engine = Engine(one_head, max_pages_per_request=MAX_PAGES, compaction_policy=policy, **ONE_TOKEN_PAGES)
+    kept: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(len(prompts))}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            state = engine.kv.compacted.get(seq.key)
+            if state is not None:  # after a compaction at length T = shift + kept
+                kept[seq.request_id][state.shift + len(state.positions)] = state.positions
+    tokens = [engine.sequences[i][0].tokens for i in range(len(prompts))]
+    result = generate(one_head, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=(), eviction=spec)
+    assert [t[len(p) :] for t, p in zip(tokens, prompts)] == [result.row(i) for i in range(len(prompts))]
+    for i, by_length in kept.items():
+        assert by_length, "no compaction happened"
+        held = evicting_positions(one_head, spec, tokens[i], max(by_length))
+        for length, positions in by_length.items():
+            assert positions.tolist() == held[length], f"request {i} after {length} tokens"
+    assert engine.stats()["compactions"] >= sum(len(by_length) for by_length in kept.values())
+
+
+def evicting_positions(model, spec: EvictionSpec, tokens: list[int], longest: int) -> dict[int, list[int]]:
+    """The positions an ``EvictingLayer`` cache of ``spec`` holds after each length up to ``longest``
+    (in position order), fed ``tokens`` one at a time."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))
+    cache, held = model.init_cache(1, eviction=spec), {}
+    for position in range(longest):
+        _, cache = forward(state, jnp.asarray([[tokens[position]]]), jnp.asarray([[position]]), cache)
+        slots = np.asarray(cache.groups[0].slot_positions[0, 0, 0])
+        held[position + 1] = sorted(int(p) for p in slots if p >= 0)
+    return held
+
+
+def pool_pages(engine: Engine, pages: list[int]) -> list[np.ndarray]:
+    """Every full-pool leaf's contents at ``pages`` (every layer)."""
+    groups = [group for group in engine.runner.cache.groups if has(group, PagedStorage) and group.pool == "full"]
+    return [np.asarray(leaf[:, np.asarray(pages)]) for group in groups for leaf in jax.tree.leaves(group)]
+
+
+def test_a_shared_prefix_page_is_never_written_by_a_compaction(llama):
+    """B shares A's first two cached pages; B compacts (its kept tokens copied out of them into
+    pages of its own): those pages hold the same bytes, A draws ``generate``'s tokens, and B
+    no longer holds them."""
+    prefix = prompts_of(2, [8])[0]
+    a, b = prefix + [3], prefix + [5, 6, 7, 1, 2]
+    engine = Engine(llama, max_pages_per_request=4, **SMALL)
+    first = engine.add_request(a, max_tokens=7, ignore_eos=True)  # 15 slots at most: it never compacts
+    engine.step()  # A's prompt: its full pages are cached
+    second = engine.add_request(b, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.step()
+    full = engine.kv.pools[0].manager
+    shared = full.pages(engine.sequences[first][0].key)[:2]
+    assert full.pages(engine.sequences[second][0].key)[:2] == shared
+    before = pool_pages(engine, shared)
+    while engine.has_unfinished():
+        engine.step()
+        if engine.stats()["compactions"]:
+            break
+    assert engine.stats()["compactions"] == 1
+    assert not set(shared) & set(full.pages(engine.sequences[second][0].key))
+    for old, new in zip(before, pool_pages(engine, shared), strict=True):
+        np.testing.assert_array_equal(old, new)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.sequences[first][0].output == greedy_reference(llama, [a], 7)[0]
+
+
+def budgeted_tokens(model, prompts, **options) -> list[list[int]]:
+    engine = Engine(model, max_pages_per_request=4, **options)
+    return [c.token_ids for c in engine.generate_many(prompts, max_tokens=NEW_TOKENS + 8, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, preemption):
+    """A pool too small for every row: rows compact, are preempted (recomputed, or swapped to the
+    host tier, compacted pages and all) and some are aborted; the others draw what they draw in a
+    roomy pool (a row's compactions depend on its own tokens only), and every page comes back."""
+    prompts = prompts_of(3, [30, 9, 22, 14, 3, 18])
+    expected = budgeted_tokens(llama, prompts, **SMALL)
+    tight = SMALL | {"kv_memory": 20 * 1024, "preemption": preemption, "host_kv_memory": 64 * 1024}
+    engine = Engine(llama, max_pages_per_request=4, **tight)
+    ids = [engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True) for prompt in prompts]
+    for step in range(400):
+        if not engine.has_unfinished():
+            break
+        if step in (6, 15):
+            engine.abort(ids[step % len(ids)])
+        engine.step()
+        engine.kv.check()
+    stats = engine.stats()
+    assert stats["compactions"] > MAX_COMPACTIONS and stats["preemptions"] > 0
+    assert stats[preemption + "s"] > 0
+    aborted = {ids[6 % len(ids)], ids[15 % len(ids)]}
+    for i, request_id in enumerate(ids):
+        if request_id not in aborted:
+            assert engine.sequences[request_id][0].output == expected[i], f"request {i}"
+    pool = engine.kv.pools[0].manager
+    assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
+
+
+def test_nan_in_freed_pages_changes_nothing(llama):
+    """After every step, every page no row holds (and the null page) is set to NaN: compacted
+    rows never read a slot they do not hold."""
+    prompts = prompts_of(4, [30, 9, 22])
+    expected = budgeted_tokens(llama, prompts, prefix_caching=False, **SMALL)
+    engine = Engine(llama, max_pages_per_request=4, prefix_caching=False, **SMALL)
+    ids = [engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True) for prompt in prompts]
+    while engine.has_unfinished():
+        engine.step()
+        engine.runner.cache = poisoned(engine)
+    assert engine.stats()["compactions"] > 0
+    assert [engine.sequences[i][0].output for i in ids] == expected
+
+
+def poisoned(engine: Engine):
+    """The engine's cache with NaN in every full-pool page at refcount 0 and in the null page."""
+    manager = engine.kv.pools[0].manager
+    free = np.asarray([NULL_PAGE] + [p for p in range(1, manager.num_pages) if manager.refcount(p) == 0])
+    cache = engine.runner.cache
+    for index, group in enumerate(cache.groups):
+        if has(group, PagedStorage) and group.pool == "full":
+            cache = cache.with_group(index, jax.tree.map(lambda leaf: leaf.at[:, free].set(jnp.nan), group))
+    return cache
