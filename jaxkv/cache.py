@@ -334,6 +334,72 @@ def pattern_period(layer_types: Sequence[str]) -> int:
     return next(p for p in range(1, n + 1) if all(layer_types[i] == layer_types[i % p] for i in range(n)))
 
 
+KV_SHARING_MODES = (None, "store", "reuse")
+
+
+def kv_sources_of(config, layer_types: Sequence[str]) -> tuple[int, ...]:
+    """Per model layer, the layer whose K/V it attends over: its own index, or for a layer that
+    reuses another's K/V (Gemma 4, Gemma 3n), the last earlier layer of its type that stores its
+    own; empty when every layer stores its own. Read from the config's ``kv_sharing_modes``
+    (transformers': per layer None, 'store' or 'reuse'), else from ``num_kv_shared_layers`` as
+    transformers derives those modes (the last ``num_kv_shared_layers`` layers reuse)."""
+    modes = _config_value(config, "kv_sharing_modes")
+    if modes is None:
+        shared = _config_value(config, "num_kv_shared_layers") or 0
+        modes = [None] * (len(layer_types) - shared) + ["reuse"] * shared
+    if len(modes) != len(layer_types) or set(modes) - set(KV_SHARING_MODES):
+        raise ValueError(
+            f"kv_sharing_modes must give one of {KV_SHARING_MODES} per layer ({len(layer_types)} layers), got {modes}"
+        )
+    if "reuse" not in modes:
+        return ()
+    sources = []
+    for i, (kind, mode) in enumerate(zip(layer_types, modes)):
+        storing = [j for j in range(i + 1) if modes[j] != "reuse" and layer_types[j] == kind]
+        if not storing:
+            raise ValueError(f"layer {i} ({kind}) reuses K/V, but no earlier {kind} layer stores any")
+        sources.append(i if mode != "reuse" else storing[-1])
+    return tuple(sources)
+
+
+def check_kv_sources(kv_sources: Sequence[int], layer_types: Sequence[str]) -> None:
+    """``kv_sources`` (``Cache.from_layer_types``): empty, or per layer its own index or an earlier
+    layer of the same type that stores its own K/V."""
+    if not kv_sources:
+        return
+    if len(kv_sources) != len(layer_types):
+        raise ValueError(f"kv_sources lists {len(kv_sources)} layers but layer_types {len(layer_types)}")
+    for i, source in enumerate(kv_sources):
+        if not 0 <= source <= i or kv_sources[source] != source or layer_types[source] != layer_types[i]:
+            raise ValueError(
+                f"kv_sources[{i}] = {source}: a layer reads its own K/V or those of an earlier layer of its type "
+                f"({layer_types[i]}) that stores its own"
+            )
+
+
+def kv_shapes_of(config, layer_types: Sequence[str], num_kv_heads: int, head_dim: int) -> dict[str, tuple[int, int]]:
+    """Per layer type, ``(num_kv_heads, head_dim)`` where the config's ``per_layer_config``
+    (transformers' per-layer overrides, by layer index: Gemma 4's full-attention layers have a head
+    dim of their own) makes them differ from ``num_kv_heads``, ``head_dim``; the layers of one type
+    must agree."""
+    per_layer = _config_value(config, "per_layer_config")
+    if per_layer is None:
+        return {}
+    shapes = {}
+    for i, kind in enumerate(layer_types):
+        # A mapping by layer index (as config.json writes it), or transformers' view of per-layer configs.
+        layer = per_layer.get(i, per_layer.get(str(i), {})) if isinstance(per_layer, Mapping) else per_layer[i]
+        shape = (
+            _config_value(layer, "num_key_value_heads") or num_kv_heads, _config_value(layer, "head_dim") or head_dim
+        )
+        if shapes.setdefault(kind, shape) != shape:
+            raise ValueError(
+                f"per_layer_config gives {kind} layers different (num_key_value_heads, head_dim): {shapes[kind]} and "
+                f"{shape} (layer {i}); a cache stores every layer of a type alike"
+            )
+    return {kind: shape for kind, shape in shapes.items() if shape != (num_kv_heads, head_dim)}
+
+
 def stack_layers(layers: Sequence[CacheLayer]) -> CacheLayer:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
 
@@ -347,15 +413,25 @@ def check_layer_types(layer_types: Sequence[str]) -> None:
 
 
 def build_groups(
-    layer_types: Sequence[str], spec: LayerSpec, period: int, layer_builder: LayerBuilder | None = None
+    layer_types: Sequence[str],
+    spec: LayerSpec,
+    period: int,
+    layer_builder: LayerBuilder | None = None,
+    stored: Sequence[int] | None = None,
+    kv_shapes: Mapping[str, tuple[int, int]] | None = None,
 ) -> tuple[CacheLayer, ...]:
-    """Group g: layer type ``layer_types[g]`` built once (by ``layer_builder``, else its
-    ``LAYER_TYPES`` builder) and repeated for layers g, g + period, ..."""
+    """Group g: the type of stored layer g (``stored``: the model layers that store K/V, in order;
+    default every one) built once (by ``layer_builder``, else its ``LAYER_TYPES`` builder) and
+    repeated for stored layers g, g + period, ... ``kv_shapes``: per layer type, its
+    ``(num_kv_heads, head_dim)`` where it differs from ``spec``'s."""
+    stored = range(len(layer_types)) if stored is None else stored
     groups = []
     for g in range(period):
-        indices = list(range(g, len(layer_types), period))
-        kind = layer_types[g]
-        layer = LAYER_TYPES[kind].build(spec) if layer_builder is None else layer_builder.build(kind, spec)
+        indices = list(stored[g::period])
+        kind = layer_types[indices[0]]
+        heads, dim = (kv_shapes or {}).get(kind, (spec.num_kv_heads, spec.head_dim))
+        kind_spec = dataclasses.replace(spec, num_kv_heads=heads, head_dim=dim)
+        layer = LAYER_TYPES[kind].build(kind_spec) if layer_builder is None else layer_builder.build(kind, kind_spec)
         groups.append(stacked_for_layers(layer, indices, len(layer_types)))
     return tuple(groups)
 
@@ -379,14 +455,29 @@ def first_entry_shapes(group: CacheLayer) -> CacheLayer:
 _PAGED_FIX = "build the cache with paging= (the serving engine's layers)"
 
 
-def _check_offload(spec: LayerSpec, mesh) -> None:
-    """``offload`` covers a one-device cache of plain or quantized layers."""
-    other = {"paging": spec.paging, "eviction": spec.eviction, "retrieval": spec.retrieval, "mesh": mesh}
+def _check_offload(spec: LayerSpec, mesh, kv_sources: Sequence[int]) -> None:
+    """``offload`` covers a one-device cache of plain or quantized layers, each storing its own K/V."""
+    other = {
+        "paging": spec.paging, "eviction": spec.eviction, "retrieval": spec.retrieval, "mesh": mesh,
+        "kv_sources": kv_sources or None,
+    }  # fmt: skip
     given = [name for name, value in other.items() if value is not None]
     if given:
         raise ValueError(
             f"offload keeps whole layers' K/V in host memory on one device; it does not combine with {given[0]}"
         )
+
+
+def _recording(read: Callable) -> tuple[Callable, list]:
+    """``read`` (``CacheLayer.attend_entry``'s) and a list that receives the view each call reads,
+    as the call is traced: the view a layer's update returned, kept for the layers that reuse it."""
+    views = []
+
+    def recorded(queries, view, positions, query_weights):
+        views.append(view)
+        return read(queries, view, positions, query_weights)
+
+    return recorded, views
 
 
 def _replaced(items: tuple, i: int, item) -> tuple:
@@ -413,6 +504,12 @@ class Cache:
     the cache in the carry, and each ``update`` writes its layer's entry of the stack in
     place. All layers see the same tokens, so they agree on ``lengths``. Every method is
     pure and jittable except ``reserve`` (it reads lengths to pick a shape).
+
+    K/V shared across layers (``kv_sources``; Gemma 4): a layer that reuses another's K/V holds
+    no storage; the groups stack the storing layers only (``stored_layers``; the pattern is theirs),
+    so every rollback, reorder and byte count covers each shared cache once. In a forward the
+    storing layer's ``attend`` keeps the view its update returned (``shared_views``) and the
+    reusing layers attend over it: exactly the K/V the storing layer's own queries saw.
     """
 
     groups: tuple  # group g: a layer whose every leaf has a leading axis over its layers
@@ -425,6 +522,11 @@ class Cache:
     # group, the device copy of the entry its next update reads (``with_prefetch``; else empty).
     offloaded: tuple[int, ...] = struct.field(pytree_node=False, default=())
     prefetched: tuple = ()
+    # Per model layer, the layer whose K/V it attends over (``kv_sources_of``); empty: each its own.
+    kv_sources: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    # Inside a forward, by storing model layer, the view its update returned, for the layers that
+    # reuse its K/V (``attend``); empty outside a forward (``without_prefetch`` drops them).
+    shared_views: dict = struct.field(default_factory=dict)
 
     # --- construction -------------------------------------------------------------
     @classmethod
@@ -453,6 +555,8 @@ class Cache:
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
         offload=None,
+        kv_sources: Sequence[int] = (),
+        kv_shapes: Mapping[str, tuple[int, int]] | None = None,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
@@ -487,6 +591,10 @@ class Cache:
         ``offload``: keep the K/V of these layers in host memory and bring one layer at a time to
         the device (``jaxkv.offload``): True (full-attention layers), ``"all"``, a layer type, or a
         list of layer types and indices; not with ``paging``, ``eviction`` or ``mesh``.
+        ``kv_sources``: per layer, the layer whose K/V it attends over (``kv_sources_of``): its own
+        index, or an earlier storing layer of its type, whose K/V it reuses with no storage of its
+        own; empty: every layer stores its own. ``kv_shapes``: per layer type, its
+        ``(num_kv_heads, head_dim)`` where it differs from the arguments (``kv_shapes_of``).
         """
         spec = LayerSpec(
             batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
@@ -496,15 +604,24 @@ class Cache:
             retrieval=retrieval, num_layers=len(layer_types),
         )  # fmt: skip
         check_layer_types(layer_types)
-        period = pattern_period(layer_types) if stacked else len(layer_types)
+        check_kv_sources(kv_sources, layer_types)
+        if kv_sources and spec.eviction is not None:
+            raise ValueError(
+                "eviction scores each layer's slots by the attention they receive; it does not combine with K/V "
+                "shared across layers (kv_sources)"
+            )
+        stored = tuple(i for i in range(len(layer_types)) if not kv_sources or kv_sources[i] == i)
+        stored_types = [layer_types[i] for i in stored]
+        period = pattern_period(stored_types) if stacked else len(stored_types)
         layout = None if mesh is None else Layout.create(mesh, rules)
 
         def build() -> Cache:
-            return cls(build_groups(layer_types, spec, period, layer_builder), tuple(layer_types), period, layout)
+            groups = build_groups(layer_types, spec, period, layer_builder, stored, kv_shapes)
+            return cls(groups, tuple(layer_types), period, layout, kv_sources=tuple(kv_sources))
 
         offload_layers = offloaded_layers(offload, layer_types)
         if offload_layers:
-            _check_offload(spec, mesh)
+            _check_offload(spec, mesh, kv_sources)
             groups = offloaded_groups(offload_layers, len(layer_types), period)
             return build()._with_host_groups(groups, every=isinstance(offload, str) and offload == ALL)
         if layout is None:
@@ -517,7 +634,9 @@ class Cache:
 
         Reads ``layer_types`` (or infers it), ``num_key_value_heads``, ``head_dim`` (or
         ``hidden_size // num_attention_heads``), ``sliding_window``,
-        ``attention_chunk_size``. ``kwargs`` go to ``from_layer_types`` and take precedence
+        ``attention_chunk_size``, K/V shared across layers (``kv_sharing_modes`` or
+        ``num_kv_shared_layers``: ``kv_sources_of``) and per-layer head shapes
+        (``per_layer_config``: ``kv_shapes_of``). ``kwargs`` go to ``from_layer_types`` and take precedence
         over what the config says (e.g. a chunk size for a config that lists chunked layers
         without one).
         """
@@ -531,12 +650,15 @@ class Cache:
             head_dim = hidden // num_heads
         if not num_kv_heads:
             raise ValueError("config needs num_key_value_heads or num_attention_heads")
+        layer_types = layer_types_of(config)
         return cls.from_layer_types(
-            layer_types_of(config),
+            layer_types,
             batch_size=batch_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             **{
+                "kv_sources": kv_sources_of(config, layer_types),
+                "kv_shapes": kv_shapes_of(config, layer_types, num_kv_heads, head_dim),
                 "sliding_window": _config_value(config, "sliding_window"),
                 "attention_chunk_size": _config_value(config, "attention_chunk_size"),
                 **_linear_state_of(config),
@@ -551,7 +673,9 @@ class Cache:
         ``layer_idx``: an integer (Python, NumPy, or a concrete 0-d JAX array), range-checked;
         a traced scalar when the pattern period is 1 (a scan over all layers); or
         ``(group, index)`` with a static group and an integer or traced index (a scan over
-        repeats of the pattern, layer ``index * period + group``).
+        repeats of the pattern, layer ``index * period + group``). Under K/V sharing a traced
+        scalar and ``(group, index)`` count the storing layers only (``stored_layers``), and
+        an integer naming a layer that reuses K/V locates the storing layer's.
         """
         if isinstance(layer_idx, tuple):
             return self.locate_in_group(*layer_idx)
@@ -559,7 +683,8 @@ class Cache:
         if concrete is not None:
             if not 0 <= concrete < len(self.layer_types):
                 raise IndexError(f"layer_idx must be an int in [0, {len(self.layer_types)}), got {layer_idx}")
-            return concrete % self.period, concrete // self.period
+            slot = self.stored_layers.index(self.kv_source(concrete))
+            return slot % self.period, slot // self.period
         if self.period != 1:
             raise TypeError(
                 f"a traced layer_idx needs a cache whose layers all share one kind; this one repeats a pattern "
@@ -592,11 +717,13 @@ class Cache:
         per forward (``next_positions``) before the first layer runs: mid-forward, updated
         and not yet updated layers differ.
         """
+        self._check_stores(layer_idx, "update")
         group, index = self.locate(layer_idx)
         if positions is None:
             start = entry(self.groups[group].lengths, index)
             positions = start[:, None] + jnp.arange(keys.shape[2], dtype=jnp.int32)[None, :]
-        return self._on_device(group, index, lambda stack, i: stack.update_entry(i, keys, values, positions))
+        cache, view = self._on_device(group, index, lambda stack, i: stack.update_entry(i, keys, values, positions))
+        return cache._sharing(layer_idx, [view]), view
 
     def attend(
         self, layer_idx, queries, keys, values, positions, read: Callable, packed: PackedBatch | None = None
@@ -605,16 +732,92 @@ class Cache:
         ``[B, H_q, T, D]`` with ``read`` (see ``CacheLayer.attend_entry``); returns the cache and the
         output. ``packed``: a serving step's packed batch (``[1, N]`` tokens of many rows), for the
         layers with the ``PackedAttention`` capability. Model code calls it through
-        ``jaxkv.attention.cached_attention``."""
+        ``jaxkv.attention.cached_attention``.
+
+        A layer that reuses another's K/V (``kv_sources``) takes ``keys = values = None`` and attends
+        over the view the storing layer's update returned earlier in this forward."""
+        source = self._reused_source(layer_idx)
+        if source is not None:
+            return self, self._attend_reused(layer_idx, source, queries, keys, values, positions, read)
+        self._check_stores(layer_idx, "attend")
+        read, views = _recording(read)
         group, index = self.locate(layer_idx)
         if packed is None:
-            return self._on_device(
+            cache, out = self._on_device(
                 group, index, lambda stack, i: stack.attend_entry(i, queries, keys, values, positions, read)
             )
+            return cache._sharing(layer_idx, views), out
         stack = self.groups[group]
         require(stack, PackedAttention, _PAGED_FIX)
         stack, out = stack.attend_packed_entry(index, queries, keys, values, positions, read, packed)
-        return self.with_group(group, stack), out
+        return self.with_group(group, stack)._sharing(layer_idx, views), out
+
+    # --- K/V shared across layers -------------------------------------------------
+    @property
+    def stored_layers(self) -> tuple[int, ...]:
+        """The model layers that store K/V, in order: every layer unless some reuse another's."""
+        return tuple(i for i in range(len(self.layer_types)) if self.kv_source(i) == i)
+
+    def kv_source(self, layer: int) -> int:
+        """The model layer whose K/V layer ``layer`` (an int) attends over: itself, unless it reuses another's."""
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def _reused_source(self, layer_idx) -> int | None:
+        """The storing layer a layer that reuses K/V reads (an integer ``layer_idx`` only: a traced
+        one and ``(group, index)`` name storing layers); None for a layer that stores its own."""
+        if not self.kv_sources or isinstance(layer_idx, tuple):
+            return None
+        concrete = concrete_index(layer_idx)
+        if concrete is None or not 0 <= concrete < len(self.layer_types):
+            return None  # locate says what is wrong
+        return None if self.kv_source(concrete) == concrete else self.kv_source(concrete)
+
+    def _readers(self, layer: int) -> list[int]:
+        """The other model layers that reuse layer ``layer``'s K/V."""
+        return [i for i in range(len(self.layer_types)) if i != layer and self.kv_source(i) == layer]
+
+    def _check_stores(self, layer_idx, caller: str) -> None:
+        """Errors for a write to a layer that holds no storage (it reuses another's K/V), and for a
+        layer others read that is named by a traced or ``(group, index)`` index: its view must be
+        kept under its model layer, known while tracing."""
+        source = self._reused_source(layer_idx)
+        if source is not None:
+            raise ValueError(
+                f"Cache.{caller}: layer {layer_idx} reuses layer {source}'s K/V and stores none; attend over them "
+                f"with keys=None, values=None (cached_attention)"
+            )
+        if self.kv_sources and (isinstance(layer_idx, tuple) or concrete_index(layer_idx) is None):
+            group, _ = self.locate(layer_idx)
+            shared = [layer for layer in self.group_layers(group) if self._readers(layer)]
+            if shared:
+                raise TypeError(
+                    f"Cache.{caller}: group {group} holds layer(s) {shared}, whose K/V other layers reuse: address "
+                    f"them by their integer model layer index (a model unrolls them), not a traced one"
+                )
+
+    def _sharing(self, layer_idx, views: list) -> Cache:
+        """This cache keeping the view layer ``layer_idx``'s update returned (``views``, the one
+        recorded) when other layers reuse its K/V; unchanged otherwise."""
+        if not self.kv_sources or isinstance(layer_idx, tuple) or concrete_index(layer_idx) is None:
+            return self
+        layer = concrete_index(layer_idx)
+        if not self._readers(layer):
+            return self
+        return self.replace(shared_views={**self.shared_views, layer: views[0]})
+
+    def _attend_reused(self, layer: int, source: int, queries, keys, values, positions, read: Callable) -> jax.Array:
+        """Attention of ``queries`` of layer ``layer`` over the view storing layer ``source`` kept in this forward."""
+        if keys is not None or values is not None:
+            raise ValueError(
+                f"Cache.attend: layer {layer} reuses layer {source}'s K/V and stores none: pass keys=None, values=None"
+            )
+        if source not in self.shared_views:
+            raise ValueError(
+                f"Cache.attend: layer {layer} reuses layer {source}'s K/V, which this forward has not computed: run "
+                f"layer {source} first, in the same forward"
+            )
+        out, _ = read(queries, self.shared_views[source], positions, None)
+        return out
 
     def update_state(
         self, layer_idx, conv_inputs, positions, conv_fn, step_fn, packed: PackedBatch | None = None
@@ -677,7 +880,10 @@ class Cache:
         return self.replace(prefetched=tuple(first(g) for g in range(self.period)))
 
     def without_prefetch(self) -> Cache:
-        """After the forward: the last updated entry of each group written back, the prefetched ones dropped."""
+        """After the forward: the last updated entry of each group written back, the prefetched ones
+        dropped, and so are the views kept for layers that reuse K/V (``shared_views``)."""
+        if self.shared_views:
+            return self.replace(shared_views={}).without_prefetch()
         if not self.prefetched:
             return self
         groups = tuple(
@@ -912,7 +1118,7 @@ class Cache:
 
     def group_layers(self, group: int) -> list[int]:
         """The model layers group ``group`` stores, its entries in order."""
-        return list(range(group, len(self.layer_types), self.period))
+        return list(self.stored_layers[group :: self.period])
 
     def reset(self) -> Cache:
         """Empty every layer, keeping shapes (and so the compiled steps)."""
@@ -929,8 +1135,10 @@ class Cache:
                 f"{human_bytes(self.nbytes)})"
             ]
         for i, kind in enumerate(self.layer_types):
-            group = self.groups[i % self.period]
-            layer = first_entry_shapes(group)
+            if self.kv_source(i) != i:
+                rows.append(f"  {i:>3} {kind:<18} reuses layer {self.kv_source(i)}'s K/V")
+                continue
+            layer = first_entry_shapes(self.groups[self.locate(i)[0]])
             leaf = jax.tree.leaves(layer)[0]
             per_layer = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
             rows.append(
