@@ -28,6 +28,8 @@ from jaxkv.batch import PackedAttention, PackedBatch, PackedState, PagedStorage
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
+from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer
+from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -56,6 +58,7 @@ from jaxkv.protocol import (
     require,
     stacked_for_layers,
 )
+from jaxkv.mla import LatentSpec
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import Layout, constrain, device_bytes, to_host, with_layers
 from jaxkv.sizing import bucket, human_bytes
@@ -87,6 +90,8 @@ class LayerSpec:
     eviction: EvictionSpec | None = None
     # Keep every full-attention token; each query reads a budget of pages (jaxkv.layers.retrieval).
     retrieval: RetrievalSpec | None = None
+    # MLA's latent (and DSA's indexer) per token, for latent_attention and indexed_attention (jaxkv.mla).
+    latent: LatentSpec | None = None
     num_layers: int = 1  # the model's layers (PyramidKV spreads its budget over them)
 
     def __post_init__(self):
@@ -189,6 +194,30 @@ def _chunked_layer(spec: LayerSpec) -> CacheLayer:
     )
 
 
+def _latent_storage(spec: LayerSpec, static: type[CacheLayer], dynamic: type[CacheLayer]) -> CacheLayer:
+    if spec.latent is None:
+        raise ValueError(
+            "layer types 'latent_attention' and 'indexed_attention' need latent=LatentSpec(...) (from_config reads "
+            "kv_lora_rank, qk_rope_head_dim, index_head_dim and index_topk)"
+        )
+    given = [name for name in ("quantization", "paging", "eviction") if getattr(spec, name) is not None]
+    if given:
+        raise ValueError(f"latent and indexed attention layers are stored at the cache dtype; not with {given[0]}")
+    if spec.full_attention == "dynamic":
+        return dynamic.create(spec.batch_size, spec.latent, spec.dtype)
+    if spec.max_length is None:
+        raise ValueError("a static latent cache needs max_length; pass it, or use full_attention='dynamic'")
+    return static.create(spec.batch_size, spec.latent, spec.max_length, spec.dtype)
+
+
+def _latent_layer(spec: LayerSpec) -> CacheLayer:
+    return _latent_storage(spec, LatentLayer, DynamicLatentLayer)
+
+
+def _indexed_layer(spec: LayerSpec) -> CacheLayer:
+    return _latent_storage(spec, IndexedLayer, DynamicIndexedLayer)
+
+
 def _conv_state(spec: LayerSpec, state_shapes) -> CacheLayer:
     if not spec.conv_width or not spec.conv_channels:
         raise ValueError(
@@ -276,6 +305,8 @@ LAYER_TYPES: dict[str, LayerType] = {
     "conv": LayerType(_conv_layer, {None: LinearAttentionLayer}, paged=PackedStateLayer),
     "hybrid": LayerType(_hybrid_layer, {}),
     "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
+    "latent_attention": LayerType(_latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}),
+    "indexed_attention": LayerType(_indexed_layer, {"static": IndexedLayer, "dynamic": DynamicIndexedLayer}),
 }
 FULL_ATTENTION_KINDS = tuple(LAYER_TYPES["full_attention"].storage)
 
@@ -311,6 +342,16 @@ def _linear_state_of(config) -> dict:
         "conv_channels": 2 * key_heads * key_dim + value_heads * value_dim,
         "state_shapes": ((value_heads, key_dim, value_dim),),
     }
+
+
+def _latent_of(config) -> dict:
+    """An MLA config's ``latent`` (``kv_lora_rank``, ``qk_rope_head_dim``, and DSA's ``index_head_dim``,
+    ``index_topk``: DeepSeek-V3.2); empty otherwise."""
+    rank = _config_value(config, "kv_lora_rank")
+    if rank is None:
+        return {}
+    index = {"index_dim": _config_value(config, "index_head_dim"), "index_topk": _config_value(config, "index_topk")}
+    return {"latent": LatentSpec(rank, _config_value(config, "qk_rope_head_dim"), **index)}
 
 
 def layer_types_of(config) -> list[str]:
@@ -551,6 +592,7 @@ class Cache:
         paging: Paging | None = None,
         eviction: EvictionSpec | None = None,
         retrieval: RetrievalSpec | None = None,
+        latent: LatentSpec | None = None,
         layer_builder: LayerBuilder | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
@@ -579,6 +621,8 @@ class Cache:
         ``retrieval``: a ``RetrievalSpec`` keeps every token of full-attention layers (static,
         ``max_length``) and has each query read a budget of pages (``RetrievalLayer``); the other
         layer types (Gemma 3's sliding rings) are unchanged.
+        ``latent``: a ``LatentSpec``, what ``latent_attention`` (MLA) and ``indexed_attention`` (DSA)
+        layers store per token (``jaxkv.layers.latent``, ``jaxkv.layers.indexed``), static or dynamic.
         ``layer_builder``: builds every layer in place of ``LAYER_TYPES``' builders
         (``LayerBuilder``: ``layer_builder.build(layer_type, spec)``, the options above in ``spec``).
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
@@ -601,7 +645,7 @@ class Cache:
             sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
             rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
             state_shapes=state_shapes, quantization=quantization, paging=paging, eviction=eviction,
-            retrieval=retrieval, num_layers=len(layer_types),
+            retrieval=retrieval, latent=latent, num_layers=len(layer_types),
         )  # fmt: skip
         check_layer_types(layer_types)
         check_kv_sources(kv_sources, layer_types)
@@ -662,6 +706,7 @@ class Cache:
                 "sliding_window": _config_value(config, "sliding_window"),
                 "attention_chunk_size": _config_value(config, "attention_chunk_size"),
                 **_linear_state_of(config),
+                **_latent_of(config),
                 **kwargs,
             },
         )

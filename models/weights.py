@@ -28,17 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxkv.models import bart, gemma3, llama, qwen3_5
+from jaxkv.models import bart, deepseek_v32, gemma3, llama, qwen3_5
 from jaxkv.models.bart import BartConfig
+from jaxkv.models.deepseek_v32 import DeepseekV32Config
 from jaxkv.models.gemma3 import Gemma3Config
 from jaxkv.models.llama import LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5Config
 
-DecoderOnlyConfig = LlamaConfig | Gemma3Config | Qwen3_5Config
+DecoderOnlyConfig = LlamaConfig | Gemma3Config | Qwen3_5Config | DeepseekV32Config
 CheckpointConfig = DecoderOnlyConfig | BartConfig
 
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_qkv", "in_z", "in_b", "in_a", "out"}
+_TRANSPOSED |= {"wq_a", "wq_b", "wkv_a", "wkv_b", "iwq", "iwk", "iw", "router", "experts_gate", "experts_up"}
+_TRANSPOSED |= {"experts_down", "shared_gate", "shared_up", "shared_down"}  # DeepSeek-V3.2
 
 # Our name -> transformers tensor name; "{i}" is the layer index. The names every decoder
 # shares come first; each architecture adds or overrides its own.
@@ -109,6 +112,26 @@ QWEN3_5_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
     )
 }  # fmt: skip
 
+# DeepSeek-V3.2 (DeepseekV32ForCausalLM): MLA + the DSA indexer, dense MLPs then MoEs. "{e}": one
+# tensor per routed expert, stacked after the layer axis.
+DEEPSEEK_V32_HF_NAMES = {
+    name: _HF_DECODER[name] for name in ("embed", "norm", "lm_head", "attn_norm", "mlp_norm", "wo", "w_gate", "w_up", "w_down")
+} | {
+    ours: f"model.layers.{{i}}.{theirs}"
+    for ours, theirs in (
+        ("wq_a", "self_attn.q_a_proj.weight"), ("q_a_norm", "self_attn.q_a_layernorm.weight"),
+        ("wq_b", "self_attn.q_b_proj.weight"), ("wkv_a", "self_attn.kv_a_proj_with_mqa.weight"),
+        ("kv_a_norm", "self_attn.kv_a_layernorm.weight"), ("wkv_b", "self_attn.kv_b_proj.weight"),
+        ("iwq", "self_attn.indexer.wq_b.weight"), ("iwk", "self_attn.indexer.wk.weight"),
+        ("ik_norm", "self_attn.indexer.k_norm.weight"), ("ik_bias", "self_attn.indexer.k_norm.bias"),
+        ("iw", "self_attn.indexer.weights_proj.weight"), ("router", "mlp.gate.weight"),
+        ("router_bias", "mlp.gate.e_score_correction_bias"), ("experts_gate", "mlp.experts.{e}.gate_proj.weight"),
+        ("experts_up", "mlp.experts.{e}.up_proj.weight"), ("experts_down", "mlp.experts.{e}.down_proj.weight"),
+        ("shared_gate", "mlp.shared_experts.gate_proj.weight"), ("shared_up", "mlp.shared_experts.up_proj.weight"),
+        ("shared_down", "mlp.shared_experts.down_proj.weight"),
+    )
+}  # fmt: skip
+
 # Tensors some checkpoints carry that the model recomputes (old transformers saved RoPE tables).
 _HF_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -128,7 +151,11 @@ class _TensorSource(Protocol):
 
 def _model_module(config: DecoderOnlyConfig):
     """The model module (``param_shapes``, ``layer_shapes``) a config belongs to."""
-    return {Gemma3Config: gemma3, Qwen3_5Config: qwen3_5}.get(type(config), llama)
+    return {Gemma3Config: gemma3, Qwen3_5Config: qwen3_5, DeepseekV32Config: deepseek_v32}.get(type(config), llama)
+
+
+# The hybrid models stack each parameter over the layers of its kind only.
+_PARAM_LAYERS = {qwen3_5: qwen3_5.param_layers, deepseek_v32: deepseek_v32.param_layers}
 
 
 def _plan(config: DecoderOnlyConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -141,10 +168,12 @@ def _plan(config: DecoderOnlyConfig, names: Mapping[str, str]) -> dict[str, list
         if param in per_layer:
             shape = per_layer[param]
         source_shape = tuple(reversed(shape)) if param in _TRANSPOSED else tuple(shape)
-        layers = [None]
-        if param in per_layer:  # the hybrid Qwen3.5 stacks each mixer's weights over its kind's layers only
-            layers = qwen3_5.param_layers(config, param) if module is qwen3_5 else range(config.num_hidden_layers)
-        plan[param] = [(names[param].format(i=i), source_shape) for i in layers]
+        layers, experts = [None], [None]
+        if param in per_layer:
+            layers = _PARAM_LAYERS[module](config, param) if module in _PARAM_LAYERS else range(config.num_hidden_layers)
+        if "{e}" in names[param]:  # one tensor per routed expert (DeepSeek-V3.2), stacked after the layers
+            experts, source_shape = range(shape[0]), source_shape[:-1] if param in _TRANSPOSED else source_shape[1:]
+        plan[param] = [(names[param].format(i=i, e=e), source_shape) for i in layers for e in experts]
     return plan
 
 
@@ -181,6 +210,7 @@ def _assemble(
 
     fixups = fixups or {}
     per_layer = _model_module(config).layer_shapes(config)
+    shapes = _model_module(config).param_shapes(config)
     place = place or (lambda param, array: jnp.asarray(array))
     params = {}
     with tqdm(total=len(wanted), desc=progress, unit="tensor", file=sys.stderr, disable=progress is None) as bar:
@@ -193,7 +223,8 @@ def _assemble(
                 array = np.asarray(array).astype(jnp.dtype(dtype))
                 arrays.append(array.T if param in _TRANSPOSED else array)
                 bar.update()
-            params[param] = place(param, np.stack(arrays) if param in per_layer else arrays[0])
+            stacked = np.stack(arrays).reshape(shapes[param]) if param in per_layer else arrays[0]
+            params[param] = place(param, stacked)
     return params
 
 
@@ -265,6 +296,7 @@ HF_MODEL_TYPES: dict[str, type[CheckpointConfig]] = {
     "qwen2": LlamaConfig,
     "gemma3_text": Gemma3Config,
     "qwen3_5_text": Qwen3_5Config,
+    "deepseek_v32": DeepseekV32Config,
     "bart": BartConfig,
 }
 
@@ -308,7 +340,8 @@ def load_safetensors_checkpoint(
             source = _SafetensorsSource(files, stack)
             tensors = {name: source.read(name) for name in source.names()}
             return config, bart.params_from_state_dict(config, tensors, dtype)
-    names = {Gemma3Config: GEMMA3_HF_NAMES, Qwen3_5Config: QWEN3_5_HF_NAMES}.get(type(config), HF_NAMES)
+    names = {Gemma3Config: GEMMA3_HF_NAMES, Qwen3_5Config: QWEN3_5_HF_NAMES, DeepseekV32Config: DEEPSEEK_V32_HF_NAMES}
+    names = names.get(type(config), HF_NAMES)
 
     def ignored(name: str) -> bool:
         # A tied checkpoint may still carry lm_head.weight: it is the embedding again.

@@ -3,6 +3,7 @@
 Levels, lowest first (a module may import its own level or lower, never higher):
 
     sizing, softmax, protocol   shared helpers, the attention math over slots, the layer contract
+    mla                         MLA's spec, attention forms and latent storage (both latent layers build on it)
     batch                       a serving step's packed batch and the capabilities that read it
     quantization, eviction      QuantSpec and the (de)quantizers; EvictionSpec and the policies' scores
     layers/*                    storage strategies (no layer module imports a sibling)
@@ -45,6 +46,7 @@ LEVELS = {
     "jaxkv.sharding": 0,
     "jaxkv.hugepages": 0,
     "jaxkv.eviction": 0,
+    "jaxkv.mla": 0,
     "jaxkv.layers": 1,
     "jaxkv.offload": 1,
     "jaxkv.cache": 2,

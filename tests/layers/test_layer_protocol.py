@@ -40,6 +40,7 @@ from jaxkv import (
 )
 from jaxkv.layers.paged import Paging
 from jaxkv.memory import formula_table, layer_class, storage_rows
+from jaxkv.mla import LatentSpec
 from jaxkv.protocol import has
 from jaxkv.research.observer import Observer, refill
 from tests.oracle import full_attention
@@ -220,7 +221,7 @@ def test_hybrid_delegates_to_its_attention_half():
 def test_registry_storage_is_what_the_builder_builds(layer_type, full_attention):
     """Each layer type builds an instance of the class its registry entry (and so its byte
     formula) names; a hybrid has no storage row of its own."""
-    options = {"max_length": 8, "full_attention": full_attention, **LINEAR}
+    options = {"max_length": 8, "full_attention": full_attention, "latent": LatentSpec(4, 2, 4, 2), **LINEAR}
     layer = make_cache("static", layer_types=[layer_type], **options).layer(0)
     storage = LAYER_TYPES[layer_type].storage
     if not storage:

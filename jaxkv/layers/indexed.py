@@ -1,0 +1,151 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): the MLA latent cache plus the lightning
+indexer's keys; each query attends only the ``index_topk`` tokens its indexer ranks highest.
+
+Per token a layer stores the latent entry ``[R + P]`` (``jaxkv.mla``) and one
+indexer key ``[D_I]`` (``index_head_dim``, a single head). A query ``t`` scores every visible
+token ``s`` with ``sum_j w[t, j] · relu(q[t, j] · k[s])`` over the indexer's ``H_I`` heads
+(``index_scores``), keeps its top ``index_topk`` (``select_slots``) and attends those only: the
+chosen entries are gathered (``[B, T, K, R + P]``) and attention runs over them in the absorbed
+form, so its cost follows ``K``, not ``S`` (transformers builds a dense ``[T, S]`` mask instead).
+Scoring stays linear in ``S``: that is DSA's design, a cheap indexer in front of dense-quality
+attention. While a layer holds no more slots than ``index_topk`` every visible token is chosen,
+and the layer hands attention the plain latent view (the form chosen by cost, as MLA's).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxkv.mla import (
+    GrowingSlots,
+    LatentQueries,
+    LatentSpec,
+    LatentStorage,
+    LatentWeights,
+    absorbed_attention,
+    masked_softmax,
+)  # fmt: skip
+from jaxkv.protocol import KV_AXES, MaskInfo, entry, pytree_class
+from jaxkv.sharding import BATCH, Axes
+from jaxkv.softmax import attention_mask
+
+
+@pytree_class
+class IndexerQueries:
+    """The lightning indexer's side of a query: ``queries`` ``[B, T, H_I, D_I]`` (roped, scaled by
+    ``D_I ** -0.5``) and the per-head ``weights`` ``[B, T, H_I]`` (scaled by ``H_I ** -0.5``)."""
+
+    queries: jax.Array
+    weights: jax.Array
+
+
+@pytree_class
+class IndexedQueries:
+    """What a DSA layer's ``attend_entry`` takes as queries: the MLA queries and the indexer's."""
+
+    latent: LatentQueries
+    indexer: IndexerQueries
+
+
+def index_scores(indexer: IndexerQueries, index_keys: jax.Array) -> jax.Array:
+    """``[B, T, S]`` float32: ``sum_j w[t, j] · relu(q[t, j] · k[s])`` against ``index_keys`` ``[B, S, D_I]``."""
+    dots = jnp.einsum("bthd,bsd->bths", indexer.queries, index_keys, preferred_element_type=jnp.float32)
+    return jnp.einsum("bth,bths->bts", indexer.weights.astype(jnp.float32), jax.nn.relu(dots))
+
+
+def select_slots(indexer: IndexerQueries, index_keys, q_positions, mask_info: MaskInfo, topk: int):
+    """Each query's ``min(topk, S)`` highest-scoring slots among those it may see: ``(slots, chosen)``,
+    both ``[B, T, K]``; ``chosen`` is False where a query sees fewer than K tokens (the slot then
+    filled by an unseen one, masked out)."""
+    visible = attention_mask(q_positions, mask_info)  # [B, T, S]
+    scores = jnp.where(visible, index_scores(indexer, index_keys), -jnp.inf)
+    _, slots = jax.lax.top_k(scores, min(topk, scores.shape[-1]))
+    return slots, jnp.take_along_axis(visible, slots, axis=-1)
+
+
+@pytree_class
+class SelectedView:
+    """The latent entries each query chose: ``slots`` ``[B, T, K]`` of entry ``index`` of
+    ``latent_stack`` ``[L, B, 1, S, R + P]``, ``chosen`` ``[B, T, K]`` (False: masked out)."""
+
+    latent_stack: jax.Array
+    index: jax.Array | int
+    slots: jax.Array
+    chosen: jax.Array
+
+    def attend(self, queries: jax.Array, q_positions, *, scale: float) -> jax.Array:
+        """Softmax attention of ``queries`` ``[B, H, T, R + P]`` over each query's own K gathered
+        entries (keys and values both): ``[B, H, T, R + P]``. ``q_positions`` are already in ``chosen``."""
+        entries = entry(self.latent_stack, self.index)[:, 0]  # [B, S, R + P]
+        gathered = jax.vmap(lambda rows, slots: rows[slots])(entries, self.slots)  # [B, T, K, R + P]
+        logits = jnp.einsum("bhtw,btkw->bhtk", queries, gathered, preferred_element_type=jnp.float32)
+        probs = masked_softmax(logits * scale, self.chosen[:, None])
+        return jnp.einsum("bhtk,btkw->bhtw", probs.astype(gathered.dtype), gathered)
+
+    def attend_latent(self, queries: LatentQueries, q_positions, weights: LatentWeights, scale: float) -> jax.Array:
+        """``[B, H, T, v]``: the absorbed form over the chosen entries (expanding each query's own K
+        entries per head would cost more than the gather saves)."""
+        return absorbed_attention(queries, self, q_positions, weights, scale)
+
+
+@pytree_class
+class IndexedLayer(LatentStorage):
+    """DSA: MLA latent entries ``[B, 1, S_max, R + P]`` and the indexer's keys ``[B, 1, S_max, D_I]`` in fixed buffers.
+
+    ``update(keys, values, positions)``: ``keys`` the latent entries ``[B, 1, T, R + P]``,
+    ``values`` the indexer keys ``[B, 1, T, D_I]`` (one head). ``attend_entry`` takes
+    ``IndexedQueries`` and hands ``read`` the MLA queries and a ``SelectedView`` (or, while the
+    buffer holds at most ``index_topk`` slots, the plain ``LatentView``). Rollback, reorder,
+    select and repeat carry the indexer keys with the latent (every leaf is batch-major).
+    """
+
+    index_keys: jax.Array  # [B, 1, S_max, D_I]
+    index_topk: int = struct.field(pytree_node=False)
+
+    MEMORY_FORMULA = "B·S_max·(R+P+D_I)·bytes + 4·B"
+
+    @classmethod
+    def _empty(cls, batch_size: int, spec: LatentSpec, slots: int, dtype):
+        if spec.index_dim is None or spec.index_topk is None:
+            raise ValueError(
+                f"{cls.__name__} needs the LatentSpec's index_dim and index_topk (index_head_dim, index_topk)"
+            )
+        latent = LatentStorage._empty(batch_size, spec, slots, dtype)
+        index_keys = jnp.zeros((batch_size, 1, slots, spec.index_dim), dtype)
+        return cls(latent=latent.latent, lengths=latent.lengths, index_keys=index_keys, index_topk=spec.index_topk)
+
+    @classmethod
+    def token_bytes(cls, spec: LatentSpec, dtype) -> int:
+        return (spec.width + spec.index_dim) * jnp.dtype(dtype).itemsize
+
+    def logical_axes(self):
+        return self.replace(latent=KV_AXES, index_keys=KV_AXES, lengths=Axes(BATCH))
+
+    def describe(self) -> str:
+        return f"topk={self.index_topk}"
+
+    def _checked(self, index, keys, values, positions):
+        new = {
+            "latent": self._checked_tokens("keys", keys),
+            "index_keys": self._checked_tokens("values", values, "index_keys"),
+        }
+        return new, self._checked_positions(index, keys, positions)
+
+    def attend_entry(self, index, queries: IndexedQueries, keys, values, positions, read):
+        stack, view = self.update_entry(index, keys, values, positions)
+        if stack.capacity > self.index_topk:  # the updated stack: a dynamic layer grew in the update
+            index_keys = entry(stack.index_keys, index)[:, 0]
+            slots, chosen = select_slots(queries.indexer, index_keys, positions, view.mask_info, self.index_topk)
+            view = SelectedView(view.key_stack, view.index, slots, chosen)
+        out, _ = read(queries.latent, view, positions, None)
+        return stack, out
+
+
+@pytree_class
+class DynamicIndexedLayer(GrowingSlots, IndexedLayer):
+    """DSA: MLA latent entries ``[B, 1, N, R + P]`` and indexer keys ``[B, 1, N, D_I]`` whose capacity N grows."""
+
+    SLOT_FIELDS = ("latent", "index_keys")
+    MEMORY_FORMULA = "B·bucket(S)·(R+P+D_I)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"

@@ -1,0 +1,301 @@
+"""MLA's shared pieces (``jaxkv.layers.latent``, ``jaxkv.layers.indexed`` build on them): what a
+token stores (``LatentSpec``), the queries and up-projection attention reads with, the two
+attention forms and the slot storage of the latent entries.
+
+Multi-head latent attention compresses each token's K/V into one latent ``c`` of ``R``
+(``kv_lora_rank``) values plus one RoPE key ``k_r`` of ``P`` (``qk_rope_head_dim``) shared by
+every head. A head's key is ``[W_uk[h] c, k_r]`` and its value ``W_uv[h] c`` (``kv_b_proj``), so
+the cache keeps ``[c, k_r]``: ``R + P`` values a token (DeepSeek-V3: 512 + 64 = 576 against
+``2 · 128 · 128 = 32,768`` for its 128 full heads, 56.9x less), one buffer ``[B, 1, S, R + P]``
+read as a single K/V head (MQA).
+
+Two ways to attend over it (``LatentView.attend_latent`` picks by a static cost rule):
+
+* absorbed (``absorbed_attention``): each query is taken into the latent space
+  (``q_nope · W_uk[h]``, then ``[.., q_rope]``), attends over the stored entries as one K/V head
+  of width ``R + P``, and the output's latent part leaves through ``W_uv[h]``. Nothing is
+  expanded per stored token, so a decode step reads ``R + P`` values a token: what decode uses.
+* plain (``expanded_attention``): every stored latent expanded into per-head keys and values,
+  then ordinary attention of width ``qk_nope + P`` (values ``v``). It pays the expansion once
+  per slot, its products are narrower: cheaper once a call brings enough queries (a prefill).
+
+The rule (``prefers_expanded``, flops of one call, ``T`` queries, ``S`` slots, ``H`` heads):
+absorbed ``T·H·R·(n+v) + 2·T·S·H·(R+P)``, plain ``S·H·R·(n+v) + T·S·H·(n+P+v)``; DeepSeek-V3's
+shapes cross at about 160 queries (with ``S`` large), the tiny test configs at a handful.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxkv.protocol import (
+    KV_AXES,
+    BatchMajorLayer,
+    Growth,
+    KVView,
+    MaskInfo,
+    Overflow,
+    Rollback,
+    check_array,
+    check_capacity,
+    check_positions,
+    entry,
+    is_traced,
+    lengths_after,
+    pytree_class,
+    write_slots,
+)  # fmt: skip
+from jaxkv.sharding import BATCH, Axes, to_host
+from jaxkv.sizing import bucket
+from jaxkv.softmax import attention_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class LatentSpec:
+    """What an MLA layer stores per token: the latent's ``rank`` (``kv_lora_rank``) and the shared
+    RoPE key's ``rope_dim`` (``qk_rope_head_dim``); for DSA (``jaxkv.layers.indexed``) also the
+    indexer's key width ``index_dim`` (``index_head_dim``) and the tokens a query attends
+    ``index_topk``."""
+
+    rank: int
+    rope_dim: int
+    index_dim: int | None = None
+    index_topk: int | None = None
+
+    def __post_init__(self):
+        for name in ("rank", "rope_dim", "index_dim", "index_topk"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"LatentSpec: {name} must be positive, got {value}")
+
+    @property
+    def width(self) -> int:
+        """``R + P``: the values stored per token."""
+        return self.rank + self.rope_dim
+
+
+@pytree_class
+class LatentWeights:
+    """The up-projection an MLA layer attends through: ``kv_b_proj`` as ``[H, n + v, R]`` (per head
+    the key rows ``W_uk[h]`` ``[n, R]``, then the value rows ``W_uv[h]`` ``[v, R]``)."""
+
+    up: jax.Array  # [H, n + v, R]
+    nope_dim: int = struct.field(pytree_node=False)
+
+    @property
+    def key_up(self) -> jax.Array:
+        """``W_uk`` ``[H, n, R]``."""
+        return self.up[:, : self.nope_dim]
+
+    @property
+    def value_up(self) -> jax.Array:
+        """``W_uv`` ``[H, v, R]``."""
+        return self.up[:, self.nope_dim :]
+
+
+@pytree_class
+class LatentQueries:
+    """An MLA layer's queries: ``nope`` ``[B, H, T, n]`` and the roped ``rope`` ``[B, H, T, P]``."""
+
+    nope: jax.Array
+    rope: jax.Array
+
+    def absorbed(self, weights: LatentWeights) -> jax.Array:
+        """``[B, H, T, R + P]``: the query in the latent space (``q_nope · W_uk[h]``), then its RoPE part."""
+        latent = jnp.einsum("bhtn,hnr->bhtr", self.nope, weights.key_up)
+        return jnp.concatenate([latent, self.rope.astype(latent.dtype)], axis=-1)
+
+
+def prefers_expanded(num_queries: int, num_slots: int, heads: int, rank: int, rope_dim: int, weights) -> bool:
+    """Whether the plain form costs fewer flops than the absorbed one (module docstring)."""
+    nope, value = weights.nope_dim, weights.up.shape[1] - weights.nope_dim
+    absorbed = num_queries * heads * rank * (nope + value) + 2 * num_queries * num_slots * heads * (rank + rope_dim)
+    expanded = num_slots * heads * rank * (nope + value) + num_queries * num_slots * heads * (nope + rope_dim + value)
+    return expanded < absorbed
+
+
+def absorbed_attention(queries: LatentQueries, view, q_positions, weights: LatentWeights, scale: float) -> jax.Array:
+    """``[B, H, T, v]``: attention in the latent space over ``view`` (its ``attend`` reads the
+    entries ``[.., R + P]`` as one K/V head: keys and values both, the values' RoPE part dropped
+    after), the latent output taken out through ``W_uv``."""
+    rank = weights.up.shape[-1]
+    latent_out = view.attend(queries.absorbed(weights), q_positions, scale=scale)[..., :rank]
+    return jnp.einsum("bhtr,hvr->bhtv", latent_out, weights.value_up)
+
+
+def expanded_attention(queries: LatentQueries, view: KVView, q_positions, weights: LatentWeights, scale: float):
+    """``[B, H, T, v]``: every stored latent of ``view`` expanded into per-head keys ``[W_uk c, k_r]``
+    and values ``W_uv c``, then softmax attention (float32 logits) masked by the view's positions."""
+    rank = weights.up.shape[-1]
+    entries = view.keys[:, 0]  # [B, S, R + P]
+    latent, rope_key = entries[..., :rank], entries[..., rank:]
+    keys = jnp.einsum("bsr,hnr->bhsn", latent, weights.key_up)
+    values = jnp.einsum("bsr,hvr->bhsv", latent, weights.value_up)
+    logits = jnp.einsum("bhtn,bhsn->bhts", queries.nope, keys, preferred_element_type=jnp.float32)
+    logits += jnp.einsum("bhtp,bsp->bhts", queries.rope, rope_key, preferred_element_type=jnp.float32)
+    probs = masked_softmax(logits * scale, attention_mask(q_positions, view.mask_info)[:, None])
+    return jnp.einsum("bhts,bhsv->bhtv", probs.astype(values.dtype), values)
+
+
+def masked_softmax(logits: jax.Array, visible: jax.Array) -> jax.Array:
+    """Softmax of ``logits`` over the last axis where ``visible`` (broadcast to them); a query that
+    sees nothing (padding) gets zeros, not NaN."""
+    logits = jnp.where(visible, logits, -jnp.inf)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    weights = jnp.where(visible, jnp.exp(logits - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+
+
+@pytree_class
+class LatentView(KVView):
+    """What a latent layer's update returns: the entries ``[B, 1, S, R + P]`` as one K/V head (keys
+    and values are the same buffer) and their ``MaskInfo``."""
+
+    def read(self, start, size: int) -> tuple[jax.Array, jax.Array]:
+        """Entries ``[B, 1, size, R + P]`` of slots ``[start, start + size)``, read once as keys and values."""
+        _, batch, heads, _, width = self.key_stack.shape
+        block = jax.lax.dynamic_slice(self.key_stack, (self.index, 0, 0, start, 0), (1, batch, heads, size, width))[0]
+        return block, block
+
+    def attend_latent(self, queries: LatentQueries, q_positions, weights: LatentWeights, scale: float) -> jax.Array:
+        """``[B, H, T, v]``, in the form ``prefers_expanded`` finds cheaper for this call's shapes."""
+        _, heads, num_queries, _ = queries.nope.shape
+        rank = weights.up.shape[-1]
+        rope_dim = self.shape[-1] - rank
+        if prefers_expanded(num_queries, self.shape[2], heads, rank, rope_dim, weights):
+            return expanded_attention(queries, self, q_positions, weights, scale)
+        return absorbed_attention(queries, self, q_positions, weights, scale)
+
+
+@pytree_class
+class LatentStorage(BatchMajorLayer, Rollback, Overflow):
+    """Latent entries ``[B, 1, S, R + P]``, slot ``p`` holding position ``p`` (the static layers' storage).
+
+    ``update(keys, values, positions)``: ``keys`` are the new tokens' entries ``[B, 1, T, R + P]``;
+    ``values`` must be None (the latent is key and value both). Slot ``p`` holds position ``p``,
+    as in ``StaticLayer`` (overflow under jit: dropped and reported by ``overflowed``).
+    """
+
+    latent: jax.Array  # [B, 1, S_max, R + P]
+    lengths: jax.Array  # [B] int32
+
+    @classmethod
+    def create(cls, batch_size: int, spec: LatentSpec, max_length: int, dtype=jnp.float32):
+        if max_length <= 0:
+            raise ValueError(f"{cls.__name__}: max_length must be positive, got {max_length}")
+        return cls._empty(batch_size, spec, max_length, dtype)
+
+    @classmethod
+    def _empty(cls, batch_size: int, spec: LatentSpec, slots: int, dtype):
+        return cls(
+            latent=jnp.zeros((batch_size, 1, slots, spec.width), dtype), lengths=jnp.zeros((batch_size,), jnp.int32)
+        )
+
+    @classmethod
+    def token_bytes(cls, spec: LatentSpec, dtype) -> int:
+        """Bytes one token takes in one layer."""
+        return spec.width * jnp.dtype(dtype).itemsize
+
+    @classmethod
+    def kv_bytes(cls, batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, *, latent, **_) -> int:
+        """Bytes for a buffer preallocated to ``max_length`` (default ``seq_len``); ``latent`` a ``LatentSpec``."""
+        return batch_size * (max_length or seq_len) * cls.token_bytes(latent, dtype) + 4 * batch_size
+
+    @property
+    def capacity(self) -> int:
+        return self.latent.shape[-2]
+
+    @property
+    def max_length(self) -> int | None:
+        return self.capacity
+
+    @property
+    def overflowed(self) -> jax.Array:
+        return self.lengths > self.capacity
+
+    def logical_axes(self):
+        return self.replace(latent=KV_AXES, lengths=Axes(BATCH))
+
+    def reset(self):
+        return jax.tree.map(jnp.zeros_like, self)
+
+    def update_entry(self, index, keys, values, positions):
+        new, positions = self._checked(index, keys, values, positions)
+        check_capacity(self, positions, self.capacity)
+        return self._write(index, new, positions)
+
+    def _checked(self, index, keys, values, positions) -> tuple[dict, jax.Array]:
+        """The buffers' new entries by field name, and the positions as int32 (checked)."""
+        if values is not None:
+            raise ValueError(
+                f"{type(self).__name__}.update: values must be None: the latent entry (keys [B, 1, T, R + P]) is "
+                f"both key and value"
+            )
+        return {"latent": self._checked_tokens("keys", keys)}, self._checked_positions(index, keys, positions)
+
+    def _checked_tokens(self, what: str, x: jax.Array | None, field: str = "latent") -> jax.Array:
+        stored = getattr(self, field)
+        width, layout = stored.shape[-1], ("B", "1", "T", "R + P" if field == "latent" else "D_I")
+        if x is None:
+            raise ValueError(f"{type(self).__name__}.update: {what} is None, expected [{', '.join(layout)}]")
+        expected = (stored.shape[-4], 1, None, width)
+        check_array(f"{type(self).__name__}.update", what, x, layout, expected, stored.dtype)
+        return x
+
+    def _checked_positions(self, index, keys, positions) -> jax.Array:
+        shape = (keys.shape[0], keys.shape[2])
+        return check_positions(f"{type(self).__name__}.update", positions, shape, self.lengths, index)
+
+    def _write(self, index, new: dict, positions) -> tuple[LatentStorage, LatentView]:
+        """``new`` (field -> ``[B, 1, T, D]``) written at slot = position in entry ``index``."""
+        slots = jnp.where(positions >= 0, positions, self.capacity)
+        lengths = lengths_after(entry(self.lengths, index), positions)
+        written = {name: write_slots(getattr(self, name), index, x, slots) for name, x in new.items()}
+        layer = self.replace(lengths=self.lengths.at[index].set(lengths), **written)
+        slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
+        kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
+        mask_info = MaskInfo(kv_positions, slots_used=jnp.minimum(jnp.max(lengths), self.capacity))
+        return layer, LatentView(layer.latent, layer.latent, index, mask_info)
+
+
+class GrowingSlots(Growth):
+    """A latent layer whose slots grow (the dynamic variants): eagerly an update grows the buffers to
+    what the rows need; under jit ``Cache.reserve`` grows them beforehand, in powers of two."""
+
+    SLOT_FIELDS = ("latent",)
+
+    @classmethod
+    def create(cls, batch_size: int, spec: LatentSpec, dtype=jnp.float32, capacity: int = 0):
+        return cls._empty(batch_size, spec, capacity, dtype)
+
+    @classmethod
+    def kv_bytes(cls, batch_size, seq_len, num_kv_heads, head_dim, dtype, *, latent, **_) -> int:
+        """Bytes once ``seq_len`` tokens were reserved in buckets; ``latent`` a ``LatentSpec``."""
+        return batch_size * bucket(seq_len) * cls.token_bytes(latent, dtype) + 4 * batch_size
+
+    def grow(self, capacity: int):
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return self
+        pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
+        return self.replace(**{name: pad(getattr(self, name)) for name in self.SLOT_FIELDS})
+
+    @property
+    def max_length(self) -> None:
+        return None
+
+    def update_entry(self, index, keys, values, positions):
+        if is_traced(positions, index):
+            if jnp.shape(positions)[1] > self.capacity:
+                raise ValueError(
+                    f"{type(self).__name__}.update under jit: {jnp.shape(positions)[1]} new tokens exceed the "
+                    f"capacity {self.capacity}; call cache.reserve({jnp.shape(positions)[1]}) before the jitted step"
+                )
+            return super().update_entry(index, keys, values, positions)
+        grown = self.grow(int(np.max(to_host(jnp.asarray(positions)), initial=-1)) + 1)
+        return super(GrowingSlots, grown).update_entry(index, keys, values, positions)
