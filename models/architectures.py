@@ -26,4 +26,20 @@ QWEN3_NEXT_80B = {
     "linear_value_head_dim": 128,
 }
 
-DEFAULT_MODELS = {"SmolLM2-135M": SMOLLM2_135M, "Gemma-3-270M": GEMMA3_270M, "Qwen3-Next-80B": QWEN3_NEXT_80B}
+# DeepSeek-V3.2 (transformers' DeepseekV32Config defaults): 61 DSA layers, each an MLA latent of 512
+# plus a 64-wide shared RoPE key and a 128-wide indexer key per token (jaxkv.layers.indexed).
+DEEPSEEK_V32 = {
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "head_dim": 64,
+    "layer_types": ["indexed_attention"] * 61,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
+
+DEFAULT_MODELS = {
+    "SmolLM2-135M": SMOLLM2_135M, "Gemma-3-270M": GEMMA3_270M, "Qwen3-Next-80B": QWEN3_NEXT_80B, "DeepSeek-V3.2": DEEPSEEK_V32,
+}  # fmt: skip

@@ -104,7 +104,7 @@ class IndexedLayer(LatentStorage):
     index_keys: jax.Array  # [B, 1, S_max, D_I]
     index_topk: int = struct.field(pytree_node=False)
 
-    MEMORY_FORMULA = "B·S_max·(R+P+D_I)·bytes + 4·B"
+    MEMORY_FORMULA = "B·S_max·(R_kv+P+D_I)·bytes + 4·B"
 
     @classmethod
     def _empty(cls, batch_size: int, spec: LatentSpec, slots: int, dtype):
@@ -148,4 +148,4 @@ class DynamicIndexedLayer(GrowingSlots, IndexedLayer):
     """DSA: MLA latent entries ``[B, 1, N, R + P]`` and indexer keys ``[B, 1, N, D_I]`` whose capacity N grows."""
 
     SLOT_FIELDS = ("latent", "index_keys")
-    MEMORY_FORMULA = "B·bucket(S)·(R+P+D_I)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"
+    MEMORY_FORMULA = "B·bucket(S)·(R_kv+P+D_I)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"

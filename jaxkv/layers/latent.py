@@ -20,11 +20,11 @@ class LatentLayer(LatentStorage):
     it returns reads the entries in either form (``jaxkv.mla.LatentView.attend_latent``).
     """
 
-    MEMORY_FORMULA = "B·S_max·(R+P)·bytes + 4·B"
+    MEMORY_FORMULA = "B·S_max·(R_kv+P)·bytes + 4·B"
 
 
 @pytree_class
 class DynamicLatentLayer(GrowingSlots, LatentLayer):
     """MLA latent entries in a buffer ``[B, 1, N, R + P]`` whose capacity N grows (``GrowingSlots``)."""
 
-    MEMORY_FORMULA = "B·bucket(S)·(R+P)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"
+    MEMORY_FORMULA = "B·bucket(S)·(R_kv+P)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"

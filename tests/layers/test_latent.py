@@ -10,7 +10,8 @@ import pytest
 
 from jaxkv.cache import Cache
 from jaxkv.layers.indexed import IndexedQueries, IndexerQueries, index_scores, select_slots
-from jaxkv.memory import layer_bytes
+from jaxkv.memory import cache_bytes, layer_bytes
+from jaxkv.models.architectures import DEEPSEEK_V32
 from jaxkv.mla import (
     LatentQueries,
     LatentSpec,
@@ -201,3 +202,12 @@ def test_bytes_equal_the_formula(kind, full_attention):
     one_token = {**options, "batch_size": 1, "seq_len": 1}
     assert layer_bytes("latent_attention", latent=LatentSpec(512, 64, 128, 2048), **one_token) - 4 == 576 * 4
     assert 2 * 128 * 128 / 576 == pytest.approx(56.9, abs=0.05)
+
+
+def test_deepseek_v32_totals_of_the_readme():
+    """The README's DeepSeek-V3.2 row: 61 layers of 704 values a token (latent 512, RoPE key 64,
+    indexer key 128), bfloat16, at 32k tokens; 128 full heads would need 46.5x more."""
+    per_token = 61 * (512 + 64 + 128) * 2
+    assert cache_bytes(DEEPSEEK_V32, 1, 32768, jnp.bfloat16) == 32768 * per_token + 61 * 4
+    assert cache_bytes(DEEPSEEK_V32, 1, 32768, jnp.bfloat16) / 2**20 == pytest.approx(2684.0, abs=0.05)
+    assert 61 * 2 * 128 * 128 * 2 / per_token == pytest.approx(46.5, abs=0.05)
