@@ -232,6 +232,7 @@ class Request:
     salt: str | None
     hashes: list[bytes]  # the chain over its full pages, each registered when the page filled
     dropped: int = 0  # leading logical pages released by drop_leading
+    compacted_slots: int | None = None  # once compacted: the slots its pages hold (never registered again)
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,10 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.register_full_pages(owner)
         assert self.requests[owner].hashes == hashes, "the chain extended from a parent differs from one shot"
 
+    def compacted_page(self, owner: int, index: int) -> Written:
+        """What a compacted request's logical page ``index`` holds: tokens of its own, no prefix's."""
+        return Written(f"compacted {owner}", index, ())
+
     def preempt_request(self, owner: int) -> None:
         request = self.requests.pop(owner)
         self.pm.free(owner)
@@ -343,6 +348,9 @@ class PagePoolMachine(RuleBasedStateMachine):
     def step(self, index, new_tokens):
         owner = self.pick(index)
         request = self.requests[owner]
+        if request.compacted_slots is not None:
+            self.step_compacted(owner, len(new_tokens))
+            return
         grown = request.tokens + new_tokens
         try:
             self.allocate(owner, num_pages_for(len(grown)) - len(self.pm.pages(owner)))
@@ -352,6 +360,46 @@ class PagePoolMachine(RuleBasedStateMachine):
         start, request.tokens = len(request.tokens), grown
         self.write(owner, start)
         self.register_full_pages(owner)
+
+    def step_compacted(self, owner: int, num_new: int) -> None:
+        """A compacted request's next tokens: pages of its own, written, never registered."""
+        request = self.requests[owner]
+        slots = request.compacted_slots + num_new
+        held = len(self.pm.pages(owner))
+        try:
+            self.allocate(owner, num_pages_for(slots) - held)
+        except PoolExhausted:
+            self.preempt_request(owner)
+            return
+        request.compacted_slots = slots
+        for index in range(held, num_pages_for(slots)):
+            self.written[self.pm.pages(owner)[index]] = self.compacted_page(owner, index)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=PICK, keep=st.integers(0, 63))
+    def compact(self, index, keep):
+        """Compact a full-attention request (no window dropped) into fewer pages: the destinations
+        are its own unshared, uncached pages, else fresh ones; its other pages lose its reference."""
+        owner = self.pick(index)
+        request, before = self.requests[owner], self.pm.pages(owner)
+        if request.dropped or not before:
+            return
+        num_pages = 1 + keep % len(before)
+        reusable = [p for p in before if self.pm.refcount(p) == 1 and self.pm.page_hash(p) is None]
+        fresh = self.pm.compaction_fresh_pages(owner, num_pages)
+        assert fresh == max(num_pages - len(reusable), 0)
+        ledger = snapshot(self.pm)
+        try:
+            sources, destinations = self.pm.compact(owner, num_pages)
+        except PoolExhausted:
+            assert fresh > self.pm.num_free and snapshot(self.pm) == ledger
+            return
+        assert sources == before and self.pm.pages(owner) == destinations and len(destinations) == num_pages
+        assert destinations[: num_pages - fresh] == reusable[:num_pages]
+        for logical, page in enumerate(destinations):
+            assert self.pm.refcount(page) == 1 and self.pm.page_hash(page) is None
+            self.written[page] = self.compacted_page(owner, logical)
+        request.compacted_slots = num_pages * PAGE_SIZE
 
     @precondition(lambda self: self.requests)
     @rule(index=PICK, twice=st.booleans())
@@ -374,6 +422,8 @@ class PagePoolMachine(RuleBasedStateMachine):
     def fork(self, index, cut):
         owner = self.pick(index)
         request = self.requests[owner]
+        if request.compacted_slots is not None:  # the engine never forks a compacted sequence
+            return
         # At a position inside the window: the page holding its last token was not dropped.
         lowest = min(request.dropped * PAGE_SIZE + 1, len(request.tokens))
         num_tokens = lowest + cut % (len(request.tokens) - lowest + 1)
@@ -397,6 +447,8 @@ class PagePoolMachine(RuleBasedStateMachine):
     def drop_leading(self, index, count):
         owner = self.pick(index)
         request = self.requests[owner]
+        if request.compacted_slots is not None:  # compacted: a full-attention request, no window
+            return
         count = min(count, len(request.tokens) // PAGE_SIZE)  # a window never drops the page being written
         before = self.pm.pages(owner)
         self.pm.drop_leading(owner, count)
@@ -420,6 +472,13 @@ class PagePoolMachine(RuleBasedStateMachine):
         holders = Counter(page for owner in self.requests for page in self.pm.pages(owner))
         for owner, request in self.requests.items():
             owned = self.pm.pages(owner)
+            if request.compacted_slots is not None:  # its own pages, in order, held by it alone
+                assert len(owned) == num_pages_for(request.compacted_slots)
+                assert all(holders[page] == 1 for page in owned)
+                assert [self.written[page] for page in owned] == [
+                    self.compacted_page(owner, i) for i in range(len(owned))
+                ]
+                continue
             assert len(owned) == num_pages_for(len(request.tokens))
             assert owned[: request.dropped] == [NULL_PAGE] * request.dropped
             for index in range(request.dropped, len(owned)):
