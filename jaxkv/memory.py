@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache import LAYER_TYPES, Cache, layer_types_of
+from jaxkv.cache import LAYER_TYPES, Cache, kv_sources_of, layer_types_of
 from jaxkv.encoder_decoder import EncoderDecoderCache
 from jaxkv.layers.linear import LinearAttentionLayer
 from jaxkv.quantization import QuantSpec
@@ -17,6 +17,11 @@ StorageRow = tuple[str, str | None, type]
 
 # Cross-attention K/V live in an EncoderDecoderCache next to a Cache: no Cache layer type.
 CROSS_ATTENTION: StorageRow = ("cross_attention", None, EncoderDecoderCache)
+# A layer that reuses an earlier layer's K/V (``Cache.kv_sources``) stores nothing: the table's row.
+SHARED_KV_ROW = (
+    "| any type, reusing K/V (`kv_sources`) | - | nothing: attends over the K/V of the earlier layer of its type that "
+    "stores them (Gemma 4's last `num_kv_shared_layers`) | `0` (the storing layer's bytes, counted once) |"
+)
 
 
 def storage_rows() -> list[StorageRow]:
@@ -129,6 +134,8 @@ def model_table(configs: dict, seq_lens=(4096, 32768), batch_size: int = 1, dtyp
     for name, config in configs.items():
         types = layer_types_of(config)
         mix = ", ".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types))
+        reusing = sum(source != i for i, source in enumerate(kv_sources_of(config, types)))
+        mix += f" ({reusing} reusing K/V)" if reusing else ""
         sizes = [cache_bytes(config, batch_size, n, dtype) / 2**20 for n in seq_lens]
         rows.append(f"| {name} | {mix} | " + " | ".join(f"{s:,.1f} MiB" for s in sizes) + " |")
     return "\n".join(rows)

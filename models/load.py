@@ -29,6 +29,7 @@ from jaxkv.models.common import Decoder
 from jaxkv.models.deepseek_v32 import DeepseekV32, DeepseekV32Config
 from jaxkv.models.defaults import resolve_model
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.gemma4 import Gemma4, Gemma4Config
 from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.models.tokenizer import Tokenizer
@@ -39,9 +40,10 @@ from jaxkv.models.weights import CheckpointConfig, load_gguf, load_safetensors_c
 # or a config class reads its fields differently: older conversions are then not read.
 CONVERTER_VERSION = 1
 
-Model = Llama | Gemma3 | Qwen3_5 | DeepseekV32 | Bart
+Model = Llama | Gemma3 | Gemma4 | Qwen3_5 | DeepseekV32 | Bart
 MODEL_CLASSES: dict[type[CheckpointConfig], type[Model]] = {
     LlamaConfig: Llama, Gemma3Config: Gemma3, Qwen3_5Config: Qwen3_5, DeepseekV32Config: DeepseekV32, BartConfig: Bart,
+    Gemma4Config: Gemma4,
 }  # fmt: skip
 CONFIG_CLASSES = {config_class.__name__: config_class for config_class in MODEL_CLASSES}
 

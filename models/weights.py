@@ -28,20 +28,22 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxkv.models import bart, deepseek_v32, gemma3, llama, qwen3_5
+from jaxkv.models import bart, deepseek_v32, gemma3, gemma4, llama, qwen3_5
 from jaxkv.models.bart import BartConfig
 from jaxkv.models.deepseek_v32 import DeepseekV32Config
 from jaxkv.models.gemma3 import Gemma3Config
+from jaxkv.models.gemma4 import Gemma4Config
 from jaxkv.models.llama import LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5Config
 
-DecoderOnlyConfig = LlamaConfig | Gemma3Config | Qwen3_5Config | DeepseekV32Config
+DecoderOnlyConfig = LlamaConfig | Gemma3Config | Qwen3_5Config | DeepseekV32Config | Gemma4Config
 CheckpointConfig = DecoderOnlyConfig | BartConfig
 
 # Parameters stored as torch Linear weights ([out, in]); the model wants [in, out].
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "in_qkv", "in_z", "in_b", "in_a", "out"}
 _TRANSPOSED |= {"wq_a", "wq_b", "wkv_a", "wkv_b", "iwq", "iwk", "iw", "router", "experts_gate", "experts_up"}
 _TRANSPOSED |= {"experts_down", "shared_gate", "shared_up", "shared_down"}  # DeepSeek-V3.2
+_TRANSPOSED |= gemma4.LAYER_MATRICES | {"ple_model_proj"}
 
 # Our name -> transformers tensor name; "{i}" is the layer index. The names every decoder
 # shares come first; each architecture adds or overrides its own.
@@ -101,6 +103,24 @@ GGUF_GEMMA3_NAMES = _GGUF_DECODER | {
     "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
 }
 
+# Gemma 4 text (Gemma4ForCausalLM): Gemma 3's names, the full-attention layers' weights again under
+# "_full" and the double-wide MLPs' under "_wide" (their own stacks: jaxkv.models.gemma4.param_layers),
+# the layer scalars and the per-layer embeddings.
+GEMMA4_HF_NAMES = (
+    GEMMA3_HF_NAMES
+    | {f"{ours}_full": GEMMA3_HF_NAMES[ours] for ours in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")}
+    | {f"{ours}_wide": GEMMA3_HF_NAMES[ours] for ours in ("w_gate", "w_up", "w_down")}
+    | {
+        "layer_scalar": "model.layers.{i}.layer_scalar",
+        "ple_gate": "model.layers.{i}.per_layer_input_gate.weight",
+        "ple_proj": "model.layers.{i}.per_layer_projection.weight",
+        "ple_norm": "model.layers.{i}.post_per_layer_input_norm.weight",
+        "ple_embed": "model.embed_tokens_per_layer.weight",
+        "ple_model_proj": "model.per_layer_model_projection.weight",
+        "ple_proj_norm": "model.per_layer_projection_norm.weight",
+    }
+)
+
 # Qwen3.5 text (Qwen3_5ForCausalLM): mixer weights exist only on the layers of their kind
 # (see jaxkv.models.qwen3_5.param_layers).
 QWEN3_5_HF_NAMES = _HF_DECODER | _HF_QK_NORMS | {
@@ -151,11 +171,12 @@ class _TensorSource(Protocol):
 
 def _model_module(config: DecoderOnlyConfig):
     """The model module (``param_shapes``, ``layer_shapes``) a config belongs to."""
-    return {Gemma3Config: gemma3, Qwen3_5Config: qwen3_5, DeepseekV32Config: deepseek_v32}.get(type(config), llama)
+    modules = {Gemma3Config: gemma3, Gemma4Config: gemma4, Qwen3_5Config: qwen3_5, DeepseekV32Config: deepseek_v32}
+    return modules.get(type(config), llama)
 
 
 # The hybrid models stack each parameter over the layers of its kind only.
-_PARAM_LAYERS = {qwen3_5: qwen3_5.param_layers, deepseek_v32: deepseek_v32.param_layers}
+_PARAM_LAYERS = {qwen3_5: qwen3_5.param_layers, deepseek_v32: deepseek_v32.param_layers, gemma4: gemma4.param_layers}
 
 
 def _plan(config: DecoderOnlyConfig, names: Mapping[str, str]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -295,6 +316,7 @@ HF_MODEL_TYPES: dict[str, type[CheckpointConfig]] = {
     "mistral": LlamaConfig,
     "qwen2": LlamaConfig,
     "gemma3_text": Gemma3Config,
+    "gemma4_text": Gemma4Config,
     "qwen3_5_text": Qwen3_5Config,
     "deepseek_v32": DeepseekV32Config,
     "bart": BartConfig,
@@ -323,7 +345,7 @@ def load_safetensors_checkpoint(
     directory: str | Path, dtype: Any = jnp.float32, place: Placement | None = None
 ) -> tuple[CheckpointConfig, dict[str, jax.Array]]:
     """``(config, params)`` from a transformers checkpoint directory (``HF_MODEL_TYPES``: Llama,
-    Mistral, Qwen2, Gemma 3 text, Qwen3.5 text, BART).
+    Mistral, Qwen2, Gemma 3 text, Gemma 4 text, Qwen3.5 text, BART).
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
     (``jaxkv.models.llama``, ``gemma3``, ``qwen3_5`` or ``bart``), cast to ``dtype``.
@@ -341,6 +363,7 @@ def load_safetensors_checkpoint(
             tensors = {name: source.read(name) for name in source.names()}
             return config, bart.params_from_state_dict(config, tensors, dtype)
     names = {Gemma3Config: GEMMA3_HF_NAMES, Qwen3_5Config: QWEN3_5_HF_NAMES, DeepseekV32Config: DEEPSEEK_V32_HF_NAMES}
+    names |= {Gemma4Config: GEMMA4_HF_NAMES}
     names = names.get(type(config), HF_NAMES)
 
     def ignored(name: str) -> bool:

@@ -5,11 +5,12 @@
 
 import jax.numpy as jnp
 
-from jaxkv.memory import formula_table, model_table
+from jaxkv.memory import SHARED_KV_ROW, formula_table, model_table
 from jaxkv.models.architectures import DEFAULT_MODELS
 
 def main():
     print(formula_table())
+    print(SHARED_KV_ROW)
     print("\nB batch, S tokens, S_max preallocated, W window, C chunk, R rollback slots, H_kv K/V heads, D head dim; "
           "K conv width, C_conv conv channels, ΣS recurrent state elements per row (float32).")
     for dtype in (jnp.bfloat16, jnp.float32):
