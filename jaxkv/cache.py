@@ -33,7 +33,7 @@ from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
-from jaxkv.layers.retrieval import RetrievalLayer, RetrievalSpec
+from jaxkv.layers.retrieval import RETRIEVAL_LAYERS, RetrievalLayer, RetrievalSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.offload import (
@@ -143,7 +143,7 @@ def _retrieval_layer(spec: LayerSpec) -> CacheLayer:
             f"retrieval keeps every token in a preallocated full-precision buffer: pass max_length, "
             f"full_attention='static' and no {' or '.join(given) or 'quantization, paging or eviction'}"
         )
-    return RetrievalLayer.create(
+    return RETRIEVAL_LAYERS[spec.retrieval.pages].create(
         spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.retrieval, spec.dtype
     )
 

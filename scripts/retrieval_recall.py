@@ -1,20 +1,28 @@
 """Issue 42's recall on synthetic clustered keys: the share of the true top-k attention mass (k = the
-budget in tokens) that a ``RetrievalLayer``'s chosen pages hold, for the minmax (Quest) and centroid
-summaries, sequential and clustered pages, at several budgets (``jaxkv.research.recall``).
+budget in tokens) that a retrieval layer's chosen pages hold, for the minmax (Quest) and centroid
+summaries, at several budgets (``jaxkv.research.recall``): keys in random cluster order in
+sequential pages, the same keys clustered into pages by the layer at prefill (k-means), and keys
+sorted by cluster in sequential pages (the best clustering could give).
 
     .venv/bin/python scripts/retrieval_recall.py --tokens 4096 --budgets 64 128 256 512 1024
 
-Prints a markdown table: one row per layout and summary, the mean over query heads and seeds.
+Prints a markdown table: one row per keys, pages and summary, the mean over query heads and seeds;
+then the clustering's cost (one prefill of the keys with and without it).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.layers.retrieval import SUMMARIES, RetrievalSpec
-from jaxkv.research.recall import LAYOUTS, page_recall, synthetic_keys
+from jaxkv.layers.retrieval import PAGE_ORDERS, RETRIEVAL_LAYERS, SUMMARIES, RetrievalSpec
+from jaxkv.research.recall import page_recall, synthetic_keys
+
+ROWS = (("mixed", "sequential"), ("mixed", "clustered"), ("sorted", "sequential"))  # keys, pages
 
 
 def main() -> None:
@@ -28,9 +36,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.tokens} tokens, {args.clusters} clusters, head_dim {args.head_dim}, pages of {args.page_size}, "
           f"1 sink + 1 recent page, 2 K/V heads x 2 query heads, {args.seeds} seeds")  # fmt: skip
-    print("| pages | summary | " + " | ".join(f"{b} tokens" for b in args.budgets) + " |")
-    print("|---|---|" + "---:|" * len(args.budgets))
-    for layout in LAYOUTS:
+    print("| keys | pages | summary | " + " | ".join(f"{b} tokens" for b in args.budgets) + " |")
+    print("|---|---|---|" + "---:|" * len(args.budgets))
+    for layout, pages in ROWS:
         draws = [
             synthetic_keys(seed, args.tokens, head_dim=args.head_dim, num_clusters=args.clusters, layout=layout)
             for seed in range(args.seeds)
@@ -38,9 +46,34 @@ def main() -> None:
         for summary in SUMMARIES:
             cells = []
             for budget in args.budgets:
-                spec = RetrievalSpec(budget, args.page_size, summary=summary)
+                spec = RetrievalSpec(budget, args.page_size, summary=summary, pages=pages)
                 cells.append(np.mean([page_recall(heads, spec).mean() for heads in draws]))
-            print(f"| {layout} | {summary} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+            print(f"| {layout} | {pages} | {summary} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+
+    print(clustering_cost(args.tokens, args.page_size))
+
+
+def clustering_cost(num_tokens: int, page_size: int, repeats: int = 3) -> str:
+    """Seconds of one jitted prefill update of ``num_tokens`` tokens into one retrieval layer of
+    SmolLM2's shape (3 K/V heads of 64), sequential against clustered pages (median of ``repeats``)."""
+    keys = jax.random.normal(jax.random.key(0), (1, 3, num_tokens, 64))
+    positions = jnp.arange(num_tokens, dtype=jnp.int32)[None]
+    seconds = {}
+    for pages in PAGE_ORDERS:
+        spec = RetrievalSpec(256, page_size, pages=pages)
+        layer = RETRIEVAL_LAYERS[pages].create(1, 3, 64, num_tokens, spec)
+        prefill = jax.jit(lambda layer, keys: layer.update(keys, keys, positions)[0])
+        jax.block_until_ready(prefill(layer, keys))  # compile
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(prefill(layer, keys))
+            times.append(time.perf_counter() - start)
+        seconds[pages] = float(np.median(times))
+    return (
+        f"one layer's prefill update of {num_tokens} tokens (3 K/V heads of 64): sequential "
+        f"{seconds['sequential'] * 1e3:.1f} ms, clustered {seconds['clustered'] * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

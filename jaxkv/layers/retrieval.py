@@ -31,7 +31,7 @@ read. Rows are gathered leaf by leaf (``BatchMajorLayer``).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ from flax import struct
 from jaxkv.protocol import (
     KV_AXES,
     KVView,
+    MaskInfo,
     PositionalLayer,
     Refill,
     Rollback,
@@ -49,10 +50,13 @@ from jaxkv.protocol import (
     entry,
     pytree_class,
 )
-from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, Axes
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
 from jaxkv.softmax import attention_block_size, softmax_init, softmax_step
 
 SUMMARIES = ("minmax", "centroid")
+PAGE_ORDERS = ("sequential", "clustered")
+PAGES_PER_CLUSTER = 2  # clustered pages: k-means clusters of about this many pages' tokens
+KMEANS_ITERATIONS = 10
 _SUMMARY_ROWS = {"minmax": 2, "centroid": 1}  # C: vectors per page summary
 
 
@@ -60,13 +64,16 @@ _SUMMARY_ROWS = {"minmax": 2, "centroid": 1}  # C: vectors per page summary
 class RetrievalSpec:
     """What a ``RetrievalLayer`` reads per query and K/V head: ``budget`` tokens (a multiple of
     ``page_size``), of which the ``sink`` first pages and the ``recent`` pages up to the query's own
-    (at least 1) always, the rest chosen by ``summary`` ('minmax' or 'centroid')."""
+    (at least 1) always, the rest chosen by ``summary`` ('minmax' or 'centroid'). ``pages``:
+    'sequential' (page i holds positions ``[i·page_size, (i+1)·page_size)``) or 'clustered'
+    (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys)."""
 
     budget: int
     page_size: int = 16
     sink: int = 1
     recent: int = 1
     summary: str = "minmax"
+    pages: str = "sequential"
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -82,6 +89,8 @@ class RetrievalSpec:
             raise ValueError(f"RetrievalSpec: recent must be at least 1 page (the query's own), got {self.recent}")
         if self.summary not in SUMMARIES:
             raise ValueError(f"RetrievalSpec: summary must be one of {list(SUMMARIES)}, got {self.summary!r}")
+        if self.pages not in PAGE_ORDERS:
+            raise ValueError(f"RetrievalSpec: pages must be one of {list(PAGE_ORDERS)}, got {self.pages!r}")
         if self.sink + self.recent > self.budget_pages:
             raise ValueError(
                 f"RetrievalSpec: {self.sink} sink + {self.recent} recent pages are always read but the budget is "
@@ -103,8 +112,10 @@ def _whole_pages(max_length: int, page_size: int) -> int:
 
 
 @pytree_class
-class RetrievalLayer(PositionalLayer, Rollback, Refill):
-    """Every token's K/V ``[B, H_kv, S_max, D]`` and page summaries; each query reads a budget of pages."""
+class PageRetrieval(PositionalLayer, Refill):
+    """What the retrieval layers share: every token's K/V, page summaries, the update and its view.
+    Subclasses say which position each slot holds (``held_positions``) and may rearrange the slots
+    after an update (``arranged``)."""
 
     keys: jax.Array  # [B, H_kv, S_max, D], S_max a multiple of page_size
     values: jax.Array  # [B, H_kv, S_max, D]
@@ -123,9 +134,14 @@ class RetrievalLayer(PositionalLayer, Rollback, Refill):
         shape = (batch_size, num_kv_heads, slots, head_dim)
         pages = (batch_size, num_kv_heads, slots // spec.page_size, _SUMMARY_ROWS[spec.summary], head_dim)
         return cls(
-            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(pages, dtype),
-            jnp.zeros((batch_size,), jnp.int32), spec,
+            keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), summaries=jnp.zeros(pages, dtype),
+            lengths=jnp.zeros((batch_size,), jnp.int32), spec=spec, **cls.empty_order(batch_size, num_kv_heads, slots),
         )  # fmt: skip
+
+    @staticmethod
+    def empty_order(batch_size: int, num_kv_heads: int, slots: int) -> dict:
+        """The leaves recording which position each slot holds, empty (none: slot ``p`` holds ``p``)."""
+        return {}
 
     @staticmethod
     def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, spec=None, **_) -> int:
@@ -143,6 +159,27 @@ class RetrievalLayer(PositionalLayer, Rollback, Refill):
         spec = self.spec
         return describe_extent(0, budget=spec.budget, page=spec.page_size) + f" {spec.summary}"
 
+    def held_positions(self, index) -> jax.Array:
+        """``[B, H_kv, S]``: the position each slot of entry ``index`` holds (written or not)."""
+        batch, heads = self.keys.shape[1:3]
+        return jnp.broadcast_to(jnp.arange(self.capacity, dtype=jnp.int32), (batch, heads, self.capacity))
+
+    def kv_positions(self, index) -> jax.Array:
+        """``[B, H_kv, S]``: ``held_positions``, -1 at or past each row's length."""
+        held = self.held_positions(index)
+        return jnp.where(held < entry(self.lengths, index)[:, None, None], held, -1)
+
+    def held_entry(self, index):
+        """Entry ``index``'s tokens in position order (``HeldTokens``; the same order in every head)."""
+        positions = self.kv_positions(index)
+        order = jnp.argsort(jnp.where(positions < 0, jnp.iinfo(jnp.int32).max, positions), axis=-1)
+        take = lambda x: jnp.take_along_axis(entry(x, index), order[..., None], axis=2)
+        return take(self.keys), take(self.values), jnp.take_along_axis(positions, order, axis=-1)[:, 0]
+
+    def arranged(self, index, num_new: int) -> Self:
+        """Entry ``index`` after an update of ``num_new`` tokens per row, its slots rearranged (here: as written)."""
+        return self
+
     def logical_axes(self):
         return self.replace(
             keys=KV_AXES, values=KV_AXES, summaries=Axes(BATCH, KV_HEADS, None, None, HEAD_DIM), lengths=Axes(BATCH)
@@ -156,10 +193,12 @@ class RetrievalLayer(PositionalLayer, Rollback, Refill):
         old_lengths = entry(self.lengths, index)
         new, view = self.write(index, keys, values, positions)
         new = new.summarized(index, old_lengths, positions.shape[1])
+        mask_info = MaskInfo(new.kv_positions(index), slots_used=view.mask_info.slots_used)
         summaries = entry(new.summaries, index)
-        return new, RetrievalView(view.key_stack, view.value_stack, index, view.mask_info, summaries, self.spec)
+        view = RetrievalView(view.key_stack, view.value_stack, index, mask_info, summaries, self.spec)
+        return new.arranged(index, positions.shape[1]), view
 
-    def summarized(self, index, old_lengths: jax.Array, num_new: int) -> RetrievalLayer:
+    def summarized(self, index, old_lengths: jax.Array, num_new: int) -> Self:
         """Entry ``index`` with the summaries of the pages an update of ``num_new`` tokens per row
         wrote (from each row's ``old_lengths`` ``[B]`` on) computed again from their stored keys."""
         page, num_pages = self.spec.page_size, self.summaries.shape[-3]
@@ -176,6 +215,115 @@ class RetrievalLayer(PositionalLayer, Rollback, Refill):
             summary.astype(self.summaries.dtype), mode="drop"
         )
         return self.replace(summaries=stored)
+
+
+@pytree_class
+class RetrievalLayer(PageRetrieval, Rollback):
+    """Every token's K/V ``[B, H_kv, S_max, D]`` and page summaries; each query reads a budget of pages."""
+
+
+@pytree_class
+class ClusteredRetrievalLayer(PageRetrieval):
+    """``RetrievalLayer`` whose prefill pages hold similar keys: ``[B, H_kv, S_max, D]`` reordered per K/V head.
+
+    After an update of more than ``page_size`` tokens per row (a prefill, or a chunk of one), each
+    K/V head's complete pages between the sink pages and the ``recent - 1`` pages before the next
+    query's are reordered (IceCache's step): their keys are clustered by k-means (``KMEANS_ITERATIONS``,
+    about ``PAGES_PER_CLUSTER`` pages of tokens per cluster, per K/V head) and laid out cluster by
+    cluster, so that a page holds similar keys; ``slot_positions`` records the position each slot
+    holds (masks and RoPE stay those of the tokens' positions). Decode steps write the later pages
+    in order; the next long update clusters them with the others. No rollback: re-fed tokens would
+    land on reordered slots.
+    """
+
+    slot_positions: jax.Array  # [B, H_kv, S_max] int32: the position held by each slot below ``clustered``
+    clustered: jax.Array  # [B] int32: slots below hold the reordered pages (and the sink pages, in order)
+
+    MEMORY_FORMULA = (
+        "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 4·B·S_max·H_kv + 8·B; C = 2 (minmax) or 1 (centroid)"
+    )
+    WHY_NOT = {
+        Rollback: "its prefill's pages were reordered by clustering, and tokens fed again would land on their "
+        "slots; roll back (or decode speculatively) with pages='sequential'"
+    }
+
+    @staticmethod
+    def empty_order(batch_size: int, num_kv_heads: int, slots: int) -> dict:
+        return {
+            "slot_positions": jnp.zeros((batch_size, num_kv_heads, slots), jnp.int32),
+            "clustered": jnp.zeros((batch_size,), jnp.int32),
+        }
+
+    @staticmethod
+    def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, spec=None, **_) -> int:
+        """``RetrievalLayer.kv_bytes`` and the slot positions."""
+        slots = _whole_pages(max_length or seq_len, spec.page_size)
+        order = 4 * batch_size * (num_kv_heads * slots + 1)
+        return RetrievalLayer.kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length, spec) + order
+
+    def describe(self) -> str:
+        return super().describe() + " clustered"
+
+    def logical_axes(self):
+        return super().logical_axes().replace(slot_positions=Axes(BATCH, KV_HEADS, KV_SLOTS), clustered=Axes(BATCH))
+
+    def held_positions(self, index) -> jax.Array:
+        slot = super().held_positions(index)
+        reordered = slot < entry(self.clustered, index)[:, None, None]
+        return jnp.where(reordered, entry(self.slot_positions, index), slot)
+
+    def arranged(self, index, num_new: int) -> ClusteredRetrievalLayer:
+        """Entry ``index`` with its pages clustered after an update of more than ``page_size`` tokens per row."""
+        if num_new <= self.spec.page_size:
+            return self
+        spec, num_slots = self.spec, self.capacity
+        page, start = spec.page_size, spec.sink * spec.page_size
+        lengths = entry(self.lengths, index)
+        cut = jnp.maximum(start, (lengths // page - spec.recent + 1) * page)  # [B]: slots [start, cut) reorder
+        keys = entry(self.keys, index)
+        slot = jnp.arange(num_slots, dtype=jnp.int32)
+        member = (slot >= start) & (slot < cut[:, None])  # [B, S]
+        count = max(1, num_slots // page // PAGES_PER_CLUSTER)
+        labels = _kmeans_labels(keys.astype(jnp.float32), member, start, cut, count)  # [B, H_kv, S]
+        # Sink slots first, then the members cluster by cluster (in position order within one), then the rest.
+        group = jnp.where(member[:, None], labels + 1, jnp.where(slot < start, 0, count + 1))
+        order = jnp.argsort(group * num_slots + slot, axis=-1)  # [B, H_kv, S]
+        take = lambda x: jnp.take_along_axis(x, order[..., None], axis=2)
+        layer = self.replace(
+            keys=self.keys.at[index].set(take(keys)),
+            values=self.values.at[index].set(take(entry(self.values, index))),
+            slot_positions=self.slot_positions.at[index].set(
+                jnp.take_along_axis(self.held_positions(index), order, axis=-1)
+            ),
+            clustered=self.clustered.at[index].set(cut),
+        )
+        return layer.summarized(index, jnp.zeros_like(lengths), num_slots)
+
+
+# pages= -> the layer class (``RetrievalSpec.pages``).
+RETRIEVAL_LAYERS = {"sequential": RetrievalLayer, "clustered": ClusteredRetrievalLayer}
+
+
+def _kmeans_labels(keys: jax.Array, member: jax.Array, start: int, cut: jax.Array, count: int) -> jax.Array:
+    """The cluster ``[B, H_kv, S]`` of each key ``[B, H_kv, S, D]`` (float32) among ``count`` k-means
+    centroids fitted per row and K/V head to the ``member`` slots ``[B, S]`` (``[start, cut)``, ``cut``
+    ``[B]``), seeded with evenly spaced members."""
+    num_slots = keys.shape[2]
+    seeds = start + (jnp.arange(count) * (cut - start)[:, None]) // count  # [B, count]
+    centroids = jnp.take_along_axis(keys, jnp.minimum(seeds, num_slots - 1)[:, None, :, None], axis=2)
+    weights = member[:, None, :, None].astype(jnp.float32)  # [B, 1, S, 1]
+
+    def nearest(centroids: jax.Array) -> jax.Array:  # [B, H_kv, S]
+        distance = jnp.sum(centroids**2, -1)[:, :, None, :] - 2 * jnp.einsum("bhsd,bhkd->bhsk", keys, centroids)
+        return jnp.argmin(distance, axis=-1)
+
+    def step(_, centroids: jax.Array) -> jax.Array:
+        assigned = (nearest(centroids)[..., None] == jnp.arange(count)) * weights  # [B, H_kv, S, count]
+        totals = jnp.sum(assigned, axis=2)[..., None]  # [B, H_kv, count, 1]
+        sums = jnp.einsum("bhsk,bhsd->bhkd", assigned, keys)
+        return jnp.where(totals > 0, sums / jnp.maximum(totals, 1.0), centroids)
+
+    return nearest(jax.lax.fori_loop(0, KMEANS_ITERATIONS, step, centroids))
 
 
 def _summary(kind: str, page_keys: jax.Array, filled: jax.Array) -> jax.Array:
@@ -225,8 +373,9 @@ def attended_pages(spec: RetrievalSpec, scores: jax.Array, q_positions: jax.Arra
 
 @pytree_class
 class RetrievalView(KVView):
-    """A ``RetrievalLayer``'s update: ``keys``/``values``/``mask_info`` hold every stored token (what
-    a budget covering the context reads); ``attend`` reads each query's pages (``attended_pages``)."""
+    """A retrieval layer's update: ``keys``/``values``/``mask_info`` hold every stored token (what a
+    budget covering the context reads; ``kv_positions`` ``[B, H_kv, S]``, per head as clustered pages
+    differ); ``attend`` reads each query's pages (``attended_pages``)."""
 
     summaries: jax.Array  # [B, H_kv, P, C, D]
     spec: RetrievalSpec = struct.field(pytree_node=False)
@@ -307,7 +456,7 @@ class _Read:
 
         keys, values = gather(view.key_stack), gather(view.value_stack)
         slots = safe[..., None] * page + jnp.arange(page, dtype=jnp.int32)  # [B, H_kv, T, A, page]
-        held = view.mask_info.kv_positions[rows[..., None], slots]  # -1 past the row's length
+        held = view.mask_info.kv_positions[rows[..., None], head[..., None], slots]  # -1 past the row's length
         kv_positions = jnp.where(pages[..., None] >= 0, held, -1).reshape(batch, heads, length, count * page)
         raw = jnp.einsum("bhgtd,bhtsd->bhgts", self.grouped, keys, preferred_element_type=jnp.float32)
 
@@ -329,9 +478,9 @@ class _Read:
         def step(number, carry):
             start = number * block
             keys, values = view.read(start, block)
-            held = jax.lax.dynamic_slice_in_dim(view.mask_info.kv_positions, start, block, axis=-1)  # [B, block]
+            held = jax.lax.dynamic_slice_in_dim(view.mask_info.kv_positions, start, block, axis=-1)  # [B, H_kv, block]
             read = jax.lax.dynamic_slice_in_dim(chosen, start // page, block // page, axis=-1)
-            kv_positions = jnp.where(jnp.repeat(read, page, axis=-1), held[:, None, None, :], -1)
+            kv_positions = jnp.where(jnp.repeat(read, page, axis=-1), held[:, :, None, :], -1)
             raw = jnp.einsum("bhgtd,bhsd->bhgts", self.grouped, keys, preferred_element_type=jnp.float32)
 
             def weigh(weights: jax.Array) -> jax.Array:

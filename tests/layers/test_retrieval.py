@@ -21,7 +21,7 @@ from jaxkv.attention import cached_attention
 from jaxkv.config import CacheConfig
 from jaxkv.decoding.generate import generate
 from jaxkv.eviction import EvictionSpec
-from jaxkv.layers.retrieval import RetrievalLayer, RetrievalSpec
+from jaxkv.layers.retrieval import ClusteredRetrievalLayer, RetrievalLayer, RetrievalSpec
 from jaxkv.memory import storage_rows
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
@@ -60,17 +60,17 @@ def inputs(seed: int = 0):
     return q, k, v, positions
 
 
-def run(spec, sizes, seed: int = 0, cache=None) -> np.ndarray:
-    """Every update's outputs ``[B, H_q, LENGTH, D]`` (zeros at padding), fed in chunks of ``sizes``."""
-    q, k, v, positions = inputs(seed)
-    cache, outs, start = layer_cache(spec) if cache is None else cache, [], 0
+def run(spec, sizes) -> tuple[np.ndarray, Cache]:
+    """Every update's outputs ``[B, H_q, LENGTH, D]`` (zeros at padding), fed in chunks of ``sizes``, and the cache."""
+    q, k, v, positions = inputs()
+    cache, outs, start = layer_cache(spec), [], 0
     for size in sizes:
         part = slice(start, start + size)
         cache, out = feed(cache, q[:, :, part], k[:, :, part], v[:, :, part], positions[:, part])
         outs.append(out)
         start += size
     out = np.concatenate(outs, axis=2)
-    return np.where(np.asarray(positions >= 0)[:, None, :, None], out, 0.0)
+    return np.where(np.asarray(positions >= 0)[:, None, :, None], out, 0.0), cache
 
 
 def chunk_sizes(seed: int) -> list[int]:
@@ -83,7 +83,7 @@ def chunk_sizes(seed: int) -> list[int]:
 
 @functools.cache
 def full_outputs() -> np.ndarray:
-    return run(None, [LENGTH])
+    return run(None, [LENGTH])[0]
 
 
 # --- a budget covering the context: full attention ----------------------------------------------
@@ -92,7 +92,7 @@ def test_a_budget_covering_the_context_equals_full_attention(seed):
     """Random chunk sizes, ragged rows, under jit: every output equals the static cache's (float32,
     1e-5), with a budget of 48 tokens over 40 (decode steps gather pages, longer updates mask them)."""
     spec = RetrievalSpec(budget=48, page_size=PAGE, sink=1, recent=2)
-    np.testing.assert_allclose(run(spec, chunk_sizes(seed)), full_outputs(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(run(spec, chunk_sizes(seed))[0], full_outputs(), atol=1e-5, rtol=1e-5)
 
 
 # --- a small budget: the pages NumPy chooses ------------------------------------------------------
@@ -114,20 +114,25 @@ def numpy_pages(spec: RetrievalSpec, q, k, q_pos) -> list[int]:
     return sorted(pages | {candidates[i] for i in order})
 
 
-def numpy_retrieval(spec: RetrievalSpec, seed: int = 0) -> np.ndarray:
-    q, k, v, positions = (np.asarray(x, np.float64) for x in inputs(seed))
+def numpy_retrieval(spec: RetrievalSpec, keys=None, values=None, held=None) -> np.ndarray:
+    """Outputs ``[B, H_q, LENGTH, D]`` of ``inputs()``'s queries over the pages NumPy chooses among slots
+    holding ``keys``/``values`` ``[B, H_kv, S, D]`` at positions ``held`` ``[B, H_kv, S]`` (-1: none;
+    default: ``inputs()``'s keys, slot p holding position p)."""
+    q, k, v, positions = (np.asarray(x, np.float64) for x in inputs(0))
+    keys, values = (k, v) if keys is None else (np.asarray(keys, np.float64), np.asarray(values, np.float64))
+    held = np.broadcast_to(np.arange(keys.shape[2]), keys.shape[:3]) if held is None else np.asarray(held)
     out = np.zeros(q.shape)
     for b, h, t in np.ndindex(B, H_KV, LENGTH):
         p = int(positions[b, t])
         if p < 0:
             continue
         heads = q[b, h * GROUP : (h + 1) * GROUP, t]
-        pages = numpy_pages(spec, heads, k[b, h], p)
-        slots = [s for page in pages for s in range(page * spec.page_size, (page + 1) * spec.page_size) if s <= p]
+        pages = numpy_pages(spec, heads, keys[b, h], p)
+        slots = [s for page in pages for s in range(page * PAGE, (page + 1) * PAGE) if 0 <= held[b, h, s] <= p]
         for g in range(GROUP):
-            logits = k[b, h, slots] @ heads[g] / np.sqrt(D)
+            logits = keys[b, h, slots] @ heads[g] / np.sqrt(D)
             weights = np.exp(logits - logits.max())
-            out[b, h * GROUP + g, t] = weights / weights.sum() @ v[b, h, slots]
+            out[b, h * GROUP + g, t] = weights / weights.sum() @ values[b, h, slots]
     return out
 
 
@@ -138,8 +143,35 @@ def test_a_small_budget_reads_the_pages_numpy_chooses_at_any_chunking(summary):
     spec = SMALL[summary]
     want = numpy_retrieval(spec)
     for sizes in ([1] * LENGTH, chunk_sizes(3)):
-        np.testing.assert_allclose(run(spec, sizes), want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(run(spec, sizes)[0], want, atol=1e-5, rtol=1e-5)
     assert np.max(np.abs(want - full_outputs())) > 1e-2
+
+
+def test_clustered_pages_keep_positions_with_keys_and_queries_read_the_pages_numpy_chooses():
+    """A prefill of 24 tokens (one update) attends over sequential pages, then its pages 1-5 are
+    reordered by cluster per K/V head, each key keeping its position; the 16 decode steps after it
+    read the pages NumPy chooses from that layout. No rollback; a refill gets the tokens in order."""
+    spec = RetrievalSpec(16, PAGE, pages="clustered")
+    out, cache = run(spec, [24] + [1] * 16)
+    stack = cache.groups[0]
+    keys, values, held = (np.asarray(x) for x in (stack.keys[0], stack.values[0], stack.kv_positions(0)))
+    _, k, v, _ = (np.asarray(x) for x in inputs(0))
+    for b, h in np.ndindex(B, H_KV):
+        region = held[b, h, PAGE:24]
+        assert sorted(region) == list(range(PAGE, 24)) and np.array_equal(
+            held[b, h, 24 : ROW_LENGTHS[b]], range(24, ROW_LENGTHS[b])
+        )
+        np.testing.assert_array_equal(keys[b, h, : ROW_LENGTHS[b]], k[b, h, held[b, h, : ROW_LENGTHS[b]]])
+    assert any(not np.array_equal(held[b, h, PAGE:24], range(PAGE, 24)) for b, h in np.ndindex(B, H_KV))
+    np.testing.assert_allclose(out[:, :, :24], numpy_retrieval(spec)[:, :, :24], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        out[:, :, 24:], numpy_retrieval(spec, keys, values, held)[:, :, 24:], atol=1e-5, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match=r"ClusteredRetrievalLayer cannot roll back .* pages='sequential'"):
+        cache.rollback(1)
+    static = jax.jit(refill)(cache, layer_cache(None)).layer(0)
+    for b, length in enumerate(ROW_LENGTHS):
+        np.testing.assert_array_equal(static.keys[b, :, :length], k[b, :, :length])
 
 
 def test_rollback_then_refill_equals_feeding_the_final_rows():
@@ -199,18 +231,19 @@ def prefill_logits(model, cache, tokens: np.ndarray, sizes: list[int]) -> np.nda
     return np.concatenate(logits, axis=1)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_models_at_a_budget_covering_the_context_equal_the_full_cache(family):
-    """A tiny Llama and Gemma 3 (global layers retrieve, sliding rings unchanged): logits fed in
-    chunks of 5 and 1 equal the full cache's (float32, 1e-4), and greedy tokens are equal."""
+@pytest.mark.parametrize("family, pages", [("llama", "sequential"), ("gemma3", "clustered")])
+def test_models_at_a_budget_covering_the_context_equal_the_full_cache(family, pages):
+    """A tiny Llama and Gemma 3 (global layers retrieve from clustered pages, sliding rings
+    unchanged): logits fed in chunks of 5 and 1 equal the full cache's (float32, 1e-4), and greedy
+    tokens are equal."""
     if family == "llama":
         model = Llama(LlamaConfig(**TINY_LLAMA), seed=0)
     else:
         model = Gemma3(Gemma3Config(**TINY_GEMMA), seed=0)
-    spec = RetrievalSpec(budget=32, page_size=PAGE)
+    spec = RetrievalSpec(budget=32, page_size=PAGE, pages=pages)
     cache = model.init_cache(1, 32, retrieval=spec)
     assert {type(layer) for layer in cache.layers} == (
-        {RetrievalLayer} if family == "llama" else {RetrievalLayer, SlidingWindowLayer}
+        {RetrievalLayer} if family == "llama" else {ClusteredRetrievalLayer, SlidingWindowLayer}
     )
     tokens = np.random.default_rng(0).integers(1, TINY_LLAMA["vocab_size"], size=(1, 20))
     sizes = [5, 5, 1, 1, 5, 1, 1, 1]
@@ -240,6 +273,16 @@ def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
     assert layer.capacity == 64 and layer.describe() == "budget=32 page=8 centroid"
     assert layer.nbytes == RetrievalLayer.kv_bytes(2, 61, H_KV, D, jnp.float32, spec=spec)
     assert ("full_attention", "retrieved", RetrievalLayer) in storage_rows()
+    clustered = RetrievalSpec(32, 8, pages="clustered")
+    assert (
+        CacheConfig.model_validate({"retrieval": {"budget": 32, "page_size": 8, "pages": "clustered"}}).retrieval_spec()
+        == clustered
+    )
+    layer = Cache.from_layer_types(
+        ["full_attention"], batch_size=2, num_kv_heads=H_KV, head_dim=D, max_length=61, retrieval=clustered
+    ).layer(0)
+    assert layer.describe() == "budget=32 page=8 minmax clustered"
+    assert layer.nbytes == ClusteredRetrievalLayer.kv_bytes(2, 61, H_KV, D, jnp.float32, spec=clustered)
 
 
 @pytest.mark.parametrize(
@@ -250,6 +293,7 @@ def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
         ({"budget": 16, "recent": 0}, "recent must be at least 1 page"),
         ({"budget": 16, "sink": -1}, "sink must be >= 0"),
         ({"budget": 16, "summary": "mean"}, "summary must be one of"),
+        ({"budget": 16, "pages": "kmeans"}, "pages must be one of"),
         ({"budget": 16, "page_size": 8, "sink": 2}, "2 sink \\+ 1 recent pages are always read but the budget is 2"),
     ],
 )
