@@ -1,7 +1,7 @@
 """MLA's latent cache (DeepSeek-V2/V3): per token the normalised latent (``kv_lora_rank``) and the
 shared RoPE key (``qk_rope_head_dim``), ``R + P`` values instead of per-head K/V (DeepSeek-V3: 576
-against 32,768 for its 128 full heads). The storage, the two attention forms (absorbed for
-decode, plain for a long prefill) and the rule between them: ``jaxkv.mla``.
+against 32,768 for its 128 full heads). The storage, the two attention forms (absorbed, plain)
+and the measured rule between them: ``jaxkv.mla``.
 """
 
 from __future__ import annotations

@@ -87,12 +87,15 @@ def test_absorbed_and_plain_forms_equal_expanded_attention(full_attention):
     )
 
 
-def test_the_cheaper_form_is_absorbed_for_decode_and_plain_for_a_long_prefill():
-    """DeepSeek-V3's shapes (128 heads, R 512, P 64, n 128, v 128) over 4096 slots: a decode step
-    and a short chunk attend in the latent space, a long prefill expands; they cross near 160."""
-    weights = LatentWeights(jax.ShapeDtypeStruct((128, 256, 512), jnp.bfloat16), 128)
-    choose = lambda t: prefers_expanded(t, 4096, 128, 512, 64, weights)
-    assert not choose(1) and not choose(128) and choose(192) and choose(4096)
+def test_the_measured_rule_expands_only_a_long_deepseek_prefill():
+    """Over 4096 slots, DeepSeek-V3's shapes (128 heads, R 512, P 64, n = v = 128) attend in the
+    latent space for decode and a 256-query chunk and expand for a 4096-token prefill (crossing
+    near 455 queries); the tiny shapes of the measurement (H 16, R 128, P 32, n = v = 64) never expand."""
+    deepseek = LatentWeights(jax.ShapeDtypeStruct((128, 256, 512), jnp.bfloat16), 128)
+    choose = [prefers_expanded(t, 4096, 128, 512, 64, deepseek) for t in (1, 256, 512, 4096)]
+    assert choose == [False, False, True, True]
+    measured = LatentWeights(jax.ShapeDtypeStruct((16, 128, 128), jnp.float32), 64)
+    assert not any(prefers_expanded(t, 1024, 16, 128, 32, measured) for t in (1, 16, 64, 256, 1024))
 
 
 def test_the_indexer_picks_the_brute_force_top_k():
