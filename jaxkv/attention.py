@@ -48,8 +48,8 @@ def cached_attention(
     cache: Cache,
     layer_idx,
     queries: jax.Array,
-    keys: jax.Array,
-    values: jax.Array,
+    keys: jax.Array | None,
+    values: jax.Array | None,
     positions: jax.Array,
     *,
     scale: float | None = None,
@@ -61,7 +61,8 @@ def cached_attention(
     over what the layer holds (``attention``'s ``scale`` and ``logit_softcap``). Returns the
     cache and the output ``[B, H_q, T, D]``. An evicting layer also receives the slot mass its
     policy scores by, from the same softmax. ``packed``: a serving step's packed batch
-    (``jaxkv.batch``), for the layers that read it."""
+    (``jaxkv.batch``), for the layers that read it. A layer that reuses an earlier layer's K/V
+    (``Cache.kv_sources``: Gemma 4) passes ``keys = values = None``."""
 
     options = dict(scale=scale, logit_softcap=logit_softcap)
 

@@ -288,7 +288,8 @@ class Gemma4(Decoder):
         x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), embed.dtype)
         x = self.constrain(x, Axes(BATCH, None, EMBED))
         per_layer_inputs = self._per_layer_inputs(tokens, x)
-        stacks = {name: (param[...], _layer_params(config)[name][2]) for name, param in self.layers.items()}
+        layers_of = {name: layers for name, (_, _, layers) in _layer_params(config).items()}
+        stacks = {name: (param[...], layers_of[name]) for name, param in self.layers.items()}
         cache = cache.with_prefetch()
         for layer in range(config.num_hidden_layers):
             w = {name: stack[layers.index(layer)] for name, (stack, layers) in stacks.items() if layer in layers}
