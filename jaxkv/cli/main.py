@@ -526,6 +526,8 @@ class ServeConfig(Strict):
     eviction: BudgetedEvictionConfig | None = None  # full-attention K/V in a budget of slots per request
     mesh: MeshConfig | None = None  # shard the model and the page pools over the devices (this process's)
     speculative: ServeSpeculativeConfig | None = None  # draft tokens verified in the engine's steps
+    max_pages_per_request: PositiveInt | None = None  # compressed pages: full-attention pages per request
+    compaction_policy: str = "streaming_llm"  # what a compaction keeps: streaming_llm or key_norm
 
     @model_validator(mode="after")
     def _eviction_without_prefix_caching(self):
@@ -575,6 +577,14 @@ def _serve_parser(sub) -> None:
     parser.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     parser.add_argument("--max-waiting", type=int, help="queued requests before answering 503 (default 64)")
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None)
+    parser.add_argument(
+        "--max-pages-per-request", type=int, help="compressed pages: at most this many full-attention pages per "
+        "request, its tokens compacted into one page fewer when it needs more (default: unbounded)"
+    )
+    parser.add_argument(
+        "--compaction-policy", help="what a compaction keeps: streaming_llm (sinks and recent tokens, the default) "
+        "or key_norm (low-norm keys)"
+    )
     parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; off unless a method is set)")
     for flag, key, kind, help_text in SPECULATIVE_FLAGS:
@@ -616,6 +626,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None)
         max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
         quantization=None if config.quantization is None else config.quantization.spec(),
         eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
+        max_pages_per_request=config.max_pages_per_request, compaction_policy=config.compaction_policy,
     )  # fmt: skip
 
 

@@ -12,11 +12,13 @@ from flax import nnx
 from jaxkv.models.llama import Llama, LlamaConfig
 
 from jaxkv.batch import PagedStorage
+from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
 from jaxkv.decoding.generate import generate
 from jaxkv.eviction import EvictionSpec
 from jaxkv.protocol import has
+from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
-from jaxkv.serving.compaction import MAX_COMPACTIONS
+from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget
 from jaxkv.serving.engine import EngineConfig
 from jaxkv.serving.pages import NULL_PAGE
 from tests.cases import VOCAB, greedy_reference, run_arrivals
@@ -49,6 +51,14 @@ def test_options_are_checked_with_named_errors():
     with pytest.raises(ValueError, match="pass one of the two"):
         EngineConfig(max_pages_per_request=4, eviction=EvictionSpec("streaming_llm", budget=8))
     assert EngineConfig().page_budget() is None
+
+
+def test_serve_flags_reach_the_engine():
+    """``jaxkv serve --max-pages-per-request 6 --compaction-policy key_norm`` builds that budget."""
+    args = build_parser().parse_args(["serve", "--max-pages-per-request", "6", "--compaction-policy", "key_norm"])
+    served = resolve_serve_config(args)
+    engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**LLAMA)))
+    assert engine.kv.budget == PageBudget(6, 16, "key_norm")
 
 
 def test_a_budget_covering_every_token_gives_generates_tokens(model):
@@ -192,3 +202,37 @@ def poisoned(engine: Engine):
         if has(group, PagedStorage) and group.pool == "full":
             cache = cache.with_group(index, jax.tree.map(lambda leaf: leaf.at[:, free].set(jnp.nan), group))
     return cache
+
+
+@pytest.mark.parametrize(
+    "quantization", [None, QuantSpec(nbits=8, residual_length=0, q_group_size=8)], ids=["float32", "int8"]
+)
+def test_compacted_slots_hold_the_kv_of_the_positions_they_say(llama, quantization):
+    """Layer 0's K/V of a token depend on the token and its position only: after the compactions
+    of a 30-token prompt prefilled under a budget of 4 pages, each slot of the row holds exactly
+    what an engine without a budget wrote at the position the slot says it holds (RoPE'd at that
+    position; int8 pages: codes and scales move together)."""
+    prompt = prompts_of(5, [30])[0]
+    options = SMALL | {"quantization": quantization}
+    budgeted, plain = Engine(llama, max_pages_per_request=4, **options), Engine(llama, **options)
+    for engine in (budgeted, plain):
+        engine.add_request(prompt, max_tokens=4, ignore_eos=True)
+        engine.step()
+        while engine.scheduler.running[0].num_computed < len(prompt):
+            engine.step()
+    seq, other = budgeted.scheduler.running[0], plain.scheduler.running[0]
+    assert budgeted.stats()["compactions"] >= 2
+    filled = seq.num_computed - budgeted.kv.compacted[seq.key].shift
+    positions = budgeted.kv.row_positions([seq], 4, 256)[1]["full"][seq.row, :filled]
+    pages, plain_pages = (engine.kv.pools[0].manager.pages(s.key) for engine, s in ((budgeted, seq), (plain, other)))
+    slots = np.arange(filled)
+    held = layer0(budgeted, np.asarray(pages)[slots // 4], slots % 4)
+    wrote = layer0(plain, np.asarray(plain_pages)[positions // 4], positions % 4)
+    for got, expected in zip(held, wrote, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def layer0(engine: Engine, pages: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """Every full-pool leaf of the first layer at slots ``(pages, offsets)``."""
+    groups = [group for group in engine.runner.cache.groups if has(group, PagedStorage) and group.pool == "full"]
+    return [np.asarray(leaf[0, pages, offsets]) for leaf in jax.tree.leaves(groups[0])]
