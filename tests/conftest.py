@@ -138,6 +138,7 @@ FILE_SECONDS = {
     "test_experiment_smoke.py": 62, "test_offload.py": 47, "test_engine_tiers.py": 20, "test_engine_disk.py": 15,
     "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103, "test_retrieval.py": 35,
     "test_gemma4_parity.py": 57, "test_shared_kv.py": 30,
+    "test_compaction.py": 40,
 }  # fmt: skip
 
 
@@ -188,6 +189,10 @@ SLOW: dict[str, set[str]] = {
     },
     "test_cli_mesh.py": {"test_mesh_gives_the_same_tokens_and_warns_once"},
     "test_cli_options.py": {"test_serve_config_eviction"},
+    "test_compaction.py": {
+        "test_compacted_rows_keep_what_an_evicting_layer_keeps", "test_compacted_slots_hold_the_kv_of_the_positions_they_say",
+        "test_no_page_leaks_after_compactions_aborts_and_preemptions",
+    },
     "test_container.py": {
         "test_per_row_rollback_then_refeed_restores_the_cache",
         "test_stacked_cache_in_a_scan_equals_unstacked_updates",
