@@ -23,7 +23,9 @@ then the final RMSNorm, the tied LM head and an optional logit soft-cap.
 
 The layers run unrolled (each layer's kind, weight shapes and K/V source are static), so
 compile time grows with depth. Variants this file does not implement are refused by name:
-mixture-of-experts blocks, ``attention_k_eq_v``, bidirectional attention, attention biases.
+mixture-of-experts blocks, bidirectional attention, attention biases. ``attention_k_eq_v``
+(Gemma 4 31B) is implemented: full-attention layers have no value projection and take the key
+projection (before the key norm and RoPE) as their values.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class Gemma4Config(DecoderConfig):
     vocab_size_per_layer_input: PositiveInt = 262_144
     num_kv_shared_layers: NonNegativeInt = 0
     use_double_wide_mlp: bool = False
+    attention_k_eq_v: bool = False  # full-attention layers' values are their keys' projection
 
     @model_validator(mode="before")
     @classmethod
@@ -115,7 +118,6 @@ class Gemma4Config(DecoderConfig):
         data.update(_global_shapes(data.pop("per_layer_config", None), layer_types, data))
         refused = {
             "enable_moe_block": "mixture-of-experts blocks",
-            "attention_k_eq_v": "attention_k_eq_v (keys as values)",
             "use_bidirectional_attention": "bidirectional attention",
             "attention_bias": "attention biases",
         }
@@ -149,10 +151,11 @@ class Gemma4Config(DecoderConfig):
 
 def _global_shapes(per_layer_config, layer_types: list[str], data: dict) -> dict:
     """``global_head_dim`` and ``num_global_key_value_heads`` from transformers' ``per_layer_config``
-    (by layer index: only full-attention layers, all alike); without one, transformers' default
-    global head dim of 512."""
-    if per_layer_config is None:
-        return {"global_head_dim": data.get("global_head_dim", 512)}
+    (by layer index: only full-attention layers, all alike); without one, as transformers derives
+    them (a global head dim of 512 by default, the global K/V heads under ``attention_k_eq_v``)."""
+    if per_layer_config is None:  # as transformers' Gemma4TextConfig builds it
+        heads = data.get("num_global_key_value_heads") if data.get("attention_k_eq_v") else None
+        return {"global_head_dim": data.get("global_head_dim", 512), "num_global_key_value_heads": heads}
     overrides = {}
     for index, layer in per_layer_config.items():
         if layer_types[int(index)] != FULL or set(layer) - {"head_dim", "num_key_value_heads"}:
@@ -175,6 +178,11 @@ def rope_frequencies(rope: RopeParameters, head_dim: int) -> jax.Array:
 # --- parameters: each stacked over the layers that have it ----------------------------------
 def _stores(config: Gemma4Config, layer: int) -> bool:
     return config.kv_sources[layer] == layer
+
+
+def _keys_as_values(config: Gemma4Config, kind: str) -> bool:
+    """Whether layers of type ``kind`` take their keys' projection as values (``attention_k_eq_v``)."""
+    return config.attention_k_eq_v and kind == FULL
 
 
 def _wide(config: Gemma4Config, layer: int) -> bool:
@@ -207,7 +215,7 @@ def _layer_params(config: Gemma4Config) -> dict[str, tuple[tuple[int, ...], Axes
             f"q_norm{suffix}": ((dim,), Axes(HEAD_DIM), layers),
             f"wo{suffix}": ((q, d), Axes(Q_HEADS, EMBED), layers),
             f"wk{suffix}": ((d, kv), Axes(EMBED, KV_HEADS), storing),
-            f"wv{suffix}": ((d, kv), Axes(EMBED, KV_HEADS), storing),
+            f"wv{suffix}": ((d, kv), Axes(EMBED, KV_HEADS), [] if _keys_as_values(config, kind) else storing),
             f"k_norm{suffix}": ((dim,), Axes(HEAD_DIM), storing),
         }
     for suffix, width, layers in (
@@ -330,8 +338,11 @@ class Gemma4(Decoder):
         q = apply_rope(q, positions, inv_freq)
         k = v = None
         if _stores(config, layer):
-            k = apply_rope(rms_norm(heads(matmul(h, w["wk"]), kv_heads), w["k_norm"], eps), positions, inv_freq)
-            v = rms_norm(heads(matmul(h, w["wv"]), kv_heads), jnp.ones(dim, x.dtype), eps)  # scale-free
+            projected = heads(matmul(h, w["wk"]), kv_heads)
+            k = apply_rope(rms_norm(projected, w["k_norm"], eps), positions, inv_freq)
+            if not _keys_as_values(config, kind):
+                projected = heads(matmul(h, w["wv"]), kv_heads)
+            v = rms_norm(projected, jnp.ones(dim, x.dtype), eps)  # scale-free
         cache, out = cached_attention(cache, layer, q, k, v, positions, scale=1.0, packed=packed)
         out = matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
         x = x + rms_norm(out, w["post_attn_norm"], eps)
