@@ -14,13 +14,16 @@ whichever costs less for the call (``jaxkv.mla``). The dense layers and the MoE 
 each run in one ``lax.scan`` (their weights differ in shape), with the cache in the carry.
 The MoE is a dense reference: every expert runs on every token, the router's weights pick.
 
-RoPE: ``default`` only (the released checkpoints use YaRN, refused with a clear error);
-MLA rotates interleaved pairs, the indexer the halves (as transformers does).
+RoPE: ``default`` or ``yarn`` (the released checkpoints': factor 40 over 4096 positions, whose
+``mscale_all_dim`` also scales the softmax); MLA rotates interleaved pairs, the indexer the halves
+(as transformers does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +38,7 @@ from jaxkv.models.common import (
     inverse_frequencies,
     rms_norm,
 )  # fmt: skip
-from pydantic import NonNegativeInt, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
 
 from jaxkv.cache import Cache
 from jaxkv.layers.indexed import IndexedQueries, IndexerQueries
@@ -45,11 +48,26 @@ from jaxkv.sharding import EMBED, MLP, Q_HEADS, Axes
 SUB_NORM_EPS = 1e-6  # transformers' q_a / kv_a RMSNorms and the indexer's LayerNorm use their default eps
 
 
+class YarnScaling(BaseModel):
+    """``rope_parameters`` of ``rope_type`` 'yarn' (transformers' names and defaults)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)  # hashable: the config is static under jit
+    original_max_position_embeddings: PositiveInt
+    factor: float | None = None  # None: max_position_embeddings / original_max_position_embeddings
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
 class DeepseekV32Config(DecoderConfig):
     """The fields of a DeepSeek-V3.2 ``config.json`` this model reads (others are ignored)."""
 
     max_position_embeddings: PositiveInt = 163840
     rope_theta: float = 10_000.0
+    rope_scaling: YarnScaling | None = None
     q_lora_rank: PositiveInt
     kv_lora_rank: PositiveInt
     qk_nope_head_dim: PositiveInt
@@ -77,9 +95,12 @@ class DeepseekV32Config(DecoderConfig):
             return data
         data = dict(data)
         rope = data.pop("rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported by jaxkv.models.deepseek_v32 (default)")
+        kind = rope.get("rope_type", "default")
+        if kind not in ("default", "yarn"):
+            raise ValueError(f"rope_type {kind!r} is not supported by jaxkv.models.deepseek_v32 (default or yarn)")
         data.setdefault("rope_theta", rope.get("rope_theta", 10_000.0))
+        if kind == "yarn":
+            data.setdefault("rope_scaling", rope)
         for flag in ("attention_bias", "mlp_bias"):
             if data.get(flag):
                 raise ValueError(f"{flag}=True is not supported by jaxkv.models.deepseek_v32")
@@ -104,6 +125,64 @@ class DeepseekV32Config(DecoderConfig):
     @property
     def num_dense_layers(self) -> int:
         return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    @property
+    def yarn_factor(self) -> float:
+        scaling = self.rope_scaling
+        return scaling.factor or self.max_position_embeddings / scaling.original_max_position_embeddings
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(n + P) ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2`` when it has one."""
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.rope_scaling is None or not self.rope_scaling.mscale_all_dim:
+            return scale
+        return scale * yarn_mscale(self.yarn_factor, self.rope_scaling.mscale_all_dim) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 · mscale · ln(factor) + 1`` (1 for a factor up to 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotation:
+    """RoPE as the config sets it: ``inv_freq`` ``[P / 2]`` and the factor YaRN scales cos and sin by."""
+
+    inv_freq: jax.Array
+    attention_factor: float = 1.0
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """``x`` ``[B, H, T, P]`` rotated (halves layout) at ``positions`` ``[B, T]``."""
+        return apply_rope(x, positions, self.inv_freq) * self.attention_factor
+
+
+def rotation(c: DeepseekV32Config) -> Rotation:
+    """The config's RoPE: default, or YaRN's blend of interpolated and extrapolated frequencies
+    (transformers' ``_compute_yarn_parameters``)."""
+    dim, inv_freq, scaling = c.qk_rope_head_dim, inverse_frequencies(c.rope_theta, c.qk_rope_head_dim), c.rope_scaling
+    if scaling is None:
+        return Rotation(inv_freq)
+    factor = c.yarn_factor
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        both = scaling.mscale and scaling.mscale_all_dim
+        attention_factor = (
+            yarn_mscale(factor, scaling.mscale) / yarn_mscale(factor, scaling.mscale_all_dim)
+            if both
+            else yarn_mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        wavelength = scaling.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelength) / (2 * math.log(c.rope_theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low if high != low else 0.001), 0, 1)
+    return Rotation(inv_freq / factor * ramp + inv_freq * (1 - ramp), attention_factor)
 
 
 def attention_shapes(c: DeepseekV32Config) -> dict[str, tuple[int, ...]]:
@@ -166,10 +245,10 @@ def param_axes(c: DeepseekV32Config) -> dict[str, Axes]:
     return decoder_param_axes(c, axes)
 
 
-def mla_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def mla_rope(x: jax.Array, positions: jax.Array, rotate: Rotation) -> jax.Array:
     """MLA's RoPE of ``x`` ``[B, H, T, P]``: interleaved pairs ``(x0, x1), (x2, x3)...`` rotated, the
     result laid out as the halves ``[even', odd']`` (transformers' layout; q and k alike)."""
-    return apply_rope(jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1), positions, inv_freq)
+    return rotate(jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1), positions)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -180,7 +259,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
     return (normed * weight + bias).astype(x.dtype)
 
 
-def indexer_inputs(c: DeepseekV32Config, w: dict, h, q_resid, positions, inv_freq):
+def indexer_inputs(c: DeepseekV32Config, w: dict, h, q_resid, positions, rotate: Rotation):
     """The lightning indexer's queries and keys of one layer: ``IndexerQueries`` (``[B, T, H_I, D_I]``
     scaled by ``D_I ** -0.5``, weights ``[B, T, H_I]`` scaled by ``H_I ** -0.5``) and the keys
     ``[B, T, D_I]``, from the normed input ``h`` ``[B, T, D]`` and the query latent ``q_resid``."""
@@ -188,14 +267,14 @@ def indexer_inputs(c: DeepseekV32Config, w: dict, h, q_resid, positions, inv_fre
     rope = c.qk_rope_head_dim
     queries = (q_resid @ w["iwq"]).reshape(batch, length, c.index_n_heads, c.index_head_dim)
     keys = layer_norm(h @ w["iwk"], w["ik_norm"], w["ik_bias"], SUB_NORM_EPS)
-    rotated = apply_rope(queries[..., :rope].transpose(0, 2, 1, 3), positions, inv_freq).transpose(0, 2, 1, 3)
+    rotated = rotate(queries[..., :rope].transpose(0, 2, 1, 3), positions).transpose(0, 2, 1, 3)
     queries = jnp.concatenate([rotated, queries[..., rope:]], axis=-1) * c.index_head_dim**-0.5
-    keys = jnp.concatenate([apply_rope(keys[:, None, :, :rope], positions, inv_freq)[:, 0], keys[..., rope:]], -1)
+    keys = jnp.concatenate([rotate(keys[:, None, :, :rope], positions)[:, 0], keys[..., rope:]], axis=-1)
     weights = (h @ w["iw"]).astype(jnp.float32) * c.index_n_heads**-0.5
     return IndexerQueries(queries, weights), keys
 
 
-def attention(c: DeepseekV32Config, w: dict, h, positions, cache: Cache, i, inv_freq):
+def attention(c: DeepseekV32Config, w: dict, h, positions, cache: Cache, i, rotate: Rotation):
     """MLA with DSA of one layer: ``h`` ``[B, T, D]`` (normed) -> ``(cache, [B, T, D])``."""
     batch, length, _ = h.shape
     heads, nope, rank = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
@@ -203,12 +282,12 @@ def attention(c: DeepseekV32Config, w: dict, h, positions, cache: Cache, i, inv_
     q = (q_resid @ w["wq_b"]).reshape(batch, length, heads, nope + c.qk_rope_head_dim).transpose(0, 2, 1, 3)
     compressed = h @ w["wkv_a"]
     latent = rms_norm(compressed[..., :rank], w["kv_a_norm"], SUB_NORM_EPS)
-    rope_key = mla_rope(compressed[:, None, :, rank:], positions, inv_freq)
+    rope_key = mla_rope(compressed[:, None, :, rank:], positions, rotate)
     entries = jnp.concatenate([latent[:, None], rope_key], axis=-1)  # [B, 1, T, R + P]
-    indexer, index_keys = indexer_inputs(c, w, h, q_resid, positions, inv_freq)
-    queries = IndexedQueries(LatentQueries(q[..., :nope], mla_rope(q[..., nope:], positions, inv_freq)), indexer)
+    indexer, index_keys = indexer_inputs(c, w, h, q_resid, positions, rotate)
+    queries = IndexedQueries(LatentQueries(q[..., :nope], mla_rope(q[..., nope:], positions, rotate)), indexer)
     up = LatentWeights(w["wkv_b"].T.reshape(heads, nope + c.v_head_dim, rank), nope)
-    scale = (nope + c.qk_rope_head_dim) ** -0.5
+    scale = c.softmax_scale
 
     def read(latent_queries, view, q_positions, _):
         return view.attend_latent(latent_queries, q_positions, up, scale), None
@@ -264,13 +343,13 @@ class DeepseekV32(Decoder):
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the cache."""
         c = self.config
-        inv_freq = inverse_frequencies(c.rope_theta, c.qk_rope_head_dim)
+        rotate = rotation(c)
         weights = {name: param[...] for name, param in self.layers.items()}
         split = c.num_dense_layers
 
         def layer(feed_forward, carry, w):
             x, cache, i = carry
-            cache, out = attention(c, w, rms_norm(x, w["attn_norm"], c.rms_norm_eps), positions, cache, i, inv_freq)
+            cache, out = attention(c, w, rms_norm(x, w["attn_norm"], c.rms_norm_eps), positions, cache, i, rotate)
             x = x + out
             return (x + feed_forward(c, w, rms_norm(x, w["mlp_norm"], c.rms_norm_eps)), cache, i + 1), None
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jaxkv.models.common import inverse_frequencies, rms_norm
-from jaxkv.models.deepseek_v32 import SUB_NORM_EPS, DeepseekV32, indexer_inputs
+from jaxkv.models.deepseek_v32 import DeepseekV32, indexer_inputs, rotation
 from jaxkv.models.weights import load_safetensors_checkpoint
 
 from jaxkv.decoding.generate import generate
@@ -27,6 +26,12 @@ CONFIG = transformers.DeepseekV32Config(
     qk_nope_head_dim=16, v_head_dim=12, index_topk=TOPK, index_head_dim=16, index_n_heads=8,
     max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
 )  # fmt: skip
+# YaRN as the released checkpoints have it (their factor 40 over 4096 positions, here 4 over 32):
+# frequencies blended, cos/sin scaled by mscale / mscale_all_dim, the softmax by mscale_all_dim's square.
+YARN = {
+    "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+    "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 32, "beta_slow": 1,
+}  # fmt: skip
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
 
@@ -39,6 +44,14 @@ def checkpoint(tmp_path_factory):
     )
     config, params = load_safetensors_checkpoint(directory)
     return sequences, expected, hf, DeepseekV32(config, params)
+
+
+def test_yarn_logits_match_transformers(tmp_path):
+    config = transformers.DeepseekV32Config(**{**CONFIG.to_dict(), "rope_parameters": YARN})
+    sequences, expected, _ = save_tiny_hf_model(config, tmp_path, VOCAB, PROMPTS, 4, attn_implementation="eager")
+    model = DeepseekV32(*load_safetensors_checkpoint(tmp_path))
+    assert model.config.rope_scaling.mscale_all_dim == 0.5 and rotation(model.config).attention_factor != 1.0
+    check_teacher_forced(model, model.init_cache(len(PROMPTS), max_length=32), sequences, PROMPTS, expected, 4, "yarn")
 
 
 @pytest.mark.parametrize("kind", ["static", "dynamic"])
@@ -66,14 +79,13 @@ def test_indexer_selects_transformers_top_k(checkpoint):
     positions = jnp.arange(length, dtype=jnp.int32)[None]
     indexer, keys = indexer_inputs(
         config, w, jnp.asarray(seen["h"].numpy()), jnp.asarray(seen["q_resid"].numpy()), positions,
-        inverse_frequencies(config.rope_theta, config.qk_rope_head_dim),
+        rotation(config),
     )  # fmt: skip
     slots, chosen = select_slots(indexer, keys, positions, MaskInfo(positions), TOPK)
     slots, chosen, theirs = np.asarray(slots[0]), np.asarray(chosen[0]), seen["topk"][0].numpy()
     assert length > TOPK and theirs.shape == (length, TOPK)
     for t in range(length):
         assert set(slots[t][chosen[t]].tolist()) == {s for s in theirs[t].tolist() if s <= t}, f"query {t}"
-    assert rms_norm is not None and SUB_NORM_EPS == 1e-6  # the eps transformers' sub-norms use
 
 
 @pytest.mark.parametrize("kind", ["static", "dynamic"])
