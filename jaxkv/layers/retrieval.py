@@ -26,12 +26,16 @@ Rollback only shortens ``lengths`` (``Rollback``'s default): a page's summary is
 its stored keys (those below the row's length) whenever an update writes into it, and a page is
 scored only once complete, so a rolled-back and refilled page is summarized again before it is
 read. Rows are gathered leaf by leaf (``BatchMajorLayer``).
+
+``ClusteredRetrievalLayer`` (``pages='clustered'``, IceCache's step): after an update of more than
+a page per row (a prefill), each K/V head's complete pages are reordered so that a page holds
+similar keys (k-means per K/V head), each token keeping its position; it has no rollback.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Self
+from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -379,8 +383,6 @@ class RetrievalView(KVView):
 
     summaries: jax.Array  # [B, H_kv, P, C, D]
     spec: RetrievalSpec = struct.field(pytree_node=False)
-
-    computed_reads: ClassVar[bool] = False
 
     def pages(self, queries: jax.Array, q_positions: jax.Array) -> jax.Array:
         """The pages ``[B, H_kv, T, A]`` (-1: none) that ``queries`` ``[B, H_q, T, D]`` at ``q_positions``
