@@ -138,7 +138,7 @@ FILE_SECONDS = {
     "test_experiment_smoke.py": 62, "test_offload.py": 47, "test_engine_tiers.py": 20, "test_engine_disk.py": 15,
     "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103, "test_retrieval.py": 35,
     "test_gemma4_parity.py": 57, "test_shared_kv.py": 30,
-    "test_compaction.py": 40,
+    "test_compaction.py": 40, "test_deepseek_v32_parity.py": 49, "test_latent.py": 33,
 }  # fmt: skip
 
 
@@ -148,7 +148,7 @@ PARITY_FILES = {  # compare with transformers or kvpress, the [parity] extra's o
     "test_beam.py", "test_beam_smollm2.py", "test_eviction_parity.py", "test_encoder_decoder.py",
     "test_layer_protocol.py", "test_linear.py", "test_properties.py", "test_quantized.py", "test_gemma3.py",
     "test_gemma3_gguf.py", "test_llama_parity.py", "test_qwen3_5_parity.py", "test_smollm2.py", "test_tokenizer.py",
-    "test_weights.py", "test_cli_mesh.py", "test_gemma4_parity.py", "test_shared_kv.py",
+    "test_weights.py", "test_cli_mesh.py", "test_gemma4_parity.py", "test_shared_kv.py", "test_deepseek_v32_parity.py",
 }  # fmt: skip
 MULTIDEVICE_FILES = {  # run on meshes of the 8 host devices, or several processes
     "test_engine_sharding.py", "test_sharding.py", "test_sharding_smollm2.py", "test_sharding_table.py",
@@ -176,6 +176,14 @@ SLOW: dict[str, set[str]] = {
         "test_greedy_generate_matches_transformers", "test_engine_with_pages_equals_generate",
     },
     "test_shared_kv.py": {"test_reusing_layers_see_what_the_storing_layer_saw"},
+    "test_deepseek_v32_parity.py": {
+        "test_prefill_and_decode_logits_match_transformers", "test_yarn_logits_match_transformers",
+        "test_greedy_generate_matches_transformers", "test_a_shared_prefix_continues_as_transformers",
+    },
+    "test_latent.py": {
+        "test_absorbed_and_plain_forms_equal_expanded_attention", "test_attention_over_the_selection_is_a_dense_mask_of_it",
+        "test_indexer_keys_follow_rollback_reorder_select_and_repeat",
+    },
     "test_behaviours.py": {"test_one_query_path_equals_the_batched_one"},
     "test_offload.py": {"test_bench_offload_smoke"},
     "test_bench_serving.py": {

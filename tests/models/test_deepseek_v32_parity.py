@@ -13,7 +13,7 @@ import transformers
 from jaxkv.models.deepseek_v32 import DeepseekV32, indexer_inputs, rotation
 from jaxkv.models.weights import load_safetensors_checkpoint
 
-from jaxkv.decoding.generate import generate
+from jaxkv.decoding.generate import generate, prefill_prefix
 from jaxkv.layers.indexed import select_slots
 from jaxkv.protocol import MaskInfo
 from tests.parity import check_teacher_forced, hf_greedy, save_tiny_hf_model
@@ -96,3 +96,17 @@ def test_greedy_generate_matches_transformers(checkpoint, kind):
     result = generate(model, prompts, max_new_tokens=DECODE_STEPS, full_attention=kind)
     for row, want in enumerate(hf_greedy(hf, prompts, DECODE_STEPS, eos_token_id=None, pad_token_id=0)):
         assert result.row(row) == want, (kind, row)
+
+
+def test_a_shared_prefix_continues_as_transformers(checkpoint):
+    """A 10-token prefix (past ``index_topk``) prefilled once, repeated for two continuations (its
+    indexer keys travel with the rows) and left unchanged: greedy tokens equal transformers' on
+    prefix + continuation."""
+    sequences, _, hf, model = checkpoint
+    prefix = sequences[0][:10].tolist()
+    shared = prefill_prefix(model, [prefix], max_length=64)
+    continuations = [sequences[0][10:17].tolist(), sequences[1][:5].tolist()]
+    result = generate(model, continuations, max_new_tokens=8, cache=shared)
+    for row, want in enumerate(hf_greedy(hf, [prefix + c for c in continuations], 8, eos_token_id=None, pad_token_id=0)):
+        assert result.row(row) == want, row
+    assert np.asarray(shared.lengths).tolist() == [10]
