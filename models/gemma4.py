@@ -22,8 +22,10 @@ RMSNorm -> GeGLU MLP -> RMSNorm -> residual -> the gated per-layer input -> ``* 
 then the final RMSNorm, the tied LM head and an optional logit soft-cap.
 
 The layers run unrolled (each layer's kind, weight shapes and K/V source are static), so
-compile time grows with depth. Variants this file does not implement are refused by name:
-mixture-of-experts blocks, bidirectional attention, attention biases. ``attention_k_eq_v``
+compile time grows with depth. A prefill that asks for some positions' logits (``logits_index``)
+runs the layers that reuse K/V on those positions only (they write nothing), as transformers
+does. Variants this file does not implement are refused by name: mixture-of-experts blocks,
+bidirectional attention, attention biases. ``attention_k_eq_v``
 (Gemma 4 31B) is implemented: full-attention layers have no value projection and take the key
 projection (before the key norm and RoPE) as their values.
 """
@@ -35,15 +37,21 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jaxkv.models.common import (
+    Decoder,
+    DecoderConfig,
+    apply_rope,
+    checked_params,
+    decoder_param_axes,
+    decoder_param_shapes,
+    inverse_frequencies,
+    rms_norm,
+)  # fmt: skip
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, model_validator
 
 from jaxkv.attention import cached_attention
 from jaxkv.cache import Cache, kv_sources_of
-from jaxkv.models.common import (
-    Decoder, DecoderConfig, checked_params, decoder_param_axes, decoder_param_shapes, apply_rope, inverse_frequencies,
-    rms_norm,
-)  # fmt: skip
-from jaxkv.sharding import BATCH, EMBED, HEAD_DIM, KV_HEADS, LAYERS, MLP, Q_HEADS, VOCAB, Axes
+from jaxkv.sharding import BATCH, EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, VOCAB, Axes
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Weights that differ by a layer's attention type carry its suffix (full layers: their own head dim).
@@ -139,9 +147,8 @@ class Gemma4Config(DecoderConfig):
     def per_layer_config(self) -> dict[int, dict[str, int]]:
         """transformers' per-layer overrides (``Cache.from_config`` sizes each layer type by them)."""
         heads, dim = self.kind_shape(FULL)
-        return {
-            i: {"num_key_value_heads": heads, "head_dim": dim} for i, kind in enumerate(self.layer_types) if kind == FULL
-        }
+        full = [i for i, kind in enumerate(self.layer_types) if kind == FULL]
+        return {i: {"num_key_value_heads": heads, "head_dim": dim} for i in full}
 
     @property
     def kv_sources(self) -> tuple[int, ...]:
@@ -188,6 +195,22 @@ def _keys_as_values(config: Gemma4Config, kind: str) -> bool:
 def _wide(config: Gemma4Config, layer: int) -> bool:
     """A layer with a double-wide MLP: one that reuses K/V, when the config asks for them."""
     return config.use_double_wide_mlp and not _stores(config, layer)
+
+
+def _first_reusing(config: Gemma4Config) -> int | None:
+    """The first layer that reuses K/V (every later one does too); None when every layer stores its own."""
+    return next((i for i in range(config.num_hidden_layers) if not _stores(config, i)), None)
+
+
+def _at_logits_positions(logits_index: jax.Array, *arrays: jax.Array | None) -> tuple:
+    """Each of ``arrays`` (``[B, T, ...]``, or None) at positions ``logits_index`` (``[B]``, or ``[B, K]``)
+    only: ``[B, 1, ...]`` (``[B, K, ...]``)."""
+    index = logits_index if logits_index.ndim == 2 else logits_index[:, None]
+
+    def taken(array):
+        return jnp.take_along_axis(array, index.reshape(*index.shape, *[1] * (array.ndim - 2)), axis=1)
+
+    return tuple(None if array is None else taken(array) for array in arrays)
 
 
 def _layer_params(config: Gemma4Config) -> dict[str, tuple[tuple[int, ...], Axes, list[int]]]:
@@ -298,11 +321,17 @@ class Gemma4(Decoder):
         per_layer_inputs = self._per_layer_inputs(tokens, x)
         layers_of = {name: layers for name, (_, _, layers) in _layer_params(config).items()}
         stacks = {name: (param[...], layers_of[name]) for name, param in self.layers.items()}
+        # A prefill asking for some positions' logits runs the layers that reuse K/V (they write
+        # nothing) on those positions only, as transformers does; a serving step's packed views
+        # describe every packed token, so it runs them on all.
+        narrowed_at = _first_reusing(config) if logits_index is not None and packed is None else None
         cache = cache.with_prefetch()
         for layer in range(config.num_hidden_layers):
+            if layer == narrowed_at:
+                x, positions, per_layer_inputs = _at_logits_positions(logits_index, x, positions, per_layer_inputs)
             w = {name: stack[layers.index(layer)] for name, (stack, layers) in stacks.items() if layer in layers}
             x, cache = self._layer(layer, x, w, positions, cache, per_layer_inputs, packed)
-        logits = self.head(x, logits_index, rms_norm)
+        logits = self.head(x, None if narrowed_at is not None else logits_index, rms_norm)
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping
             logits = cap * jnp.tanh(logits / cap)

@@ -4,8 +4,8 @@ holds no storage and attends over exactly what the storing layer's update return
 The reference is the same cache without sharing, each reusing layer fed its storing layer's
 K/V again: every output equals it through a ragged prefill longer than the window (a ring's
 "before the write, then the new tokens" view), decode steps, a rollback and a beam reorder,
-eagerly and under jit, with static and dynamic full layers beside sliding rings (window 4, 2 rollback slots). Memory counts each
-shared cache once.
+eagerly and under jit, with static and dynamic full layers beside sliding rings (window 4, 2
+rollback slots). Memory counts each shared cache once.
 """
 
 import jax
@@ -40,7 +40,8 @@ def forward(cache, reference, queries, keys, positions):
     for layer, source in enumerate(SOURCES):
         k, v = (None, None) if source != layer else (keys[layer], 2.0 * keys[layer])
         cache, out = cached_attention(cache, layer, queries[layer], k, v, positions)
-        reference, want = cached_attention(reference, layer, queries[layer], keys[source], 2.0 * keys[source], positions)
+        k, v = keys[source], 2.0 * keys[source]
+        reference, want = cached_attention(reference, layer, queries[layer], k, v, positions)
         outputs.append(out)
         expected.append(want)
     return cache.without_prefetch(), reference, jnp.stack(outputs), jnp.stack(expected)

@@ -17,14 +17,15 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
 from flax import nnx
-
-from jaxkv.decoding.generate import generate
 from jaxkv.models.gemma4 import Gemma4, Gemma4Config
 from jaxkv.models.weights import load_safetensors_checkpoint
+
+from jaxkv.decoding.generate import generate
 from jaxkv.serving import Engine
 from tests.cases import greedy_reference, run_arrivals
 from tests.parity import check_teacher_forced, hf_greedy, save_tiny_hf_model
@@ -89,6 +90,29 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
         cache = check_teacher_forced(step, cache, sequences, PROMPTS, expected, DECODE_STEPS, f"gemma4 {kind}")
         assert np.asarray(cache.lengths).tolist() == [n + DECODE_STEPS for n in PROMPTS]
         assert not cache.shared_views
+
+
+
+def test_prefill_at_logits_index_runs_reusing_layers_on_those_positions(checkpoint):
+    """A prefill asking for each row's last prompt position: the layers that reuse K/V run on
+    those positions only; the logits equal transformers' there."""
+    _, _, model, sequences, expected, _ = checkpoint
+    tokens = np.zeros((len(PROMPTS), max(PROMPTS)), np.int32)
+    for row, n in enumerate(PROMPTS):
+        tokens[row, :n] = sequences[row][:n]
+    cache = model.init_cache(len(PROMPTS), max_length=64)
+    last = jnp.asarray([n - 1 for n in PROMPTS])
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def prefill(state, tokens, positions, cache):
+        return nnx.merge(graphdef, state)(tokens, positions, cache, logits_index=last)
+
+    logits, cache = prefill(state, jnp.asarray(tokens), cache.next_positions(max(PROMPTS), num_new=PROMPTS), cache)
+    assert logits.shape == (len(PROMPTS), 1, SMALL["vocab_size"])
+    for row, n in enumerate(PROMPTS):
+        np.testing.assert_allclose(logits[row, 0], expected[row][n - 1], atol=1e-4, rtol=0)
+    assert np.asarray(cache.lengths).tolist() == PROMPTS
 
 
 def test_greedy_generate_matches_transformers(checkpoint):
