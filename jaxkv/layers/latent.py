@@ -12,7 +12,7 @@ from jaxkv.protocol import pytree_class
 
 @pytree_class
 class LatentLayer(LatentStorage):
-    """MLA latent entries in a fixed buffer ``[B, 1, S_max, R + P]``: per token the normalised latent, then the shared RoPE key.
+    """MLA latent entries in a fixed buffer ``[B, 1, S_max, R + P]``: the normalised latent, then the shared RoPE key.
 
     ``update(keys, values, positions)``: ``keys`` are the new tokens' entries ``[B, 1, T, R + P]``;
     ``values`` must be None (the latent is key and value both). Slot ``p`` holds position ``p``,

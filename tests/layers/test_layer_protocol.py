@@ -99,6 +99,10 @@ BUILT_KINDS = {
     "paged": {"layer_types": ["full_attention"], "paging": PAGING},
     "packed_evicting": {"layer_types": ["full_attention"], "paging": PAGING, "eviction": EVICTION},
     "packed_state": {"layer_types": ["linear_attention"], "paging": PAGING, **LINEAR},
+    "latent": {"layer_types": ["latent_attention"], "max_length": 8, "latent": LatentSpec(4, 2)},
+    "indexed_dynamic": {
+        "layer_types": ["indexed_attention"], "full_attention": "dynamic", "latent": LatentSpec(4, 2, 4, 2),
+    },
 }
 # The capabilities each kind's layer has (the others it lacks).
 CAPABILITIES = {
@@ -115,6 +119,8 @@ CAPABILITIES = {
     "paged": set(),
     "packed_evicting": {DepthBudgets},
     "packed_state": set(),
+    "latent": {Rollback, RowSelection, Overflow},
+    "indexed_dynamic": {Rollback, RowSelection, Growth, Overflow},
 }
 ALL_CAPABILITIES = (
     Rollback, RowSelection, Growth, Eviction, DepthBudgets, HeldTokens, Refill, LinearState, Overflow, ChunkLimit
