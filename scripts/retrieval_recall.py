@@ -5,6 +5,11 @@ sequential pages, the same keys clustered into pages by the layer at prefill (k-
 sorted by cluster in sequential pages (the best clustering could give).
 
     .venv/bin/python scripts/retrieval_recall.py --tokens 4096 --budgets 64 128 256 512 1024
+    .venv/bin/python scripts/retrieval_recall.py --model smollm2 --tokens 4096   # a model's real keys
+
+With ``--model``, the keys are a pretrained model's: every full-attention layer's keys after a
+prefill of the first ``--tokens`` tokens of the packaged corpus, and the query of its last token
+(``jaxkv.research.recall.QueryRecorder``), the recall averaged over layers and query heads.
 
 Prints a markdown table: one row per keys, pages and summary, the mean over query heads and seeds;
 then the clustering's cost (one prefill of the keys with and without it).
@@ -20,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.layers.retrieval import PAGE_ORDERS, RETRIEVAL_LAYERS, SUMMARIES, RetrievalSpec
-from jaxkv.research.recall import page_recall, synthetic_keys
+from jaxkv.research.recall import QueryRecorder, page_recall, recorded_heads, synthetic_keys
 
 ROWS = (("mixed", "sequential"), ("mixed", "clustered"), ("sorted", "sequential"))  # keys, pages
 
@@ -33,7 +38,11 @@ def main() -> None:
     parser.add_argument("--clusters", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--model", help="a jaxkv.models.load name (smollm2): measure its real keys instead")
     args = parser.parse_args()
+    if args.model:
+        print(model_recall(args.model, args.tokens, args.budgets, args.page_size))
+        return
     print(f"{args.tokens} tokens, {args.clusters} clusters, head_dim {args.head_dim}, pages of {args.page_size}, "
           f"1 sink + 1 recent page, 2 K/V heads x 2 query heads, {args.seeds} seeds")  # fmt: skip
     print("| keys | pages | summary | " + " | ".join(f"{b} tokens" for b in args.budgets) + " |")
@@ -51,6 +60,38 @@ def main() -> None:
             print(f"| {layout} | {pages} | {summary} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
 
     print(clustering_cost(args.tokens, args.page_size))
+
+
+def model_recall(name: str, num_tokens: int, budgets: list[int], page_size: int) -> str:
+    """The recall table of ``name``'s real keys: each full-attention layer's keys after a prefill of
+    ``num_tokens`` corpus tokens and its last query, averaged over layers and query heads."""
+    from jaxkv.decoding.generate import prefill_prefix
+    from jaxkv.models.load import load_pretrained
+    from jaxkv.research.corpus import corpus_text
+
+    model, tokenizer = load_pretrained(name)
+    ids = tokenizer.encode(corpus_text())[:num_tokens]
+    recorder = QueryRecorder(model.config.num_attention_heads)
+    start = time.perf_counter()
+    layers = recorded_heads(prefill_prefix(model, [ids], max_length=num_tokens + 1, layer_builder=recorder))
+    seconds = time.perf_counter() - start
+    header = (
+        f"{name}: {len(layers)} full-attention layers, {len(ids)} corpus tokens (prefill {seconds:.0f} s), pages of "
+        f"{page_size}, 1 sink + 1 recent page, the last token's query; mean over layers and query heads"
+    )
+    lines = [
+        header,
+        "| pages | summary | " + " | ".join(f"{b} tokens" for b in budgets) + " |",
+        "|---|---|" + "---:|" * len(budgets),
+    ]
+    for pages in PAGE_ORDERS:
+        for summary in SUMMARIES:
+            cells = []
+            for budget in budgets:
+                spec = RetrievalSpec(budget, page_size, summary=summary, pages=pages)
+                cells.append(np.mean([page_recall(heads, spec).mean() for heads in layers]))
+            lines.append(f"| {pages} | {summary} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def clustering_cost(num_tokens: int, page_size: int, repeats: int = 3) -> str:
