@@ -98,3 +98,14 @@ class PagedStorage(Capability):
     def page_keys(self, pages: jax.Array) -> jax.Array:
         """The keys held in ``pages`` ``[M, K]`` by every entry: ``[L, M, K, page_size, H_kv, D]``
         float32 (dequantized), for a policy that scores tokens by their keys."""
+
+    @abc.abstractmethod
+    def page_scores(self, pages: jax.Array) -> jax.Array:
+        """The attention mass the slots of ``pages`` ``[M, K]`` received in every entry:
+        ``[L, M, K, page_size, H_kv]`` float32 (a pool that keeps slot scores)."""
+
+    @abc.abstractmethod
+    def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float) -> Self:
+        """This stack with slot ``(destinations[0][i], destinations[1][i])`` (page, offset arrays of
+        one shape) set to slot ``(sources[0][i], sources[1][i])`` in every entry (all read before
+        any is written), moved slot scores multiplied by ``score_decay``."""

@@ -138,7 +138,7 @@ FILE_SECONDS = {
     "test_experiment_smoke.py": 62, "test_offload.py": 47, "test_engine_tiers.py": 20, "test_engine_disk.py": 15,
     "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103, "test_retrieval.py": 35,
     "test_gemma4_parity.py": 57, "test_shared_kv.py": 30,
-    "test_compaction.py": 40, "test_deepseek_v32_parity.py": 49, "test_latent.py": 33,
+    "test_compaction.py": 75, "test_deepseek_v32_parity.py": 49, "test_latent.py": 33,
 }  # fmt: skip
 
 

@@ -61,12 +61,15 @@ class Paging:
     ``sliding_num_pages``: the pool of sliding-window layers (default ``num_pages``): a
     sliding layer frees the pages that left its window, so it needs far fewer.
     ``max_length``: the longest sequence a row may reach (the engine's ``max_model_len``).
+    ``scored``: full-attention layers also keep the attention mass each slot received
+    (``PagedLayer.slot_scores``), for a compaction policy that ranks tokens by it.
     """
 
     page_size: int
     num_pages: int
     max_length: int
     sliding_num_pages: int | None = None
+    scored: bool = False
 
     def __post_init__(self):
         for name in ("page_size", "num_pages", "max_length"):
@@ -193,7 +196,10 @@ class PagedKVView:
 
     def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
         """Attention of the packed queries ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over their
-        rows' pages. Returns ``[B, H_q, T, D]``.
+        rows' pages. Returns ``[B, H_q, T, D]``; with ``query_weights`` ``[B, T]``, also the slot
+        mass ``[Z, W * page_size, H_kv]``: for each query block (``query_block_rows``) the
+        attention probability each slot of its row's block table received, summed over the query
+        heads of its K/V head and over the block's queries, query t weighted by ``query_weights``.
 
         The ``B * T`` query tokens (row-major) come from many rows. The first ``decode_tokens``
         come in blocks of ``decode_width`` tokens of one row (single decodes, or a row's token and
@@ -201,48 +207,68 @@ class PagedKVView:
         ``QUERY_BLOCK`` tokens of one row each (a prefill chunk), which read their row's pages
         once per block instead of once per token (``_read_blocks``). ``block_size`` is the
         plain views' option: pages are read ``block_pages`` at a time."""
-        if query_weights is not None:
-            raise ValueError("attention: paged K/V return no slot mass (eviction is not paged)")
         batch, num_heads, length, head_dim = queries.shape
         tokens, num_kv_heads = batch * length, self.num_kv_heads
         grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         positions = q_positions.reshape(tokens)
-        single, width = self.decode_tokens, self.decode_width
+        weights = None if query_weights is None else query_weights.reshape(tokens).astype(jnp.float32)
+        single = self.decode_tokens
 
-        def read(start, end, rows, query_block):
-            return self._read_blocks(grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap)
+        def read(start, end, query_block):
+            rows = self.token_rows[start:end:query_block]
+            block_weights = None if weights is None else weights[start:end]
+            return self._read_blocks(
+                grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap, block_weights
+            )  # fmt: skip
 
-        parts = [read(0, single, self.token_rows[:single:width], width)] if single else []
+        parts = [read(0, single, self.decode_width)] if single else []
         if single < tokens:
-            parts.append(read(single, tokens, self.token_rows[single::QUERY_BLOCK], QUERY_BLOCK))
-        out = jnp.concatenate(parts) if len(parts) > 1 else parts[0]  # [N, H_kv, G, D]
-        return out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
+            parts.append(read(single, tokens, QUERY_BLOCK))
+        outs = [part if weights is None else part[0] for part in parts]
+        out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, H_kv, G, D]
+        out = out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
+        if weights is None:
+            return out
+        return out, jnp.concatenate([part[1] for part in parts])
+
+    def query_block_rows(self, num_tokens: int) -> jax.Array:
+        """``[Z]``: the row of each query block of ``num_tokens`` packed tokens, in ``attend``'s order."""
+        single = self.decode_tokens
+        decodes = [self.token_rows[:single : self.decode_width]] if single else []
+        prefills = [self.token_rows[single:num_tokens:QUERY_BLOCK]] if single < num_tokens else []
+        return jnp.concatenate(decodes + prefills)
+
+    def _block_logits(self, block, q, q_positions, rows, scale, logit_softcap):
+        """Page block ``block`` of ``rows`` ``[b]`` for query blocks ``q`` ``[b, Q, H_kv, G, D]`` at
+        ``q_positions`` ``[b, Q]``: masked logits ``[b, H_kv, G, Q, S]`` (-inf where masked), the
+        values ``[b, S, H_kv, D]`` (zeroed where no query may see them: a freed page may hold
+        anything, NaN included, and a zero weight times NaN is still NaN)."""
+        keys, values, slot_positions = self.read_block(block, rows)  # [b, S, H_kv, D], [b, S]
+        mask = attention_mask(q_positions, MaskInfo(slot_positions, window=self.window))  # [b, Q, S]
+        logits = jnp.einsum("bqhgd,bshd->bhgqs", q, keys, preferred_element_type=jnp.float32) * scale
+        if logit_softcap is not None:
+            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+        logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+        return logits, jnp.where(jnp.any(mask, axis=1)[:, :, None, None], values, 0)
 
     def _read_blocks(
         self, grouped: jax.Array, positions: jax.Array, rows: jax.Array, query_block: int, scale: float,
-        logit_softcap: float | None,
-    ) -> jax.Array:  # fmt: skip
+        logit_softcap: float | None, weights: jax.Array | None = None,
+    ):  # fmt: skip
         """Blocks of ``query_block`` query tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions``
         ``[M]``, block b of row ``rows[b]``, over their rows' pages page block by page block with an
         online softmax, from the first page block a window reaches to the last filled one.
-        Returns ``[M, H_kv, G, D]`` float32.
-
-        The mask is ``attention_mask``'s, per query: rows never see each other's slots. Values of
-        slots no query of the block may see are zeroed before they are weighted: a freed page may
-        hold anything (NaN included), and a zero weight times NaN is still NaN."""
+        Returns ``[M, H_kv, G, D]`` float32; with query ``weights`` ``[M]``, also the slot mass
+        ``[M / query_block, W * page_size, H_kv]`` (a second pass over the same page blocks, each
+        slot's probability from the first pass's max and total). The mask is ``attention_mask``'s,
+        per query: rows never see each other's slots."""
         tokens, num_kv_heads, group, head_dim = grouped.shape
         num_blocks = tokens // query_block
         q = grouped.reshape(num_blocks, query_block, num_kv_heads, group, head_dim)
         q_positions = positions.reshape(num_blocks, query_block)
 
         def step(block, carry):
-            keys, values, slot_positions = self.read_block(block, rows)  # [b, S, H_kv, D], [b, S]
-            mask = attention_mask(q_positions, MaskInfo(slot_positions, window=self.window))  # [b, Q, S]
-            logits = jnp.einsum("bqhgd,bshd->bhgqs", q, keys, preferred_element_type=jnp.float32) * scale
-            if logit_softcap is not None:
-                logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-            logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-            values = jnp.where(jnp.any(mask, axis=1)[:, :, None, None], values, 0)
+            logits, values = self._block_logits(block, q, q_positions, rows, scale, logit_softcap)
 
             def weigh(weights):
                 weights = weights.astype(values.dtype)
@@ -252,9 +278,24 @@ class PagedKVView:
 
         first, end = self.block_range(self.query_slots(q_positions, rows).reshape(-1))
         init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
-        _, total, out = jax.lax.fori_loop(first, end, step, init)
-        out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)  # [b, H_kv, G, Q, D]
-        return out.transpose(0, 3, 1, 2, 4).reshape(tokens, num_kv_heads, group, head_dim)
+        peak, total, out = jax.lax.fori_loop(first, end, step, init)
+        total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
+        out = (out / total).transpose(0, 3, 1, 2, 4).reshape(tokens, num_kv_heads, group, head_dim)
+        if weights is None:
+            return out
+        span = self.block_pages * self.page_size
+        safe_peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+        query_weights = weights.reshape(num_blocks, query_block)
+
+        def mass_step(block, mass):
+            logits, _ = self._block_logits(block, q, q_positions, rows, scale, logit_softcap)
+            probabilities = jnp.exp(logits - safe_peak) / total  # [b, H_kv, G, Q, S]
+            found = jnp.einsum("bhgqs,bq->bsh", probabilities, query_weights)
+            return jax.lax.dynamic_update_slice_in_dim(mass, found, block * span, axis=1)
+
+        width = self.block_table.shape[1] * self.page_size
+        mass = jax.lax.fori_loop(first, end, mass_step, jnp.zeros((num_blocks, width, num_kv_heads), jnp.float32))
+        return out, mass
 
 
 @pytree_class
@@ -266,6 +307,10 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     value_pages: PageArray
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
+    # [P, page_size, H_kv] float32: the attention mass each slot received since it was written
+    # (``Paging.scored``; None: not kept). A slot starts at 0 when written; every query that reads
+    # it adds its probability, summed over the query heads of the K/V head.
+    slot_scores: jax.Array | None = None
 
     MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
     WHY_NOT = {
@@ -282,11 +327,13 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         if quantization is not None:
             check_page_quantization(quantization, head_dim)
         pages = (paging.pool_pages(window), paging.page_size, num_kv_heads, head_dim)
+        scored = paging.scored and window is None
         return cls(
             key_pages=empty_pool(pages, dtype, quantization),
             value_pages=empty_pool(pages, dtype, quantization),
             window=window,
             quantization=quantization,
+            slot_scores=jnp.zeros(pages[:3], jnp.float32) if scored else None,
         )
 
     @staticmethod
@@ -325,15 +372,30 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         def pool_axes(pool: PageArray):
             return pool.logical_axes(*lead) if isinstance(pool, QuantizedTensor) else Axes(*lead, HEAD_DIM)
 
-        return self.replace(key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages))
+        scores = None if self.slot_scores is None else Axes(*lead)
+        return self.replace(
+            key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages), slot_scores=scores
+        )
 
     def with_page_copies(self, copies: dict) -> PagedLayer:
         source, destination = copies[self.pool][:, 0], copies[self.pool][:, 1]
+        return jax.tree.map(lambda leaf: leaf.at[:, destination].set(leaf[:, source]), self)
 
-        def copied(stack: PageArray) -> PageArray:
-            return jax.tree.map(lambda leaf: leaf.at[:, destination].set(leaf[:, source]), stack)
+    def page_scores(self, pages: jax.Array) -> jax.Array:
+        if self.slot_scores is None:
+            raise ValueError("page_scores: this pool keeps no slot scores (build it with Paging(scored=True))")
+        return self.slot_scores[:, pages]
 
-        return self.replace(key_pages=copied(self.key_pages), value_pages=copied(self.value_pages))
+    def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float) -> PagedLayer:
+        source_page, source_offset = sources
+        destination_page, destination_offset = destinations
+        moved = jax.tree.map(
+            lambda leaf: leaf.at[:, destination_page, destination_offset].set(leaf[:, source_page, source_offset]), self
+        )
+        if self.slot_scores is None:
+            return moved
+        decayed = moved.slot_scores.at[:, destination_page, destination_offset].multiply(score_decay)
+        return moved.replace(slot_scores=decayed)
 
     def page_keys(self, pages: jax.Array) -> jax.Array:
         found = jax.tree.map(lambda leaf: leaf[:, pages], self.key_pages)
@@ -370,8 +432,20 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
             self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
         )  # fmt: skip
-        out, _ = read(queries, view, positions, None)
-        return new, out
+        if self.slot_scores is None:
+            out, _ = read(queries, view, positions, None)
+            return new, out
+        out, mass = read(queries, view, positions, (positions >= 0).astype(jnp.float32))
+        return new.replace(slot_scores=self._scored(index, table, view, page, offset, mass)), out
+
+    def _scored(self, index, table, view: PagedKVView, page, offset, mass) -> jax.Array:
+        """``slot_scores`` after a step: the slots written now reset, then each query block's
+        ``mass`` ``[Z, W * page_size, H_kv]`` added at its row's pages."""
+        scores = self.slot_scores.at[index, page, offset].set(0.0)
+        rows = view.query_block_rows(page.shape[0])
+        pages = jnp.repeat(table[rows], self.page_size, axis=1)  # [Z, W * page_size]
+        offsets = jnp.broadcast_to(jnp.arange(pages.shape[1]) % self.page_size, pages.shape)
+        return scores.at[index, pages, offsets].add(mass)
 
     def _slots(self, table, rows, keys, values, positions, shifts) -> tuple[jax.Array, jax.Array]:
         """Checked inputs: the page and offset each packed token is written to ``[N]`` (slot

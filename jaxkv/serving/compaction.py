@@ -32,9 +32,16 @@ from jaxkv.layers.evicting import kept_order
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE
 from jaxkv.protocol import has
 
-# Policies a compaction scores by: those that need no state beyond the pages (the position, the key).
-COMPACTION_POLICIES = ("streaming_llm", "key_norm")
-MAX_COMPACTIONS = 4  # rows compacted between two steps; a row needing one more waits a step
+# Policies a compaction ranks by: the position, the key, or the attention each slot received
+# (``PagedLayer.slot_scores``, kept by the step: H2O's sum over every query since the token was
+# written; Zipage's since the row's last compaction plus a decayed share of the earlier ones,
+# less a redundancy penalty).
+COMPACTION_POLICIES = ("streaming_llm", "key_norm", "h2o", "zipage")
+ATTENTION_POLICIES = ("h2o", "zipage")
+MAX_COMPACTIONS = 4  # rows compacted per step; a row needing one more waits a step
+ZIPAGE_DECAY = 0.8  # a kept slot's score is multiplied by this at each compaction (Zipage's decay_factor)
+REDUNDANCY_WEIGHT = 0.2  # Zipage's redudancy_lambda
+REDUNDANCY_TEMPERATURE = 0.4  # Zipage's redudancy_temperature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +81,22 @@ class PageBudget:
 
     @property
     def spec(self) -> EvictionSpec:
-        """The ``EvictionSpec`` whose ranking a compaction applies (its sinks and window defaults)."""
+        """The ``EvictionSpec`` whose ranking a compaction applies (its sinks and window defaults);
+        Zipage's: H2O's ranking of its scores with no sinks and the last page always kept (the
+        tokens written since the row's last compaction, which few queries have seen)."""
+        if self.policy == "zipage":
+            return EvictionSpec("h2o", budget=self.keep_slots, window=self.page_size, sinks=0)
         return EvictionSpec(self.policy, budget=self.keep_slots)
+
+    @property
+    def scored(self) -> bool:
+        """Does the policy rank by the attention slots received (``Paging.scored``)?"""
+        return self.policy in ATTENTION_POLICIES
+
+    @property
+    def score_decay(self) -> float:
+        """What a kept slot's score is multiplied by at a compaction."""
+        return ZIPAGE_DECAY if self.policy == "zipage" else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,45 +137,75 @@ def _full_groups(cache: Cache) -> list[int]:
 
 
 def _scores(cache: Cache, policy: str, sources: jax.Array, positions: jax.Array) -> jax.Array:
-    """``[M, S * page_size]`` float32 score of each source slot (higher is kept): its position
-    (StreamingLLM), or its key's ``-||k||`` averaged over every layer and K/V head of the pool."""
+    """``[M, S * page_size]`` float32 score of each source slot (higher is kept), averaged over
+    every layer and K/V head of the pool: its position (StreamingLLM), its key's ``-||k||``, the
+    attention it received (H2O), or that as a share of the row's total less
+    ``REDUNDANCY_WEIGHT`` times its redundancy (Zipage)."""
     if policy == "streaming_llm":
         return positions.astype(jnp.float32)
-    norms = [jnp.linalg.norm(cache.groups[index].page_keys(sources), axis=-1) for index in _full_groups(cache)]
-    total = sum(jnp.sum(norm, axis=(0, 4)) for norm in norms)  # [M, S, page_size]
-    count = sum(norm.shape[0] * norm.shape[4] for norm in norms)
-    return -(total / count).reshape(positions.shape)
+    groups = [cache.groups[index] for index in _full_groups(cache)]
+    if policy == "key_norm":
+        return -_pool_mean([jnp.linalg.norm(group.page_keys(sources), axis=-1) for group in groups], positions)
+    attention = _pool_mean([group.page_scores(sources) for group in groups], positions)
+    if policy == "h2o":
+        return attention
+    filled = positions >= 0
+    share = attention / jnp.maximum(jnp.sum(jnp.where(filled, attention, 0.0), axis=1, keepdims=True), 1e-30)
+    redundancy = _pool_mean([_redundancy(group.page_keys(sources), filled) for group in groups], positions)
+    return share - REDUNDANCY_WEIGHT * redundancy
+
+
+def _pool_mean(per_group: list[jax.Array], positions: jax.Array) -> jax.Array:
+    """``[M, S * page_size]``: the mean over layers and K/V heads of per-group ``[L, M, S, page_size, H_kv]``."""
+    total = sum(jnp.sum(found, axis=(0, 4)) for found in per_group)  # [M, S, page_size]
+    count = sum(found.shape[0] * found.shape[4] for found in per_group)
+    return (total / count).reshape(positions.shape)
+
+
+def _redundancy(keys: jax.Array, filled: jax.Array) -> jax.Array:
+    """Zipage's redundancy of each key ``[L, M, S, page_size, H_kv, D]`` among its row's filled
+    slots ``[M, S * page_size]``: a softmax over the slots of its summed cosine similarity to
+    the others, divided by ``REDUNDANCY_TEMPERATURE`` times the slots filled. Returns
+    ``[L, M, S, page_size, H_kv]`` (0 at empty slots)."""
+    layers, rows, pages, size, heads, dim = keys.shape
+    flat = keys.reshape(layers, rows, pages * size, heads, dim)
+    unit = flat / jnp.maximum(jnp.linalg.norm(flat, axis=-1, keepdims=True), 1e-30)
+    cosine = jnp.einsum("lmshd,lmthd->lmhst", unit, unit)
+    pairs = filled[:, None, :, None] & filled[:, None, None, :] & ~jnp.eye(pages * size, dtype=bool)
+    summed = jnp.sum(jnp.where(pairs, cosine, 0.0), axis=-1)  # [L, M, H, S]
+    count = jnp.sum(filled, axis=1)[None, :, None, None]
+    logits = jnp.where(filled[:, None], summed / (REDUNDANCY_TEMPERATURE * jnp.maximum(count, 1)), -jnp.inf)
+    redundancy = jnp.where(filled[:, None], jax.nn.softmax(logits, axis=-1), 0.0)
+    return jnp.moveaxis(redundancy, 2, 3).reshape(layers, rows, pages, size, heads)
 
 
 def _compact(
     cache: Cache, sources: jax.Array, destinations: jax.Array, positions: jax.Array, lengths: jax.Array,
-    spec: EvictionSpec,
+    budget: PageBudget,
 ) -> tuple[Cache, jax.Array]:  # fmt: skip
     """The cache with each row's kept tokens copied, in position order, into its destination
-    pages (every leaf of every full-pool group: K and V, or their codes and scales), and the
-    positions kept ``[M, keep]`` (-1 where a padding row keeps nothing). Every slot is read
-    before any is written, so a destination may be one of the sources."""
+    pages (every leaf of every full-pool group: K and V, or their codes and scales, and slot
+    scores, multiplied by ``budget.score_decay``), and the positions kept ``[M, keep]`` (-1
+    where a padding row keeps nothing). Every slot is read before any is written, so a
+    destination may be one of the sources."""
     rows, num_slots = positions.shape
     page_size = num_slots // sources.shape[1]
-    keep = destinations.shape[1] * page_size
-    scores = _scores(cache, spec.policy, sources, positions)
-    budget = jnp.full((rows,), keep, jnp.int32)
+    keep, spec = destinations.shape[1] * page_size, budget.spec
+    scores = _scores(cache, budget.policy, sources, positions)
+    kept_budget = jnp.full((rows,), keep, jnp.int32)
     order, held = kept_order(
-        spec, spec.window_for(keep), positions[:, None], scores[:, None], lengths, budget, keep
+        spec, spec.window_for(keep), positions[:, None], scores[:, None], lengths, kept_budget, keep
     )  # fmt: skip
     order, held = order[:, 0] % num_slots, held[:, 0]  # [M, keep]
-    source_page = jnp.take_along_axis(sources, order // page_size, axis=1)
     slots = jnp.arange(keep)
-    destination_page = jnp.where(held, destinations[:, slots // page_size], NULL_PAGE)
-    destination_offset = jnp.broadcast_to(slots % page_size, (rows, keep))
-
-    def moved(leaf: jax.Array) -> jax.Array:  # [L, P, page_size, ...]
-        return leaf.at[:, destination_page, destination_offset].set(leaf[:, source_page, order % page_size])
-
+    moved_from = (jnp.take_along_axis(sources, order // page_size, axis=1), order % page_size)
+    moved_to = (
+        jnp.where(held, destinations[:, slots // page_size], NULL_PAGE), jnp.broadcast_to(slots % page_size, (rows, keep))
+    )  # fmt: skip
     for index in _full_groups(cache):
-        cache = cache.with_group(index, jax.tree.map(moved, cache.groups[index]))
+        cache = cache.with_group(index, cache.groups[index].with_slots_moved(moved_from, moved_to, budget.score_decay))
     return cache, jnp.where(held, jnp.take_along_axis(positions, order, axis=1), -1)
 
 
-compact_pages = jax.jit(_compact, static_argnames=("spec",), donate_argnums=0)
+compact_pages = jax.jit(_compact, static_argnames=("budget",), donate_argnums=0)
 """``_compact`` compiled once per engine (its inputs are padded to ``MAX_COMPACTIONS`` rows)."""

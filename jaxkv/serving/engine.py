@@ -87,7 +87,8 @@ class EngineConfig:
     ``max_pages_per_request``: at most this many pages of the full-attention pool per sequence
     (None: unbounded; at least 2): a sequence that needs one more is compacted first, keeping
     the best ``(max_pages_per_request - 1) * page_size`` tokens by ``compaction_policy``
-    (``jaxkv.serving.compaction``: 'streaming_llm' or 'key_norm', ``EvictionSpec``'s defaults).
+    (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o' or 'zipage'; the first
+    three with ``EvictionSpec``'s defaults; the last two keep each slot's attention mass in the pages).
     """
 
     kv_memory: int | str = "1GiB"
@@ -150,6 +151,12 @@ class EngineConfig:
                 "EngineConfig.max_pages_per_request evicts inside the pages; eviction keeps full-attention K/V "
                 "outside them: pass one of the two"
             )
+
+    @property
+    def scores_slots(self) -> bool:
+        """Do the full-attention pages keep each slot's attention mass (an attention-ranked compaction)?"""
+        budget = self.page_budget()
+        return budget is not None and budget.scored
 
     def page_budget(self) -> PageBudget | None:
         """The page budget of ``max_pages_per_request`` (None: none)."""
@@ -247,7 +254,7 @@ class Engine:
     def _paging(self, sizes: PoolSizes) -> Paging:
         return Paging(
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
-            sliding_num_pages=sizes.sliding_pages or None,
+            sliding_num_pages=sizes.sliding_pages or None, scored=self.config.scores_slots,
         )  # fmt: skip
 
     # --- requests ---------------------------------------------------------------------------------

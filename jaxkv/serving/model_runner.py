@@ -147,7 +147,7 @@ class ModelRunner:
     def _compact(self, compactions: list[Compaction]) -> list[np.ndarray]:
         """Make ``compactions`` in one call of the compiled compaction; the positions each kept."""
         inputs = compaction_inputs(compactions, self.budget)
-        self.cache, kept = compact_pages(self.cache, *inputs, spec=self.budget.spec)
+        self.cache, kept = compact_pages(self.cache, *inputs, budget=self.budget)
         kept = jax.device_get(kept)
         return [kept[row] for row in range(len(compactions))]
 

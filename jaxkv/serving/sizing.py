@@ -19,7 +19,9 @@ from jaxkv.protocol import has
 from jaxkv.sharding import BATCH, PAGES, Layout
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-PAGED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "conv")
+PAGED_LAYER_TYPES = (
+    "full_attention", "sliding_attention", "linear_attention", "conv", "latent_attention", "indexed_attention",
+)  # fmt: skip
 
 
 def parse_bytes(value: int | str, name: str = "kv_memory") -> int:
@@ -82,7 +84,7 @@ def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
             f"the serving engine serves {', '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
     devices = jax.device_count()
-    paging = Paging(config.page_size, max(2, devices), max_model_len)
+    paging = Paging(config.page_size, max(2, devices), max_model_len, scored=config.scores_slots)
     probe = jax.eval_shape(
         lambda: model.init_cache(
             devices,

@@ -18,7 +18,7 @@ from jaxkv.eviction import EvictionSpec
 from jaxkv.protocol import has
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
-from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget
+from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget, _redundancy
 from jaxkv.serving.engine import EngineConfig
 from jaxkv.serving.pages import NULL_PAGE
 from tests.cases import VOCAB, greedy_reference, run_arrivals
@@ -47,7 +47,7 @@ def test_options_are_checked_with_named_errors():
     with pytest.raises(ValueError, match="max_pages_per_request must be an int of at least 2"):
         EngineConfig(max_pages_per_request=1)
     with pytest.raises(ValueError, match="compaction_policy must be one of"):
-        EngineConfig(max_pages_per_request=4, compaction_policy="h2o")
+        EngineConfig(max_pages_per_request=4, compaction_policy="snapkv")
     with pytest.raises(ValueError, match="pass one of the two"):
         EngineConfig(max_pages_per_request=4, eviction=EvictionSpec("streaming_llm", budget=8))
     assert EngineConfig().page_budget() is None
@@ -71,7 +71,7 @@ def test_a_budget_covering_every_token_gives_generates_tokens(model):
     assert engine.stats()["compactions"] == 0
 
 
-@pytest.mark.parametrize("policy", ["streaming_llm", "key_norm"])
+@pytest.mark.parametrize("policy", ["streaming_llm", "key_norm", "h2o"])
 def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
     """Pages of one token, a budget of 10: after every compaction the row holds the positions an
     ``EvictingLayer`` of 9 slots holds after the same tokens (same scores, same ties), and the
@@ -146,20 +146,33 @@ def test_a_shared_prefix_page_is_never_written_by_a_compaction(llama):
     assert engine.sequences[first][0].output == greedy_reference(llama, [a], 7)[0]
 
 
-def budgeted_tokens(model, prompts, **options) -> list[list[int]]:
-    engine = Engine(model, max_pages_per_request=4, **options)
+def budgeted_tokens(model, prompts, policy: str = "streaming_llm", **options) -> list[list[int]]:
+    engine = Engine(model, max_pages_per_request=4, compaction_policy=policy, **options)
     return [c.token_ids for c in engine.generate_many(prompts, max_tokens=NEW_TOKENS + 8, ignore_eos=True)]
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, preemption):
+# Attention-ranked policies without prefix caching: a page shared by several sequences sums the
+# attention of all of them, so under prefix caching their choices depend on what else ran.
+LOADS = {
+    "recompute": ("recompute", "streaming_llm", True),
+    "swap": ("swap", "streaming_llm", True),
+    "recompute-zipage": ("recompute", "zipage", False),
+    "swap-h2o": ("swap", "h2o", False),
+}
+
+
+@pytest.mark.parametrize("load", LOADS)
+def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
     """A pool too small for every row: rows compact, are preempted (recomputed, or swapped to the
-    host tier, compacted pages and all) and some are aborted; the others draw what they draw in a
-    roomy pool (a row's compactions depend on its own tokens only), and every page comes back."""
+    host tier, compacted pages and slot scores and all) and some are aborted; the others draw
+    what they draw in a roomy pool (a row's compactions depend on its own tokens only), and
+    every page comes back."""
+    preemption, policy, prefix_caching = LOADS[load]
     prompts = prompts_of(3, [30, 9, 22, 14, 3, 18])
-    expected = budgeted_tokens(llama, prompts, **SMALL)
-    tight = SMALL | {"kv_memory": 20 * 1024, "preemption": preemption, "host_kv_memory": 64 * 1024}
-    engine = Engine(llama, max_pages_per_request=4, **tight)
+    roomy = SMALL | {"prefix_caching": prefix_caching}
+    expected = budgeted_tokens(llama, prompts, policy, **roomy)
+    tight = roomy | {"kv_memory": 20 * 1024, "preemption": preemption, "host_kv_memory": 64 * 1024}
+    engine = Engine(llama, max_pages_per_request=4, compaction_policy=policy, **tight)
     ids = [engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True) for prompt in prompts]
     for step in range(400):
         if not engine.has_unfinished():
@@ -177,6 +190,16 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, preemptio
             assert engine.sequences[request_id][0].output == expected[i], f"request {i}"
     pool = engine.kv.pools[0].manager
     assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
+
+
+def test_zipage_redundancy_is_a_softmax_over_the_filled_slots():
+    """Two equal keys and an orthogonal one: the equal ones are the more redundant, the shares sum
+    to 1 over the filled slots and an empty slot gets none."""
+    keys = jnp.asarray([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]]).reshape(1, 1, 1, 4, 1, 2)
+    filled = jnp.asarray([[True, True, True, False]])
+    redundancy = np.asarray(_redundancy(keys, filled)).reshape(4)
+    assert redundancy[0] == redundancy[1] > redundancy[2] > 0 and redundancy[3] == 0
+    np.testing.assert_allclose(redundancy.sum(), 1.0, rtol=1e-6)
 
 
 def test_nan_in_freed_pages_changes_nothing(llama):
