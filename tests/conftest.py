@@ -139,6 +139,7 @@ FILE_SECONDS = {
     "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103, "test_retrieval.py": 35,
     "test_gemma4_parity.py": 57, "test_shared_kv.py": 30,
     "test_compaction.py": 75, "test_deepseek_v32_parity.py": 49, "test_latent.py": 33,
+    "test_attention_backends.py": 35, "test_bench_attention.py": 8,
 }  # fmt: skip
 
 
@@ -340,6 +341,10 @@ SLOW: dict[str, set[str]] = {
         "test_smollm2_gguf_config_matches_transformers", "test_smollm2_gguf_params_equal_transformers",
         "test_smollm2_logits_match_transformers", "test_tiny_logits_match_transformers",
     },
+    "test_attention_backends.py": {  # Pallas kernels interpreted on CPU
+        "test_engine_greedy_tokens_with_the_gpu_kernel", "test_ragged_reference_reads_a_mixed_step",
+    },
+    "test_bench_attention.py": {"test_smoke_on_cpu"},
 }  # fmt: skip
 
 

@@ -466,7 +466,7 @@ def run_chat(args) -> int:
     return 0
 
 
-BENCHMARKS = {"decode": "jaxkv.bench.decode", "serving": "jaxkv.bench.serving"}
+BENCHMARKS = {"decode": "jaxkv.bench.decode", "serving": "jaxkv.bench.serving", "attention": "jaxkv.bench.attention"}
 
 
 def _bench_parser(sub) -> None:
@@ -528,6 +528,7 @@ class ServeConfig(Strict):
     speculative: ServeSpeculativeConfig | None = None  # draft tokens verified in the engine's steps
     max_pages_per_request: PositiveInt | None = None  # compressed pages: full-attention pages per request
     compaction_policy: str = "streaming_llm"  # what a compaction keeps: streaming_llm or key_norm
+    attention_backend: Literal["xla", "pallas_gpu", "pallas_tpu", "auto"] = "xla"  # reads decodes (docs/kernels.md)
 
     @model_validator(mode="after")
     def _eviction_without_prefix_caching(self):
@@ -585,6 +586,10 @@ def _serve_parser(sub) -> None:
         "--compaction-policy", help="what a compaction keeps: streaming_llm (sinks and recent tokens, the default) "
         "or key_norm (low-norm keys)"
     )
+    parser.add_argument(
+        "--attention-backend", choices=("xla", "pallas_gpu", "pallas_tpu", "auto"), help="what reads the paged "
+        "decode tokens: xla (default), a Pallas kernel, or auto (the platform's kernel, else xla); docs/kernels.md"
+    )
     parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; off unless a method is set)")
     for flag, key, kind, help_text in SPECULATIVE_FLAGS:
@@ -627,6 +632,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None)
         quantization=None if config.quantization is None else config.quantization.spec(),
         eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
         max_pages_per_request=config.max_pages_per_request, compaction_policy=config.compaction_policy,
+        attention_backend=config.attention_backend,
     )  # fmt: skip
 
 

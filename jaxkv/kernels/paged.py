@@ -60,22 +60,37 @@ def paged_decode(
     backend: str, queries: jax.Array, keys, values, tables: jax.Array, lengths: jax.Array, *, scale: float,
     logit_softcap: float | None = None, quantization: QuantSpec | None = None,
 ) -> jax.Array:  # fmt: skip
-    """Decode attention by ``backend``'s kernel: ``queries`` ``[B, H_q, D]`` (one token per row)
-    over a layer's pool ``keys``/``values`` ``[P, page_size, H_kv, D]`` (a ``QuantizedTensor``
-    under ``quantization``: fp8 codes with one scale per token, see ``kernel_route``), row b
-    reading slots ``0 .. lengths[b] - 1`` ``[B]`` through block table ``tables[b]`` ``[B, W]``
+    """Decode attention by ``backend``'s kernel over a layer's pool as jaxkv stores it: ``keys``/
+    ``values`` ``[P, page_size, H_kv, D]`` (a ``QuantizedTensor`` under ``quantization``: fp8 codes
+    with one scale per token, see ``kernel_route``), transposed to the kernels' layout here. See
+    ``kernel_decode`` for the rest. Returns ``[B, H_q, D]`` float32."""
+    (k_pages, k_scales), (v_pages, v_scales) = _kernel_pages(keys, quantization), _kernel_pages(values, quantization)
+    return kernel_decode(
+        backend, queries, k_pages, v_pages, tables, lengths, scale=scale, logit_softcap=logit_softcap,
+        k_scales=k_scales, v_scales=v_scales,
+    )  # fmt: skip
+
+
+def kernel_decode(
+    backend: str, queries: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array,
+    *, scale: float, logit_softcap: float | None = None, k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
+    """Decode attention by ``backend``'s kernel over pages in its own layout: ``queries``
+    ``[B, H_q, D]`` (one token per row) over ``k_pages``/``v_pages`` ``[H_kv, P, page_size, D]``
+    (float, or codes with ``k_scales``/``v_scales`` ``[H_kv, P, page_size]``: value = code * scale),
+    row b reading slots ``0 .. lengths[b] - 1`` ``[B]`` through block table ``tables[b]`` ``[B, W]``
     (length 0: zeros). ``scale`` multiplies the logits, then ``logit_softcap`` caps them.
     Returns ``[B, H_q, D]`` float32."""
-    (k_pages, k_scales), (v_pages, v_scales) = _kernel_pages(keys, quantization), _kernel_pages(values, quantization)
     q = queries.astype(jnp.float32) * scale
-    q = q if quantization is not None else q.astype(k_pages.dtype)  # scaled codes are cast to the query's dtype
+    q = q if k_scales is not None else q.astype(k_pages.dtype)  # scaled codes are cast to the query's dtype
     lengths = lengths.astype(jnp.int32)
     if backend == PALLAS_GPU:
         out = _gpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap)
     elif backend == PALLAS_TPU:
         out = _tpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap)
     else:
-        raise ValueError(f"paged_decode: backend must be {PALLAS_GPU!r} or {PALLAS_TPU!r}, got {backend!r}")
+        raise ValueError(f"kernel_decode: backend must be {PALLAS_GPU!r} or {PALLAS_TPU!r}, got {backend!r}")
     return out.astype(jnp.float32)
 
 

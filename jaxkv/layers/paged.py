@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.batch import QUERY_BLOCK, PackedAttention, PackedBatch, PagedStorage
+from jaxkv.kernels import AUTO, XLA, check_backend, kernel_route, paged_decode
 from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes
@@ -63,6 +64,8 @@ class Paging:
     ``max_length``: the longest sequence a row may reach (the engine's ``max_model_len``).
     ``scored``: full-attention layers also keep the attention mass each slot received
     (``PagedLayer.slot_scores``), for a compaction policy that ranks tokens by it.
+    ``attention_backend``: what reads the decode tokens (``jaxkv.kernels``: 'xla', 'pallas_gpu',
+    'pallas_tpu'; resolve 'auto' first with ``jaxkv.kernels.resolve_backend``).
     """
 
     page_size: int
@@ -70,8 +73,11 @@ class Paging:
     max_length: int
     sliding_num_pages: int | None = None
     scored: bool = False
+    attention_backend: str = XLA
 
     def __post_init__(self):
+        if check_backend(self.attention_backend, "Paging.attention_backend") == AUTO:
+            raise ValueError("Paging.attention_backend: resolve 'auto' first (jaxkv.kernels.resolve_backend)")
         for name in ("page_size", "num_pages", "max_length"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Paging.{name} must be positive, got {getattr(self, name)}")
@@ -138,6 +144,7 @@ class PagedKVView:
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
     shifts: jax.Array | None = None  # [R]: see PackedBatch (None: slot = position)
     slot_positions: jax.Array | None = None  # [R, W * page_size]
+    backend: str = struct.field(pytree_node=False, default=XLA)  # reads the decode tokens (jaxkv.kernels)
 
     @property
     def page_size(self) -> int:
@@ -221,7 +228,10 @@ class PagedKVView:
                 grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap, block_weights
             )  # fmt: skip
 
-        parts = [read(0, single, self.decode_width)] if single else []
+        if single and self.kernel_route(head_dim, slot_mass=weights is not None) is None:
+            parts = [self._kernel_decode(grouped[:single], positions[:single], scale, logit_softcap)]
+        else:
+            parts = [read(0, single, self.decode_width)] if single else []
         if single < tokens:
             parts.append(read(single, tokens, QUERY_BLOCK))
         outs = [part if weights is None else part[0] for part in parts]
@@ -230,6 +240,27 @@ class PagedKVView:
         if weights is None:
             return out
         return out, jnp.concatenate([part[1] for part in parts])
+
+    def kernel_route(self, head_dim: int, slot_mass: bool) -> str | None:
+        """Why the decode tokens are read by XLA (``jaxkv.kernels.kernel_route``); None: by the
+        backend's kernel. Prefill chunks are always read by XLA."""
+        return kernel_route(
+            self.backend, window=self.window, decode_width=self.decode_width,
+            shifted=self.shifts is not None or self.slot_positions is not None, slot_mass=slot_mass,
+            quantization=self.quantization, head_dim=head_dim,
+        )  # fmt: skip
+
+    def _kernel_decode(self, grouped: jax.Array, positions: jax.Array, scale: float, logit_softcap) -> jax.Array:
+        """Decode tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions`` ``[M]`` (one per row, -1:
+        padding) by the backend's kernel over slots ``0 .. position`` of their rows: ``[M, H_kv, G, D]``."""
+        tokens, num_kv_heads, group, head_dim = grouped.shape
+        keys, values = jax.tree.map(lambda leaf: leaf[self.index], (self.key_stack, self.value_stack))
+        out = paged_decode(
+            self.backend, grouped.reshape(tokens, num_kv_heads * group, head_dim), keys, values,
+            self.block_table[self.token_rows[:tokens]], jnp.maximum(positions + 1, 0), scale=scale,
+            logit_softcap=logit_softcap, quantization=self.quantization,
+        )  # fmt: skip
+        return out.reshape(grouped.shape)
 
     def query_block_rows(self, num_tokens: int) -> jax.Array:
         """``[Z]``: the row of each query block of ``num_tokens`` packed tokens, in ``attend``'s order."""
@@ -311,6 +342,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     # (``Paging.scored``; None: not kept). A slot starts at 0 when written; every query that reads
     # it adds its probability, summed over the query heads of the K/V head.
     slot_scores: jax.Array | None = None
+    attention_backend: str = struct.field(pytree_node=False, default=XLA)  # see Paging
 
     MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
     WHY_NOT = {
@@ -334,6 +366,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             window=window,
             quantization=quantization,
             slot_scores=jnp.zeros(pages[:3], jnp.float32) if scored else None,
+            attention_backend=paging.attention_backend,
         )
 
     @staticmethod
@@ -431,6 +464,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         view = PagedKVView(
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
             self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
+            self.attention_backend,
         )  # fmt: skip
         if self.slot_scores is None:
             out, _ = read(queries, view, positions, None)

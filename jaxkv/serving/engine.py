@@ -30,6 +30,7 @@ from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
 from jaxkv.decoding.speculative import DraftModel
 from jaxkv.eviction import EvictionSpec
+from jaxkv.kernels import XLA, check_backend, resolve_backend
 from jaxkv.layers.paged import Paging
 from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
@@ -89,6 +90,10 @@ class EngineConfig:
     the best ``(max_pages_per_request - 1) * page_size`` tokens by ``compaction_policy``
     (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o' or 'zipage'; the first
     three with ``EvictionSpec``'s defaults; the last two keep each slot's attention mass in the pages).
+    ``attention_backend``: what reads the paged decode tokens: 'xla' (jaxkv's own reads),
+    'pallas_gpu' / 'pallas_tpu' (JAX's Pallas paged-attention kernels; interpreted off their
+    platform) or 'auto' (the platform's kernel, else 'xla'); what a kernel lacks (prefill chunks,
+    windows, drafts, compacted rows, int pages) is read by XLA (``jaxkv.kernels``, docs/kernels.md).
     """
 
     kv_memory: int | str = "1GiB"
@@ -108,8 +113,10 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     max_pages_per_request: int | None = None
     compaction_policy: str = "streaming_llm"
+    attention_backend: str = XLA
 
     def __post_init__(self):
+        check_backend(self.attention_backend, "EngineConfig.attention_backend")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -255,6 +262,7 @@ class Engine:
         return Paging(
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
             sliding_num_pages=sizes.sliding_pages or None, scored=self.config.scores_slots,
+            attention_backend=resolve_backend(self.config.attention_backend),
         )  # fmt: skip
 
     # --- requests ---------------------------------------------------------------------------------

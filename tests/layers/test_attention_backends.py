@@ -12,11 +12,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
 
-from jaxkv.kernels import PALLAS_GPU, PALLAS_TPU, XLA, check_backend, heads_major, kernel_route, paged_decode
-from jaxkv.kernels import resolve_backend
+import jaxkv.layers.paged as paged_layers
+from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
+from jaxkv.kernels import (
+    PALLAS_GPU,
+    PALLAS_TPU,
+    XLA,
+    check_backend,
+    heads_major,
+    kernel_route,
+    paged_decode,
+    resolve_backend,
+)
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, table_width
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
+from jaxkv.serving import Engine
+from tests.cases import TINY_GEMMA, TINY_LLAMA, greedy_reference, run_arrivals
 
 HQ, HKV, D, PAGE, PAGES = 4, 2, 16, 4, 16
 WIDTH = table_width(32, PAGE)
@@ -24,6 +38,8 @@ LENGTHS = np.array([9, 0, 16, 1], np.int32)  # per row; row 1 decodes padding (p
 TOKEN_ROWS = np.array([2, 0, 3, 1], np.int32)  # the decode slots' rows, not in row order
 TOLERANCE = {PALLAS_GPU: 1e-5, PALLAS_TPU: 3e-2}
 FP8 = QuantSpec(format="e4m3", q_group_size=D, residual_length=0)
+# What a plain decode view tells kernel_route: every feature the kernels lack switched off.
+PLAIN = {"window": None, "decode_width": 1, "shifted": False, "slot_mass": False, "quantization": None, "head_dim": D}
 
 
 def _tables() -> np.ndarray:
@@ -55,14 +71,19 @@ def _positions() -> np.ndarray:
 
 def _xla(queries, keys, values, quantization=None, window=None, logit_softcap=None) -> jax.Array:
     """jaxkv's XLA paged read of the decode tokens ``[B, H_q, D]``: ``[B, H_q, D]``."""
-    stack = jax.tree.map(lambda leaf: leaf[None], (keys, values))
-    view = PagedKVView(
-        *stack, 0, jnp.asarray(_tables()), jnp.asarray(TOKEN_ROWS), decode_tokens=len(TOKEN_ROWS), window=window,
-        quantization=quantization,
-    )  # fmt: skip
+    view = _view(keys, values, XLA, window=window, quantization=quantization)
     q = queries.transpose(1, 0, 2)[None]  # [1, H_q, N, D]
     out = view.attend(q, jnp.asarray(_positions())[None], scale=D**-0.5, logit_softcap=logit_softcap)
     return out[0].transpose(1, 0, 2)
+
+
+def _view(keys, values, backend, window=None, quantization=None) -> PagedKVView:
+    """A view of one layer's pool (a stack of one) whose decode tokens are ``TOKEN_ROWS``' rows."""
+    stack = jax.tree.map(lambda leaf: leaf[None], (keys, values))
+    return PagedKVView(
+        *stack, 0, jnp.asarray(_tables()), jnp.asarray(TOKEN_ROWS), decode_tokens=len(TOKEN_ROWS), window=window,
+        quantization=quantization, backend=backend,
+    )  # fmt: skip
 
 
 def _kernel(backend, queries, keys, values, quantization=None, logit_softcap=None) -> jax.Array:
@@ -91,8 +112,7 @@ def test_kernel_matches_the_xla_paged_read(pools, queries, backend, logit_softca
 def test_kernel_reads_scaled_fp8_pages(pools, queries, backend):
     """fp8 pages with one float16 scale per token and head: the kernel's scale path."""
     keys, values = (quantize(x, FP8, PER_TOKEN) for x in pools)
-    assert kernel_route(backend, window=None, decode_width=1, shifted=False, slot_mass=False, quantization=FP8,
-                        head_dim=D) is None  # fmt: skip
+    assert kernel_route(backend, **(PLAIN | {"quantization": FP8})) is None
     expected = _xla(queries, keys, values, quantization=FP8)
     got = _kernel(backend, queries, keys, values, quantization=FP8)
     np.testing.assert_allclose(got, expected, atol=TOLERANCE[backend], rtol=TOLERANCE[backend])
@@ -100,16 +120,16 @@ def test_kernel_reads_scaled_fp8_pages(pools, queries, backend):
 
 def test_routing_names_what_the_kernels_lack():
     """Each feature a decode kernel lacks sends the view's decode tokens to XLA, with the reason."""
-    plain = dict(window=None, decode_width=1, shifted=False, slot_mass=False, quantization=None, head_dim=D)
-    assert kernel_route(PALLAS_GPU, **plain) is None and kernel_route(PALLAS_TPU, **plain) is None
+    assert kernel_route(PALLAS_GPU, **PLAIN) is None and kernel_route(PALLAS_TPU, **PLAIN) is None
     lacking = {
-        "window": dict(window=8), "drafts": dict(decode_width=3), "compacted": dict(shifted=True),
-        "slot scores": dict(slot_mass=True), "int8": dict(quantization=QuantSpec(nbits=8, residual_length=0)),
-        "fp8 groups": dict(quantization=QuantSpec(format="e4m3", q_group_size=D // 2, residual_length=0)),
+        "window": 8, "decode_width": 3, "shifted": True, "slot_mass": True,
+        "quantization": QuantSpec(nbits=8, residual_length=0),  # int codes: a zero point
     }  # fmt: skip
-    for what, change in lacking.items():
-        assert kernel_route(PALLAS_GPU, **(plain | change)), what
-    assert kernel_route(XLA, **plain) == "the xla backend"
+    for name, value in lacking.items():
+        assert kernel_route(PALLAS_GPU, **(PLAIN | {name: value})), name
+    groups = QuantSpec(format="e4m3", q_group_size=D // 2, residual_length=0)  # two scales per token
+    assert kernel_route(PALLAS_GPU, **(PLAIN | {"quantization": groups}))
+    assert kernel_route(XLA, **PLAIN) == "the xla backend"
 
 
 def test_backend_names_and_auto(caplog):
@@ -157,3 +177,47 @@ def test_heads_major_is_the_kernels_layout(pools):
     keys, _ = pools
     assert heads_major(keys).shape == (HKV, PAGES, PAGE, D)
     np.testing.assert_array_equal(heads_major(keys)[1, 5, 2], keys[5, 2, 1])
+
+
+def test_the_view_dispatches_its_decodes_and_routes_the_rest(pools, queries):
+    """A view under ``pallas_gpu`` reads its decode tokens with the kernel (within f32 tolerance of
+    XLA, not bit for bit); with a window, or as prefill tokens, exactly as XLA reads them."""
+    keys, values = pools
+    q, positions = queries.transpose(1, 0, 2)[None], jnp.asarray(_positions())[None]
+
+    def read(backend, **options):
+        return _view(keys, values, backend, **options).attend(q, positions, scale=D**-0.5)
+
+    kernel, xla = read(PALLAS_GPU), read(XLA)
+    np.testing.assert_allclose(kernel, xla, atol=1e-5, rtol=1e-5)
+    assert not np.array_equal(kernel, xla)  # the kernel ran: its float32 sums differ in the last bits
+    np.testing.assert_array_equal(read(PALLAS_GPU, window=4), read(XLA, window=4))
+    assert _view(keys, values, PALLAS_GPU, window=4).kernel_route(D, slot_mass=False).startswith("a sliding window")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_engine_greedy_tokens_with_the_gpu_kernel(kind, monkeypatch):
+    """Tiny Llama and Gemma 3 through the serving engine with ``attention_backend='pallas_gpu'``
+    (interpreted here): prefill chunks and Gemma's sliding layers by XLA, the full-attention
+    layers' decodes by the kernel; the same greedy tokens as ``generate``."""
+    model = Llama(LlamaConfig(**TINY_LLAMA)) if kind == "llama" else Gemma3(Gemma3Config(**TINY_GEMMA))
+    traced = []
+    monkeypatch.setattr(paged_layers, "paged_decode", lambda *args, **kw: traced.append(args[0]) or paged_decode(
+        *args, **kw))  # fmt: skip
+    prompts = [[3, 14, 15, 9, 26, 5], [35, 8, 9]]
+    engine = Engine(model, kv_memory=64 * 1024, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                    attention_backend=PALLAS_GPU)  # fmt: skip
+    assert run_arrivals(engine, prompts, [0, 1], 4) == greedy_reference(model, prompts, 4)
+    assert traced and set(traced) == {PALLAS_GPU}  # traced into the decode steps
+
+
+def test_serve_flag_reaches_the_engine(caplog):
+    """``jaxkv serve --attention-backend auto`` on CPU: the engine's pools read with XLA, said once."""
+    args = build_parser().parse_args(["serve", "--attention-backend", "auto"])
+    served = resolve_serve_config(args)
+    assert served.attention_backend == "auto"
+    with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
+        engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**TINY_LLAMA)))
+    assert engine.runner.cache.groups[0].attention_backend == XLA and len(caplog.records) == 1
+    with pytest.raises(ValueError, match="EngineConfig.attention_backend must be one of"):
+        Engine(Llama(LlamaConfig(**TINY_LLAMA)), attention_backend="cudnn")
