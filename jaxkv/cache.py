@@ -28,8 +28,8 @@ from jaxkv.batch import PackedAttention, PackedBatch, PackedState, PagedStorage
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
-from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer
-from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer
+from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer, PackedIndexedLayer
+from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer, PackedLatentLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -194,15 +194,19 @@ def _chunked_layer(spec: LayerSpec) -> CacheLayer:
     )
 
 
-def _latent_storage(spec: LayerSpec, static: type[CacheLayer], dynamic: type[CacheLayer]) -> CacheLayer:
+def _latent_storage(spec: LayerSpec, static, dynamic, packed) -> CacheLayer:
+    """A latent layer: ``static`` or ``dynamic`` by ``full_attention``; under ``paging`` (the engine)
+    ``packed`` around a static one of ``paging.max_length`` slots per engine row."""
     if spec.latent is None:
         raise ValueError(
             "layer types 'latent_attention' and 'indexed_attention' need latent=LatentSpec(...) (from_config reads "
             "kv_lora_rank, qk_rope_head_dim, index_head_dim and index_topk)"
         )
-    given = [name for name in ("quantization", "paging", "eviction") if getattr(spec, name) is not None]
+    given = [name for name in ("quantization", "eviction") if getattr(spec, name) is not None]
     if given:
         raise ValueError(f"latent and indexed attention layers are stored at the cache dtype; not with {given[0]}")
+    if spec.paging is not None:
+        return packed(static.create(spec.batch_size, spec.latent, spec.paging.max_length, spec.dtype))
     if spec.full_attention == "dynamic":
         return dynamic.create(spec.batch_size, spec.latent, spec.dtype)
     if spec.max_length is None:
@@ -211,11 +215,11 @@ def _latent_storage(spec: LayerSpec, static: type[CacheLayer], dynamic: type[Cac
 
 
 def _latent_layer(spec: LayerSpec) -> CacheLayer:
-    return _latent_storage(spec, LatentLayer, DynamicLatentLayer)
+    return _latent_storage(spec, LatentLayer, DynamicLatentLayer, PackedLatentLayer)
 
 
 def _indexed_layer(spec: LayerSpec) -> CacheLayer:
-    return _latent_storage(spec, IndexedLayer, DynamicIndexedLayer)
+    return _latent_storage(spec, IndexedLayer, DynamicIndexedLayer, PackedIndexedLayer)
 
 
 def _conv_state(spec: LayerSpec, state_shapes) -> CacheLayer:
@@ -305,8 +309,12 @@ LAYER_TYPES: dict[str, LayerType] = {
     "conv": LayerType(_conv_layer, {None: LinearAttentionLayer}, paged=PackedStateLayer),
     "hybrid": LayerType(_hybrid_layer, {}),
     "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
-    "latent_attention": LayerType(_latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}),
-    "indexed_attention": LayerType(_indexed_layer, {"static": IndexedLayer, "dynamic": DynamicIndexedLayer}),
+    "latent_attention": LayerType(
+        _latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}, paged=PackedLatentLayer
+    ),
+    "indexed_attention": LayerType(
+        _indexed_layer, {"static": IndexedLayer, "dynamic": DynamicIndexedLayer}, paged=PackedIndexedLayer
+    ),
 }
 FULL_ATTENTION_KINDS = tuple(LAYER_TYPES["full_attention"].storage)
 

@@ -33,12 +33,14 @@ than about 455 queries (``S`` large).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.batch import PackedAttention, PackedBatch
 from jaxkv.protocol import (
     KV_AXES,
     BatchMajorLayer,
@@ -46,6 +48,7 @@ from jaxkv.protocol import (
     KVView,
     MaskInfo,
     Overflow,
+    PackedRowsLayer,
     Rollback,
     check_array,
     check_capacity,
@@ -115,6 +118,10 @@ class LatentQueries:
         """``[B, H, T, R + P]``: the query in the latent space (``q_nope · W_uk[h]``), then its RoPE part."""
         latent = jnp.einsum("bhtn,hnr->bhtr", self.nope, weights.key_up)
         return jnp.concatenate([latent, self.rope.astype(latent.dtype)], axis=-1)
+
+    def per_row(self, unpack: Callable[[jax.Array, int], jax.Array]) -> LatentQueries:
+        """The queries with each array's token axis (2) laid out per row by ``unpack(x, axis)``."""
+        return LatentQueries(unpack(self.nope, 2), unpack(self.rope, 2))
 
 
 PLAIN_FLOP_COST = 2.7  # measured (module docstring): the plain form's attention flops cost 2.7 absorbed ones
@@ -309,3 +316,35 @@ class GrowingSlots(Growth):
             return super().update_entry(index, keys, values, positions)
         grown = self.grow(int(np.max(to_host(jnp.asarray(positions)), initial=-1)) + 1)
         return super(GrowingSlots, grown).update_entry(index, keys, values, positions)
+
+
+@pytree_class
+class PackedLatentRows(PackedRowsLayer, PackedAttention):
+    """A latent layer (``slots``, static, ``[B, 1, S_max, ·]``) held for the serving engine: one row
+    per engine row, fed packed tokens of many rows (``PackedRowsLayer``). Not paged: each row
+    keeps ``S_max`` (the engine's ``max_model_len``) slots, so the engine serves these layers
+    without prefix caching or rollback."""
+
+    slots: LatentStorage
+
+    def attend_entry(self, index, queries, keys, values, positions, read):
+        raise TypeError(
+            f"{type(self).__name__} serves the engine's packed batch: Cache.attend(..., packed=PackedBatch)"
+        )
+
+    def attend_packed_entry(self, index, queries, keys, values, positions, read, packed: PackedBatch):
+        """``attend_entry`` of the slots for packed tokens: ``queries`` (``LatentQueries`` or the DSA
+        ones, token axis per array), entries ``keys`` ``[1, 1, N, R + P]``, ``values`` (indexer keys
+        ``[1, 1, N, D_I]`` or None) at ``positions`` ``[1, N]``; the output comes back ``[1, H, N, v]``."""
+        slots, packing = self.packing(index, positions[0], packed)
+
+        def unpack(x: jax.Array, axis: int) -> jax.Array:  # [1, ..., N (at axis), ...] -> [R, ..., T, ...]
+            rows = packing.unpacked(jnp.moveaxis(x[0], axis - 1, 0), 0)  # [R, T, ...]
+            return jnp.moveaxis(rows, 1, axis)
+
+        index_keys = None if values is None else unpack(values, 2)
+        row_positions = packing.unpacked(positions[0], -1)
+        slots, out = slots.attend_entry(
+            index, queries.per_row(unpack), unpack(keys, 2), index_keys, row_positions, read
+        )  # fmt: skip
+        return self.replace(slots=slots), jnp.moveaxis(packing.packed(jnp.moveaxis(out, 2, 1)), 1, 0)[None]

@@ -274,8 +274,9 @@ def indexer_inputs(c: DeepseekV32Config, w: dict, h, q_resid, positions, rotate:
     return IndexerQueries(queries, weights), keys
 
 
-def attention(c: DeepseekV32Config, w: dict, h, positions, cache: Cache, i, rotate: Rotation):
-    """MLA with DSA of one layer: ``h`` ``[B, T, D]`` (normed) -> ``(cache, [B, T, D])``."""
+def attention(c: DeepseekV32Config, w: dict, h, positions, cache: Cache, i, rotate: Rotation, packed=None):
+    """MLA with DSA of one layer: ``h`` ``[B, T, D]`` (normed) -> ``(cache, [B, T, D])``; ``packed``: a
+    serving step's ``jaxkv.batch.PackedBatch``."""
     batch, length, _ = h.shape
     heads, nope, rank = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
     q_resid = rms_norm(h @ w["wq_a"], w["q_a_norm"], SUB_NORM_EPS)
@@ -292,7 +293,7 @@ def attention(c: DeepseekV32Config, w: dict, h, positions, cache: Cache, i, rota
     def read(latent_queries, view, q_positions, _):
         return view.attend_latent(latent_queries, q_positions, up, scale), None
 
-    cache, out = cache.attend(i, queries, entries, index_keys[:, None], positions, read)
+    cache, out = cache.attend(i, queries, entries, index_keys[:, None], positions, read, packed)
     return cache, out.transpose(0, 2, 1, 3).reshape(batch, length, -1) @ w["wo"]
 
 
@@ -340,8 +341,10 @@ class DeepseekV32(Decoder):
         super().__init__(config, params, axes, weight_layout="in_out")
         self.layers = nnx.Dict({name: self.param(params[name], axes[name]) for name in layer_shapes(config)})
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None):
-        """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the cache."""
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, packed=None):
+        """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]`` (``[B, K]``: K
+        positions), and the cache. ``packed``: a serving step's ``jaxkv.batch.PackedBatch`` (``tokens``
+        ``[1, N]`` of many rows; the engine's latent layers keep one row per request)."""
         c = self.config
         rotate = rotation(c)
         weights = {name: param[...] for name, param in self.layers.items()}
@@ -349,7 +352,8 @@ class DeepseekV32(Decoder):
 
         def layer(feed_forward, carry, w):
             x, cache, i = carry
-            cache, out = attention(c, w, rms_norm(x, w["attn_norm"], c.rms_norm_eps), positions, cache, i, rotate)
+            h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)
+            cache, out = attention(c, w, h, positions, cache, i, rotate, packed)
             x = x + out
             return (x + feed_forward(c, w, rms_norm(x, w["mlp_norm"], c.rms_norm_eps)), cache, i + 1), None
 

@@ -14,6 +14,8 @@ and the layer hands attention the plain latent view (the form chosen by cost, as
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -24,6 +26,7 @@ from jaxkv.mla import (
     LatentSpec,
     LatentStorage,
     LatentWeights,
+    PackedLatentRows,
     absorbed_attention,
     masked_softmax,
 )  # fmt: skip
@@ -40,6 +43,10 @@ class IndexerQueries:
     queries: jax.Array
     weights: jax.Array
 
+    def per_row(self, unpack: Callable[[jax.Array, int], jax.Array]) -> IndexerQueries:
+        """The queries with each array's token axis (1) laid out per row by ``unpack(x, axis)``."""
+        return IndexerQueries(unpack(self.queries, 1), unpack(self.weights, 1))
+
 
 @pytree_class
 class IndexedQueries:
@@ -47,6 +54,10 @@ class IndexedQueries:
 
     latent: LatentQueries
     indexer: IndexerQueries
+
+    def per_row(self, unpack: Callable[[jax.Array, int], jax.Array]) -> IndexedQueries:
+        """Both halves laid out per row (``PackedLatentRows``)."""
+        return IndexedQueries(self.latent.per_row(unpack), self.indexer.per_row(unpack))
 
 
 def index_scores(indexer: IndexerQueries, index_keys: jax.Array) -> jax.Array:
@@ -149,3 +160,13 @@ class DynamicIndexedLayer(GrowingSlots, IndexedLayer):
 
     SLOT_FIELDS = ("latent", "index_keys")
     MEMORY_FORMULA = "B·bucket(S)·(R_kv+P+D_I)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"
+
+
+@pytree_class
+class PackedIndexedLayer(PackedLatentRows):
+    """DSA for the serving engine: one ``IndexedLayer`` row (latent and indexer keys, ``S_max`` slots) per engine row.
+
+    Fed packed tokens of many rows (``jaxkv.mla.PackedLatentRows``); not paged."""
+
+    MEMORY_FORMULA = IndexedLayer.MEMORY_FORMULA + "; B engine rows, S_max the engine's max_model_len"
+    kv_bytes = staticmethod(IndexedLayer.kv_bytes)

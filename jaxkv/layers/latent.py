@@ -6,7 +6,7 @@ and the measured rule between them: ``jaxkv.mla``.
 
 from __future__ import annotations
 
-from jaxkv.mla import GrowingSlots, LatentStorage
+from jaxkv.mla import GrowingSlots, LatentStorage, PackedLatentRows
 from jaxkv.protocol import pytree_class
 
 
@@ -28,3 +28,13 @@ class DynamicLatentLayer(GrowingSlots, LatentLayer):
     """MLA latent entries in a buffer ``[B, 1, N, R + P]`` whose capacity N grows (``GrowingSlots``)."""
 
     MEMORY_FORMULA = "B·bucket(S)·(R_kv+P)·bytes + 4·B, bucket = next power of 2 (eager: exactly S)"
+
+
+@pytree_class
+class PackedLatentLayer(PackedLatentRows):
+    """MLA latent entries for the serving engine: one ``LatentLayer`` row ``[1, S_max, R + P]`` per engine row.
+
+    Fed packed tokens of many rows (``jaxkv.mla.PackedLatentRows``); not paged."""
+
+    MEMORY_FORMULA = LatentLayer.MEMORY_FORMULA + "; B engine rows, S_max the engine's max_model_len"
+    kv_bytes = staticmethod(LatentLayer.kv_bytes)

@@ -10,6 +10,7 @@ import pytest
 
 from jaxkv.cache import Cache
 from jaxkv.layers.indexed import IndexedQueries, IndexerQueries, index_scores, select_slots
+from jaxkv.layers.paged import Paging
 from jaxkv.memory import cache_bytes, layer_bytes
 from jaxkv.models.architectures import DEEPSEEK_V32
 from jaxkv.mla import (
@@ -192,6 +193,11 @@ def test_updates_name_what_is_wrong():
         make_cache(spec=LatentSpec(RANK, ROPE))
     with pytest.raises(ValueError, match="rank must be positive"):
         LatentSpec(0, ROPE)
+    paged = Cache.from_layer_types(
+        ["indexed_attention"], batch_size=1, num_kv_heads=1, head_dim=4, paging=Paging(4, 2, 16), latent=SPEC
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="PackedIndexedLayer serves the engine's packed batch"):
+        attend(paged, 0, 1, jnp.zeros((1, 1), jnp.int32))
 
 
 @pytest.mark.parametrize("kind", ["latent_attention", "indexed_attention"])

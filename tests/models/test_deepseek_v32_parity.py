@@ -16,6 +16,8 @@ from jaxkv.models.weights import load_safetensors_checkpoint
 from jaxkv.decoding.generate import generate, prefill_prefix
 from jaxkv.layers.indexed import select_slots
 from jaxkv.protocol import MaskInfo
+from jaxkv.serving import Engine
+from tests.cases import greedy_reference, run_arrivals
 from tests.parity import check_teacher_forced, hf_greedy, save_tiny_hf_model
 
 VOCAB, TOPK = 97, 8
@@ -110,3 +112,16 @@ def test_a_shared_prefix_continues_as_transformers(checkpoint):
     expected = hf_greedy(hf, [prefix + c for c in continuations], 8, eos_token_id=None, pad_token_id=0)
     assert [result.row(row) for row in range(2)] == expected
     assert np.asarray(shared.lengths).tolist() == [10]
+
+
+def test_engine_equals_generate(checkpoint):
+    """Requests arriving at different steps, their prefills chunked, through the serving engine
+    (each request's latent and indexer keys in its own engine row; no pages, so no prefix cache):
+    ``generate``'s greedy tokens, with contexts past ``index_topk``."""
+    sequences, _, _, model = checkpoint
+    prompts = [seq[:n].tolist() for seq in sequences for n in (9, 17)]
+    engine = Engine(
+        model, kv_memory=256 * 1024, page_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
+        prefix_caching=False,
+    )  # fmt: skip
+    assert run_arrivals(engine, prompts, [0, 0, 2, 4], 12) == greedy_reference(model, prompts, 12)
