@@ -200,7 +200,8 @@ SLOW: dict[str, set[str]] = {
     "test_cli_options.py": {"test_serve_config_eviction"},
     "test_compaction.py": {
         "test_compacted_rows_keep_what_an_evicting_layer_keeps", "test_compacted_slots_hold_the_kv_of_the_positions_they_say",
-        "test_no_page_leaks_after_compactions_aborts_and_preemptions",
+        "test_no_page_leaks_after_compactions_aborts_and_preemptions", "test_compaction_on_a_mesh_equals_one_device",
+        "test_a_budget_covering_every_token_gives_generates_tokens",
     },
     "test_container.py": {
         "test_per_row_rollback_then_refeed_restores_the_cache",

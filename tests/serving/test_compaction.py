@@ -21,6 +21,7 @@ from jaxkv.serving import Engine
 from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget, _redundancy
 from jaxkv.serving.engine import EngineConfig
 from jaxkv.serving.pages import NULL_PAGE
+from jaxkv.sharding import make_mesh
 from tests.cases import VOCAB, greedy_reference, run_arrivals
 from tests.serving.conftest import LLAMA
 
@@ -77,11 +78,11 @@ def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
     ``EvictingLayer`` of 9 slots holds after the same tokens (same scores, same ties), and the
     row draws the tokens ``generate`` draws with that layer."""
     spec = EvictionSpec(policy, budget=MAX_PAGES - 1)
-    prompts = prompts_of(1, [7, 3, 9])
+    prompts = prompts_of(1, [7, 9])
     engine = Engine(one_head, max_pages_per_request=MAX_PAGES, compaction_policy=policy, **ONE_TOKEN_PAGES)
     kept: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(len(prompts))}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, max_tokens=8, ignore_eos=True)
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
@@ -89,7 +90,7 @@ def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
             if state is not None:  # after a compaction at length T = shift + kept
                 kept[seq.request_id][state.shift + len(state.positions)] = state.positions
     tokens = [engine.sequences[i][0].tokens for i in range(len(prompts))]
-    result = generate(one_head, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=(), eviction=spec)
+    result = generate(one_head, prompts, max_new_tokens=8, stop_tokens=(), eviction=spec)
     assert [t[len(p) :] for t, p in zip(tokens, prompts)] == [result.row(i) for i in range(len(prompts))]
     for i, by_length in kept.items():
         assert by_length, "no compaction happened"
@@ -259,3 +260,23 @@ def layer0(engine: Engine, pages: np.ndarray, offsets: np.ndarray) -> list[np.nd
     """Every full-pool leaf of the first layer at slots ``(pages, offsets)``."""
     groups = [group for group in engine.runner.cache.groups if has(group, PagedStorage) and group.pool == "full"]
     return [np.asarray(leaf[0, pages, offsets]) for leaf in jax.tree.leaves(groups[0])]
+
+
+@pytest.mark.filterwarnings("ignore:.*is not divisible by mesh axis:UserWarning")
+def test_compaction_on_a_mesh_equals_one_device():
+    """Pages over ``data`` (4), K/V heads over ``model`` (2): compacted rows (Zipage's score, its
+    slot scores sharded like the pages) draw the tokens one device draws, and the compactions and
+    steps leave every leaf of the cache where the layout puts it."""
+    prompts = prompts_of(6, [30, 9])
+    options = SMALL | {"max_pages_per_request": 4, "compaction_policy": "zipage", "prefix_caching": False}
+    mesh = make_mesh({"data": 4, "model": 2})
+    sharded = Engine(Llama(LlamaConfig(**LLAMA), mesh=mesh), **options)
+    got = sharded.generate_many(prompts, max_tokens=NEW_TOKENS + 8, ignore_eos=True)
+    assert sharded.stats()["compactions"] > 0
+    assert [c.token_ids for c in got] == budgeted_tokens(
+        Llama(LlamaConfig(**LLAMA)), prompts, "zipage", prefix_caching=False, **SMALL
+    )
+    cache = sharded.runner.cache
+    laid_out = jax.tree.map(lambda leaf, sharding: leaf.sharding.is_equivalent_to(sharding, leaf.ndim), cache,
+                            cache.shardings())  # fmt: skip
+    assert all(jax.tree.leaves(laid_out))
