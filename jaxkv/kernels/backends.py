@@ -30,10 +30,15 @@ def check_backend(name: str, argument: str = "attention_backend") -> str:
 
 def resolve_backend(name: str, platform: str | None = None) -> str:
     """The concrete backend of ``name`` on ``platform`` (default: ``jax.default_backend()``):
-    ``auto`` becomes the platform's kernel, or ``xla`` with one log line; the others are themselves."""
-    if check_backend(name) != AUTO:
-        return name
+    ``auto`` becomes the platform's kernel, or ``xla`` with one log line; the others are themselves
+    (a kernel off its platform with one log line: it will run interpreted)."""
     platform = platform or jax.default_backend()
+    if check_backend(name) != AUTO:
+        if KERNEL_PLATFORMS.get(name, platform) != platform:
+            logger.info(
+                "attention_backend %s on platform %r: the kernel runs in Pallas interpret mode (slow)", name, platform
+            )
+        return name
     chosen = next((kernel for kernel, home in KERNEL_PLATFORMS.items() if home == platform), None)
     if chosen is None:
         logger.info("attention_backend auto: no Pallas paged-attention kernel for platform %r, using xla", platform)

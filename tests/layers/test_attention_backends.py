@@ -138,7 +138,9 @@ def test_backend_names_and_auto(caplog):
     with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
         assert resolve_backend("auto", "cpu") == XLA
     assert len(caplog.records) == 1 and "xla" in caplog.records[0].getMessage()
-    assert resolve_backend(PALLAS_GPU, "cpu") == PALLAS_GPU  # explicit: interpreted off its platform
+    with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
+        assert resolve_backend(PALLAS_GPU, "cpu") == PALLAS_GPU and resolve_backend(XLA, "cpu") == XLA
+    assert len(caplog.records) == 2 and "interpret mode" in caplog.records[1].getMessage()
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         check_backend("cudnn")
 
