@@ -280,3 +280,19 @@ def test_compaction_on_a_mesh_equals_one_device():
     laid_out = jax.tree.map(lambda leaf, sharding: leaf.sharding.is_equivalent_to(sharding, leaf.ndim), cache,
                             cache.shardings())  # fmt: skip
     assert all(jax.tree.leaves(laid_out))
+
+
+@pytest.mark.parametrize("prompt_length", [6, 30])
+def test_parallel_samples_compact_on_their_own(llama, prompt_length):
+    """``n = 2`` greedy samples under a budget: a prompt below it is forked (the samples share its
+    pages, then each compacts, copying out of them); one compacted while prefilled is not (the
+    second sample is computed like a new request). Either way both draw the tokens one request
+    draws alone, and every page comes back."""
+    prompt = prompts_of(7, [prompt_length])[0]
+    alone = budgeted_tokens(llama, [prompt], **SMALL)[0]
+    engine = Engine(llama, max_pages_per_request=4, **SMALL)
+    got = engine.generate_many([prompt], n=2, max_tokens=NEW_TOKENS + 8, ignore_eos=True)
+    assert [c.token_ids for c in got] == [alone, alone]
+    assert engine.stats()["compactions"] >= 2
+    pool = engine.kv.pools[0].manager
+    assert pool.num_free == pool.num_usable and not engine.kv.compacted
