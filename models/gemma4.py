@@ -24,8 +24,9 @@ then the final RMSNorm, the tied LM head and an optional logit soft-cap.
 The layers run unrolled (each layer's kind, weight shapes and K/V source are static), so
 compile time grows with depth. A prefill that asks for some positions' logits (``logits_index``)
 runs the layers that reuse K/V on those positions only (they write nothing), as transformers
-does. Variants this file does not implement are refused by name: mixture-of-experts blocks,
-bidirectional attention, attention biases. ``attention_k_eq_v``
+does. Variants this file does not implement are refused by name: bidirectional attention,
+attention biases. The mixture of experts (``enable_moe_block``, Gemma 4 26B-A4B) is a dense
+reference: every expert runs on every token, weighted by the router's top-k. ``attention_k_eq_v``
 (Gemma 4 31B) is implemented: full-attention layers have no value projection and take the key
 projection (before the key norm and RoPE) as their values.
 """
@@ -106,6 +107,11 @@ class Gemma4Config(DecoderConfig):
     num_kv_shared_layers: NonNegativeInt = 0
     use_double_wide_mlp: bool = False
     attention_k_eq_v: bool = False  # full-attention layers' values are their keys' projection
+    # A mixture of experts beside every layer's MLP (Gemma 4 26B-A4B).
+    enable_moe_block: bool = False
+    num_experts: PositiveInt | None = None
+    top_k_experts: PositiveInt | None = None
+    moe_intermediate_size: PositiveInt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -124,8 +130,11 @@ class Gemma4Config(DecoderConfig):
         layer_types[-1] = FULL  # transformers forces the last layer global (with a warning)
         data["layer_types"] = layer_types
         data.update(_global_shapes(data.pop("per_layer_config", None), layer_types, data))
+        if data.get("enable_moe_block") and not all(
+            data.get(key) for key in ("num_experts", "top_k_experts", "moe_intermediate_size")
+        ):
+            raise ValueError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
         refused = {
-            "enable_moe_block": "mixture-of-experts blocks",
             "use_bidirectional_attention": "bidirectional attention",
             "attention_bias": "attention biases",
         }
@@ -250,12 +259,22 @@ def _layer_params(config: Gemma4Config) -> dict[str, tuple[tuple[int, ...], Axes
             f"w_up{suffix}": ((d, width), Axes(EMBED, MLP), layers),
             f"w_down{suffix}": ((width, d), Axes(MLP, EMBED), layers),
         }
+    if config.enable_moe_block:
+        experts, width = config.num_experts, config.moe_intermediate_size
+        norms = ("post_mlp_norm_1", "router_scale", "pre_moe_norm", "post_moe_norm")
+        params |= {name: ((d,), Axes(EMBED), every) for name in norms} | {
+            "router": ((d, experts), Axes(EMBED, None), every),
+            "expert_scale": ((experts,), Axes(None), every),
+            "moe_gate_up": ((experts, 2 * width, d), Axes(None, MLP, EMBED), every),  # as transformers stores them
+            "moe_down": ((experts, d, width), Axes(None, EMBED, MLP), every),
+        }
     return {name: entry for name, entry in params.items() if entry[2]}
 
 
 LAYER_MATRICES = {
     f"{name}{suffix}" for name in ("wq", "wk", "wv", "wo") for suffix in KIND_SUFFIX.values()
-} | {f"{name}{suffix}" for name in ("w_gate", "w_up", "w_down") for suffix in ("", "_wide")} | {"ple_gate", "ple_proj"}
+} | {f"{name}{suffix}" for name in ("w_gate", "w_up", "w_down") for suffix in ("", "_wide")}
+LAYER_MATRICES |= {"ple_gate", "ple_proj", "router"}
 
 
 def layer_shapes(config: Gemma4Config) -> dict[str, tuple[int, ...]]:
@@ -352,17 +371,28 @@ class Gemma4(Decoder):
         return (projected + identity) * jnp.asarray(2.0**-0.5, x.dtype)
 
     def _layer(self, layer: int, x, w: dict, positions, cache: Cache, per_layer_inputs, packed):
-        """Decoder layer ``layer`` on ``x`` ``[B, T, D]`` with its weights ``w`` (names without their
-        type's suffix); returns ``x`` and the cache."""
+        """Decoder layer ``layer`` on ``x`` ``[B, T, D]`` with its weights ``w``; returns ``x`` and the cache."""
         config, matmul, eps = self.config, self.matmul, self.config.rms_norm_eps
         kind = config.layer_types[layer]
         w = {name.removesuffix(KIND_SUFFIX[kind]).removesuffix("_wide"): value for name, value in w.items()}
+        cache, out = self._attention(layer, rms_norm(x, w["attn_norm"], eps), w, positions, cache, packed)
+        x = x + rms_norm(out, w["post_attn_norm"], eps)
+        x = x + rms_norm(self._feed_forward(x, w), w["post_mlp_norm"], eps)
+        if per_layer_inputs is not None:
+            gate = jax.nn.gelu(matmul(x, w["ple_gate"]), approximate=True) * per_layer_inputs[:, :, layer]
+            x = x + rms_norm(matmul(gate, w["ple_proj"]), w["ple_norm"], eps)
+        return x * w["layer_scalar"].astype(x.dtype), cache
+
+    def _attention(self, layer: int, h, w: dict, positions, cache: Cache, packed) -> tuple[Cache, jax.Array]:
+        """Layer ``layer``'s attention of the normed ``h`` ``[B, T, D]`` (its weights ``w`` named without
+        their type's suffix): the cache and the output projected back ``[B, T, D]``. A layer that
+        reuses K/V projects queries only."""
+        config, matmul, eps = self.config, self.matmul, self.config.rms_norm_eps
+        kind = config.layer_types[layer]
         kv_heads, dim = config.kind_shape(kind)
         inv_freq = rope_frequencies(getattr(config.rope_parameters, kind), dim)
-        batch, length, _ = x.shape
+        batch, length, _ = h.shape
         heads = lambda t, n: t.reshape(batch, length, n, dim).transpose(0, 2, 1, 3)  # noqa: E731
-
-        h = rms_norm(x, w["attn_norm"], eps)
         q = rms_norm(heads(matmul(h, w["wq"]), config.num_attention_heads), w["q_norm"], eps)
         q = apply_rope(q, positions, inv_freq)
         k = v = None
@@ -371,14 +401,32 @@ class Gemma4(Decoder):
             k = apply_rope(rms_norm(projected, w["k_norm"], eps), positions, inv_freq)
             if not _keys_as_values(config, kind):
                 projected = heads(matmul(h, w["wv"]), kv_heads)
-            v = rms_norm(projected, jnp.ones(dim, x.dtype), eps)  # scale-free
+            v = rms_norm(projected, jnp.ones(dim, h.dtype), eps)  # scale-free
         cache, out = cached_attention(cache, layer, q, k, v, positions, scale=1.0, packed=packed)
-        out = matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
-        x = x + rms_norm(out, w["post_attn_norm"], eps)
+        return cache, matmul(out.transpose(0, 2, 1, 3).reshape(batch, length, -1), w["wo"])
+
+    def _feed_forward(self, x, w: dict) -> jax.Array:
+        """The GeGLU MLP of the normed ``x`` ``[B, T, D]``, plus with ``enable_moe_block`` the
+        mixture of experts (each output normed), before the post-feed-forward norm."""
+        matmul, eps = self.matmul, self.config.rms_norm_eps
         h = rms_norm(x, w["mlp_norm"], eps)
         h = matmul(jax.nn.gelu(matmul(h, w["w_gate"]), approximate=True) * matmul(h, w["w_up"]), w["w_down"])
-        x = x + rms_norm(h, w["post_mlp_norm"], eps)
-        if per_layer_inputs is not None:
-            gate = jax.nn.gelu(matmul(x, w["ple_gate"]), approximate=True) * per_layer_inputs[:, :, layer]
-            x = x + rms_norm(matmul(gate, w["ple_proj"]), w["ple_norm"], eps)
-        return x * w["layer_scalar"].astype(x.dtype), cache
+        if not self.config.enable_moe_block:
+            return h
+        return rms_norm(h, w["post_mlp_norm_1"], eps) + rms_norm(self._experts(x, w), w["post_moe_norm"], eps)
+
+    def _experts(self, x, w: dict) -> jax.Array:
+        """transformers' router and experts on the layer's residual stream ``x`` ``[B, T, D]``: the
+        softmax's top ``top_k_experts`` renormalised and scaled per expert. A dense reference: every
+        expert runs on every token and the others' weights are 0 (the cost of all experts)."""
+        config, eps = self.config, self.config.rms_norm_eps
+        routed = rms_norm(x, jnp.ones(x.shape[-1], x.dtype), eps) * w["router_scale"]
+        routed = routed * jnp.asarray(config.hidden_size**-0.5, x.dtype)
+        probabilities = jax.nn.softmax(self.matmul(routed, w["router"]).astype(jnp.float32), axis=-1)
+        top, chosen = jax.lax.top_k(probabilities, config.top_k_experts)
+        top = top / jnp.sum(top, axis=-1, keepdims=True) * w["expert_scale"][chosen]
+        weights = jnp.sum(jax.nn.one_hot(chosen, config.num_experts) * top[..., None], axis=-2)  # [B, T, E]
+        h = rms_norm(x, w["pre_moe_norm"], eps)
+        gate, up = jnp.split(jnp.einsum("btd,eid->btei", h, w["moe_gate_up"]), 2, axis=-1)
+        out = jnp.einsum("btei,edi->bted", jax.nn.gelu(gate, approximate=True) * up, w["moe_down"])
+        return jnp.einsum("bte,bted->btd", weights.astype(x.dtype), out)

@@ -105,7 +105,7 @@ GGUF_GEMMA3_NAMES = _GGUF_DECODER | {
 
 # Gemma 4 text (Gemma4ForCausalLM): Gemma 3's names, the full-attention layers' weights again under
 # "_full" and the double-wide MLPs' under "_wide" (their own stacks: jaxkv.models.gemma4.param_layers),
-# the layer scalars and the per-layer embeddings.
+# the layer scalars, the per-layer embeddings and the mixture of experts.
 GEMMA4_HF_NAMES = (
     GEMMA3_HF_NAMES
     | {f"{ours}_full": GEMMA3_HF_NAMES[ours] for ours in ("wq", "wk", "wv", "wo", "q_norm", "k_norm")}
@@ -118,6 +118,14 @@ GEMMA4_HF_NAMES = (
         "ple_embed": "model.embed_tokens_per_layer.weight",
         "ple_model_proj": "model.per_layer_model_projection.weight",
         "ple_proj_norm": "model.per_layer_projection_norm.weight",
+        "post_mlp_norm_1": "model.layers.{i}.post_feedforward_layernorm_1.weight",
+        "pre_moe_norm": "model.layers.{i}.pre_feedforward_layernorm_2.weight",
+        "post_moe_norm": "model.layers.{i}.post_feedforward_layernorm_2.weight",
+        "router": "model.layers.{i}.router.proj.weight",
+        "router_scale": "model.layers.{i}.router.scale",
+        "expert_scale": "model.layers.{i}.router.per_expert_scale",
+        "moe_gate_up": "model.layers.{i}.experts.gate_up_proj",
+        "moe_down": "model.layers.{i}.experts.down_proj",
     }
 )
 

@@ -4,8 +4,9 @@ A tiny config with everything Gemma 4 adds to Gemma 3 is built and saved by tran
 (safetensors) and loaded through our checkpoint loader: K/V shared across layers (the last 3 of
 7 layers reuse the last storing sliding and full layers' K/V and have double-wide MLPs),
 full-attention layers with their own head dim, K/V head count and proportional RoPE, taking
-their keys' projection as values (``attention_k_eq_v``), per-layer embeddings, a final soft-cap
-and random norms. A ragged batch runs a prefill, then 32 single-token decode
+their keys' projection as values (``attention_k_eq_v``), per-layer embeddings, a mixture of 4
+experts (top 2) beside every MLP, a final soft-cap and random norms (no released Gemma 4 has all
+of them at once; transformers runs them together). A ragged batch runs a prefill, then 32 single-token decode
 steps fed the same (teacher-forced) tokens: every step's logits match transformers'
 full-sequence logits within 1e-4 (float32), with static and dynamic caches; the jitted
 ``generate`` reproduces transformers' greedy tokens for 32 steps with both; the serving engine
@@ -38,7 +39,8 @@ SMALL = dict(
     num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=4, max_position_embeddings=256,
     layer_types=[SLIDING, SLIDING, FULL] * 2 + [FULL], num_kv_shared_layers=3, use_double_wide_mlp=True,
     hidden_size_per_layer_input=8, vocab_size_per_layer_input=101, final_logit_softcapping=30.0,
-    attention_k_eq_v=True, num_global_key_value_heads=1,
+    attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True, num_experts=4, top_k_experts=2,
+    moe_intermediate_size=24,
     rope_parameters={
         SLIDING: {"rope_type": "default", "rope_theta": 100.0},
         FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 5000.0},
@@ -78,8 +80,10 @@ def test_config_reads_transformers_names(checkpoint):
     assert cache.stored_layers == (0, 1, 2, 3)
     assert cache.layer(2).keys.shape == (2, 1, 64, 32) and cache.layer(3).keys.shape == (2, 2, 4, 16)
     assert "wv_full" not in model.layers and "wv" in model.layers  # full layers' values are their keys
-    with pytest.raises(ValueError, match="mixture-of-experts blocks are not supported"):
-        Gemma4Config.model_validate(SMALL | {"enable_moe_block": True})
+    with pytest.raises(ValueError, match="bidirectional attention are not supported"):
+        Gemma4Config.model_validate(SMALL | {"use_bidirectional_attention": "all"})
+    with pytest.raises(ValueError, match="enable_moe_block needs num_experts"):
+        Gemma4Config.model_validate(SMALL | {"num_experts": None})
 
 
 def test_prefill_and_decode_logits_match_transformers(checkpoint):
