@@ -9,11 +9,12 @@ pool); each row decodes one token at position ``context - 1``. Three paths are t
 jitted function of the pool, the block table and the queries:
 
 * ``xla``: ``PagedKVView.attend`` with the 'xla' backend (the engine's default).
-* ``kernel``: the same view with the platform's kernel (``attention_backend='pallas_gpu'`` on a
-  GPU, 'pallas_tpu' on a TPU): the layer's pool is transposed to the kernel's
-  ``[H_kv, P, page, D]`` on every call, as the engine runs it today.
-* ``kernel-native``: the kernel on a pool already stored ``[H_kv, P, page, D]``: what the pool
-  layout option (docs/kernels.md) would give, no transpose.
+* ``kernel``: the same view with the platform's kernel, as the engine runs it: on a GPU
+  (``attention_backend='pallas_gpu'``) the kernel reads jaxkv's pool in place through a table of
+  one-token pages; on a TPU ('pallas_tpu') the layer's pool is transposed to the kernel's
+  ``[H_kv, P, page, D]`` on every call (``jaxkv.kernels.paged``).
+* ``kernel-native``: the kernel on a pool already stored ``[H_kv, P, page, D]`` (whole pages per
+  table entry): what the pool layout option (docs/kernels.md) would give.
 
 Reported per path: ms per step (the median of ``--iters``), decode tok/s of this one layer
 (``batch`` / step seconds), the K/V bytes a step must read (``batch * context * 2 * H_kv * D *

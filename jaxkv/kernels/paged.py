@@ -1,9 +1,17 @@
 """jaxkv's page pools in the argument layout of JAX's Pallas paged-attention decode kernels.
 
-jaxkv keeps a layer's pages ``[P, page_size, H_kv, D]`` (K and V apart; quantized: codes and
-float16 scales ``[P, page_size, H_kv, D/G]``); both decode kernels want ``[H_kv, P, page_size, D]``
-and one scale per token and head ``[H_kv, P, page_size]``. ``heads_major`` transposes a layer's
-pool per call: the cost a pool stored heads-major would remove (docs/kernels.md).
+jaxkv stacks a layer group's pages ``[L, P, page_size, H_kv, D]`` (K and V apart; quantized:
+codes and float16 scales ``[L, P, page_size, H_kv, D/G]``); both decode kernels want one layer's
+``[H_kv, P', page', D]`` and one scale per token and head ``[H_kv, P', page']``.
+
+* GPU: the stack is read in place. Flattened, it is ``L * P * page_size * H_kv`` rows of ``D``
+  values, one per (layer, page, slot, K/V head); the kernel is given that as one K/V head of
+  one-token pages ``[1, L * P * page_size * H_kv, 1, D]`` (a reshape, no copy), each (row, K/V
+  head) as a row of its own, and a block table of token rows (``token_tables``): nothing of the
+  pool is copied or transposed per step.
+* TPU: the kernel copies pages into VMEM a page at a time, so one-token pages would be one DMA
+  per token; the layer's pool is sliced out and transposed ``[H_kv, P, page_size, D]`` per call
+  (``heads_major``): the cost a pool stored heads-major would remove (docs/kernels.md).
 
 What the kernels read: one query token per row, slots ``0 .. length - 1`` of the row's block
 table (a length, no mask), K/V of float dtype or scaled codes (``x * scale``, no zero point),
@@ -23,9 +31,10 @@ from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import Q
 from jaxkv.kernels.backends import PALLAS_GPU, PALLAS_TPU, XLA, interpreted
 from jaxkv.quantization import QuantSpec
 
-# Pages per compute block and K splits of the GPU kernel (its defaults), pages per compute
-# block of the TPU kernel; fewer when a block table is narrower.
-GPU_PAGES_PER_BLOCK, GPU_K_SPLITS, TPU_PAGES_PER_BLOCK = 8, 16, 8
+# Pages per compute block and K splits of the GPU kernel (its defaults), tokens per compute block
+# of the GPU kernel over one-token pages (8 pages of 16), pages per compute block of the TPU
+# kernel; fewer when a block table is narrower.
+GPU_PAGES_PER_BLOCK, GPU_K_SPLITS, GPU_TOKENS_PER_BLOCK, TPU_PAGES_PER_BLOCK = 8, 16, 128, 8
 # Block-table padding columns point at page 0: past every row's length, never read.
 PADDING_PAGE = 0
 
@@ -57,36 +66,77 @@ def kernel_route(
 
 
 def paged_decode(
-    backend: str, queries: jax.Array, keys, values, tables: jax.Array, lengths: jax.Array, *, scale: float,
-    logit_softcap: float | None = None, quantization: QuantSpec | None = None,
+    backend: str, queries: jax.Array, key_stack, value_stack, index, tables: jax.Array, lengths: jax.Array, *,
+    scale: float, logit_softcap: float | None = None, quantization: QuantSpec | None = None,
 ) -> jax.Array:  # fmt: skip
-    """Decode attention by ``backend``'s kernel over a layer's pool as jaxkv stores it: ``keys``/
-    ``values`` ``[P, page_size, H_kv, D]`` (a ``QuantizedTensor`` under ``quantization``: fp8 codes
-    with one scale per token, see ``kernel_route``), transposed to the kernels' layout here. See
-    ``kernel_decode`` for the rest. Returns ``[B, H_q, D]`` float32."""
-    (k_pages, k_scales), (v_pages, v_scales) = _kernel_pages(keys, quantization), _kernel_pages(values, quantization)
-    return kernel_decode(
-        backend, queries, k_pages, v_pages, tables, lengths, scale=scale, logit_softcap=logit_softcap,
-        k_scales=k_scales, v_scales=v_scales,
+    """Decode attention by ``backend``'s kernel over layer ``index`` of a pool stack as jaxkv stores
+    it: ``key_stack``/``value_stack`` ``[L, P, page_size, H_kv, D]`` (a ``QuantizedTensor`` under
+    ``quantization``: fp8 codes with one scale per token, see ``kernel_route``); ``queries``
+    ``[B, H_q, D]`` (one token per row), row b reading slots ``0 .. lengths[b] - 1`` ``[B]``
+    through block table ``tables[b]`` ``[B, W]`` (length 0: zeros). Returns ``[B, H_q, D]`` float32."""
+    options = {"scale": scale, "logit_softcap": logit_softcap}
+    if backend == PALLAS_GPU:
+        return _in_place_decode(queries, key_stack, value_stack, index, tables, lengths, quantization, options)
+    (k_pages, k_scales), (v_pages, v_scales) = (
+        _kernel_pages(jax.tree.map(lambda leaf: leaf[index], stack), quantization) for stack in (key_stack, value_stack)
     )  # fmt: skip
+    return kernel_decode(
+        backend, queries, k_pages, v_pages, tables, lengths, k_scales=k_scales, v_scales=v_scales, **options
+    )
+
+
+def token_tables(tables: jax.Array, index, stack_shape: tuple[int, ...]) -> jax.Array:
+    """Block tables ``[B, W]`` of layer ``index`` of a stack ``[L, P, page_size, H_kv, ·]`` as tables
+    of the stack's flattened rows ``[B, H_kv, W * page_size]``: slot t of row b, K/V head h is row
+    ``((index * P + tables[b, t // page_size]) * page_size + t % page_size) * H_kv + h``."""
+    layers, num_pages, page_size, num_kv_heads, _ = stack_shape
+    if layers * num_pages * page_size * num_kv_heads > jnp.iinfo(jnp.int32).max:
+        raise ValueError(f"paged_decode: a stack {stack_shape} has more token rows than an int32 block table indexes")
+    offsets, heads = jnp.arange(page_size, dtype=jnp.int32), jnp.arange(num_kv_heads, dtype=jnp.int32)
+    slots = (index * num_pages + tables)[:, :, None] * page_size + offsets  # [B, W, page_size]
+    return slots.reshape(tables.shape[0], 1, -1) * num_kv_heads + heads[None, :, None]
+
+
+def _in_place_decode(queries, key_stack, value_stack, index, tables, lengths, quantization, options) -> jax.Array:
+    """The GPU kernel over the stacks read in place: each (row, K/V head) a row of its own over
+    one K/V head of one-token pages (see the module docstring). Returns ``[B, H_q, D]`` float32."""
+    batch, num_heads, head_dim = queries.shape
+    shape = (key_stack.codes if quantization is not None else key_stack).shape
+    num_kv_heads = shape[3]
+    (k_rows, k_scales), (v_rows, v_scales) = (_token_rows(stack, quantization) for stack in (key_stack, value_stack))
+    out = kernel_decode(
+        PALLAS_GPU, queries.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim), k_rows, v_rows,
+        token_tables(tables, index, shape).reshape(batch * num_kv_heads, -1), jnp.repeat(lengths, num_kv_heads),
+        k_scales=k_scales, v_scales=v_scales, pages_per_block=GPU_TOKENS_PER_BLOCK, **options,
+    )  # fmt: skip
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _token_rows(stack, quantization: QuantSpec | None) -> tuple[jax.Array, jax.Array | None]:
+    """A stack ``[L, P, page_size, H_kv, D]`` as one K/V head of one-token pages ``[1, N, 1, D]``
+    and, quantized, their scales ``[1, N, 1]`` float32 (fp8 codes as their float8 dtype): reshapes."""
+    if quantization is None:
+        return stack.reshape(1, -1, 1, stack.shape[-1]), None
+    codes = jax.lax.bitcast_convert_type(stack.codes, quantization.number_dtype)
+    return codes.reshape(1, -1, 1, codes.shape[-1]), stack.scales.reshape(1, -1, 1).astype(jnp.float32)
 
 
 def kernel_decode(
     backend: str, queries: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array,
     *, scale: float, logit_softcap: float | None = None, k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None, pages_per_block: int = GPU_PAGES_PER_BLOCK,
 ) -> jax.Array:  # fmt: skip
     """Decode attention by ``backend``'s kernel over pages in its own layout: ``queries``
     ``[B, H_q, D]`` (one token per row) over ``k_pages``/``v_pages`` ``[H_kv, P, page_size, D]``
     (float, or codes with ``k_scales``/``v_scales`` ``[H_kv, P, page_size]``: value = code * scale),
     row b reading slots ``0 .. lengths[b] - 1`` ``[B]`` through block table ``tables[b]`` ``[B, W]``
-    (length 0: zeros). ``scale`` multiplies the logits, then ``logit_softcap`` caps them.
-    Returns ``[B, H_q, D]`` float32."""
+    (length 0: zeros). ``scale`` multiplies the logits, then ``logit_softcap`` caps them;
+    ``pages_per_block``: the GPU kernel's pages per compute block. Returns ``[B, H_q, D]`` float32."""
     q = queries.astype(jnp.float32) * scale
     q = q if k_scales is not None else q.astype(k_pages.dtype)  # scaled codes are cast to the query's dtype
     lengths = lengths.astype(jnp.int32)
     if backend == PALLAS_GPU:
-        out = _gpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap)
+        out = _gpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap, pages_per_block)
     elif backend == PALLAS_TPU:
         out = _tpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap)
     else:
@@ -95,8 +145,9 @@ def kernel_decode(
 
 
 def _kernel_pages(pool, quantization: QuantSpec | None) -> tuple[jax.Array, jax.Array | None]:
-    """A pool in the kernels' layout: pages ``[H_kv, P, page_size, D]`` and, quantized, the scale
-    of each token ``[H_kv, P, page_size]`` float32 (fp8 codes as their float8 dtype)."""
+    """A layer's pool ``[P, page_size, H_kv, D]`` in the kernels' layout: pages ``[H_kv, P, page_size,
+    D]`` and, quantized, the scale of each token ``[H_kv, P, page_size]`` float32 (fp8 codes as
+    their float8 dtype)."""
     if quantization is None:
         return heads_major(pool), None
     codes = jax.lax.bitcast_convert_type(pool.codes, quantization.number_dtype)
@@ -109,9 +160,9 @@ def _padded(tables: jax.Array, multiple: int) -> jax.Array:
     return jnp.pad(tables, ((0, 0), (0, extra)), constant_values=PADDING_PAGE)
 
 
-def _gpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap) -> jax.Array:
+def _gpu_decode(q, k_pages, v_pages, tables, lengths, k_scales, v_scales, logit_softcap, per_block) -> jax.Array:
     """The Pallas GPU kernel (split-K over ``GPU_K_SPLITS`` partitions of the table at most)."""
-    per_block = min(GPU_PAGES_PER_BLOCK, tables.shape[1])
+    per_block = min(per_block, tables.shape[1])
     splits = min(GPU_K_SPLITS, -(-tables.shape[1] // per_block))
     return gpu_paged_attention(
         q, k_pages, v_pages, _padded(tables, splits * per_block), lengths, k_scales, v_scales,

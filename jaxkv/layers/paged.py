@@ -254,10 +254,9 @@ class PagedKVView:
         """Decode tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions`` ``[M]`` (one per row, -1:
         padding) by the backend's kernel over slots ``0 .. position`` of their rows: ``[M, H_kv, G, D]``."""
         tokens, num_kv_heads, group, head_dim = grouped.shape
-        keys, values = jax.tree.map(lambda leaf: leaf[self.index], (self.key_stack, self.value_stack))
         out = paged_decode(
-            self.backend, grouped.reshape(tokens, num_kv_heads * group, head_dim), keys, values,
-            self.block_table[self.token_rows[:tokens]], jnp.maximum(positions + 1, 0), scale=scale,
+            self.backend, grouped.reshape(tokens, num_kv_heads * group, head_dim), self.key_stack, self.value_stack,
+            self.index, self.block_table[self.token_rows[:tokens]], jnp.maximum(positions + 1, 0), scale=scale,
             logit_softcap=logit_softcap, quantization=self.quantization,
         )  # fmt: skip
         return out.reshape(grouped.shape)

@@ -26,6 +26,7 @@ from jaxkv.kernels import (
     kernel_route,
     paged_decode,
     resolve_backend,
+    token_tables,
 )
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, table_width
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
@@ -87,9 +88,11 @@ def _view(keys, values, backend, window=None, quantization=None) -> PagedKVView:
 
 
 def _kernel(backend, queries, keys, values, quantization=None, logit_softcap=None) -> jax.Array:
+    """The kernel over layer 1 of a stack of 2 (layer 0: other K/V, so a wrong layer offset shows)."""
     tables, lengths = _tables()[TOKEN_ROWS], np.maximum(_positions() + 1, 0)
+    stacks = jax.tree.map(lambda leaf: jnp.stack([leaf[::-1], leaf]), (keys, values))
     return paged_decode(
-        backend, queries, keys, values, jnp.asarray(tables), jnp.asarray(lengths), scale=D**-0.5,
+        backend, queries, *stacks, 1, jnp.asarray(tables), jnp.asarray(lengths), scale=D**-0.5,
         logit_softcap=logit_softcap, quantization=quantization,
     )  # fmt: skip
 
@@ -175,10 +178,19 @@ def test_ragged_reference_reads_a_mixed_step(pools):
     np.testing.assert_allclose(got[:2], expected[chunk:], atol=1e-5, rtol=1e-5)
 
 
-def test_heads_major_is_the_kernels_layout(pools):
+def test_the_kernels_layouts(pools):
+    """``heads_major``: a layer's pool as ``[H_kv, P, page, D]``; ``token_tables``: each (row, K/V head,
+    slot) as its row of the flattened stack ``[L * P * page * H_kv, D]`` (the GPU kernel's in-place read)."""
     keys, _ = pools
     assert heads_major(keys).shape == (HKV, PAGES, PAGE, D)
     np.testing.assert_array_equal(heads_major(keys)[1, 5, 2], keys[5, 2, 1])
+    stack = jnp.stack([keys[::-1], keys])
+    rows = token_tables(jnp.asarray(_tables()), 1, stack.shape)  # [R, H_kv, W * page]
+    assert rows.shape == (len(LENGTHS), HKV, WIDTH * PAGE)
+    flat = stack.reshape(-1, D)
+    for row, head, slot in [(0, 0, 0), (0, 1, 8), (2, 1, 15), (3, 0, 0)]:
+        page = _tables()[row, slot // PAGE]
+        np.testing.assert_array_equal(flat[rows[row, head, slot]], keys[page, slot % PAGE, head])
 
 
 def test_the_view_dispatches_its_decodes_and_routes_the_rest(pools, queries):
