@@ -195,18 +195,20 @@ def test_the_kernels_layouts(pools):
 
 def test_the_view_dispatches_its_decodes_and_routes_the_rest(pools, queries):
     """A view under ``pallas_gpu`` reads its decode tokens with the kernel (within f32 tolerance of
-    XLA, not bit for bit); with a window, or as prefill tokens, exactly as XLA reads them."""
-    keys, values = pools
+    XLA, not bit for bit); with a window or int8 pages, exactly as XLA reads them (routed)."""
     q, positions = queries.transpose(1, 0, 2)[None], jnp.asarray(_positions())[None]
+    int8 = QuantSpec(nbits=8, q_group_size=D, residual_length=0)
 
     def read(backend, **options):
-        return _view(keys, values, backend, **options).attend(q, positions, scale=D**-0.5)
+        stored = pools if options.get("quantization") is None else (quantize(x, int8, PER_TOKEN) for x in pools)
+        return _view(*stored, backend, **options).attend(q, positions, scale=D**-0.5)
 
     kernel, xla = read(PALLAS_GPU), read(XLA)
     np.testing.assert_allclose(kernel, xla, atol=1e-5, rtol=1e-5)
     assert not np.array_equal(kernel, xla)  # the kernel ran: its float32 sums differ in the last bits
-    np.testing.assert_array_equal(read(PALLAS_GPU, window=4), read(XLA, window=4))
-    assert _view(keys, values, PALLAS_GPU, window=4).kernel_route(D, slot_mass=False).startswith("a sliding window")
+    for routed in ({"window": 4}, {"quantization": int8}):
+        np.testing.assert_array_equal(read(PALLAS_GPU, **routed), read(XLA, **routed))
+    assert _view(*pools, PALLAS_GPU, window=4).kernel_route(D, slot_mass=False).startswith("a sliding window")
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
