@@ -411,9 +411,13 @@ def kv_sources_of(config, layer_types: Sequence[str]) -> tuple[int, ...]:
     return tuple(sources)
 
 
+# The layer types whose K/V a later layer may reuse (a state, a latent or an index is not shared).
+SHAREABLE_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
 def check_kv_sources(kv_sources: Sequence[int], layer_types: Sequence[str]) -> None:
     """``kv_sources`` (``Cache.from_layer_types``): empty, or per layer its own index or an earlier
-    layer of the same type that stores its own K/V."""
+    layer of the same type (one of ``SHAREABLE_TYPES``) that stores its own K/V."""
     if not kv_sources:
         return
     if len(kv_sources) != len(layer_types):
@@ -423,6 +427,11 @@ def check_kv_sources(kv_sources: Sequence[int], layer_types: Sequence[str]) -> N
             raise ValueError(
                 f"kv_sources[{i}] = {source}: a layer reads its own K/V or those of an earlier layer of its type "
                 f"({layer_types[i]}) that stores its own"
+            )
+        if source != i and layer_types[i] not in SHAREABLE_TYPES:
+            raise ValueError(
+                f"kv_sources[{i}] = {source}: layers of type {layer_types[i]} store their own (K/V of "
+                f"{', '.join(SHAREABLE_TYPES)} layers can be shared)"
             )
 
 

@@ -137,6 +137,9 @@ def test_errors_name_the_fix():
         build(stacked=True).update((0, jnp.int32(1)), kv, kv, positions)
     with pytest.raises(ValueError, match=r"kv_sources\[3\] = 0: a layer reads its own K/V or those of an earlier"):
         build(kv_sources=(0, 1, 2, 0, 2, 3))
+    with pytest.raises(ValueError, match="layers of type linear_attention store their own"):
+        Cache.from_layer_types(["linear_attention"] * 2, batch_size=1, num_kv_heads=1, head_dim=4, conv_width=2,
+                               conv_channels=4, state_shapes=((1, 4, 4),), kv_sources=(0, 0))  # fmt: skip
     with pytest.raises(ValueError, match="does not combine with K/V shared across layers"):
         build(eviction=EvictionSpec(policy="streaming_llm", budget=8))
     with pytest.raises(ValueError, match="does not combine with kv_sources"):
