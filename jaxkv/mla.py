@@ -191,7 +191,7 @@ class LatentView(KVView):
 
 @pytree_class
 class LatentStorage(BatchMajorLayer, Rollback, Overflow):
-    """Latent entries ``[B, 1, S, R + P]``, slot ``p`` holding position ``p`` (the static layers' storage).
+    """Latent entries ``[B, 1, S, R + P]`` in a fixed buffer (what every latent layer builds on).
 
     ``update(keys, values, positions)``: ``keys`` are the new tokens' entries ``[B, 1, T, R + P]``;
     ``values`` must be None (the latent is key and value both). Slot ``p`` holds position ``p``,
@@ -299,8 +299,11 @@ class GrowingSlots(Growth):
         extra = capacity - self.capacity
         if extra <= 0:
             return self
-        pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
-        return self.replace(**{name: pad(getattr(self, name)) for name in self.SLOT_FIELDS})
+
+        def padded(x: jax.Array) -> jax.Array:  # [..., S, D] -> [..., S + extra, D]
+            return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)])
+
+        return self.replace(**{name: padded(getattr(self, name)) for name in self.SLOT_FIELDS})
 
     @property
     def max_length(self) -> None:

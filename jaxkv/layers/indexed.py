@@ -89,8 +89,9 @@ class SelectedView:
     def attend(self, queries: jax.Array, q_positions, *, scale: float) -> jax.Array:
         """Softmax attention of ``queries`` ``[B, H, T, R + P]`` over each query's own K gathered
         entries (keys and values both): ``[B, H, T, R + P]``. ``q_positions`` are already in ``chosen``."""
-        entries = entry(self.latent_stack, self.index)[:, 0]  # [B, S, R + P]
-        gathered = jax.vmap(lambda rows, slots: rows[slots])(entries, self.slots)  # [B, T, K, R + P]
+        rows = jnp.arange(self.slots.shape[0])[:, None, None]
+        # One gather from the stack ([B, T, K, R + P]): slicing the entry out first would copy all S slots.
+        gathered = self.latent_stack[self.index, rows, 0, self.slots]
         logits = jnp.einsum("bhtw,btkw->bhtk", queries, gathered, preferred_element_type=jnp.float32)
         probs = masked_softmax(logits * scale, self.chosen[:, None])
         return jnp.einsum("bhtk,btkw->bhtw", probs.astype(gathered.dtype), gathered)
