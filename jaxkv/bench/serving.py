@@ -117,7 +117,9 @@ decode --device gpu``), and each workload gets its memory-bandwidth bound: the o
 its decode steps (``--max-num-seqs`` rows each, fewer when fewer requests) only had to read the
 weights once per step and each row's live K/V once per token, prefill and compute free
 (``decode_bandwidth_bound``); each jaxkv row is reported as a fraction of it, and ``generate``
-(``static``) is the other reference.
+(``static``) is the other reference. ``--attention-backend pallas_gpu`` (or ``auto``) runs the
+engine systems' paged decodes through the Pallas GPU kernel (docs/kernels.md); run the bench
+once per backend to compare them.
 
 Targets (one run): engine >= 2x transformers and >= 1.5x static in output tok/s (random), wasted
 K/V < 4% (engine, random), shared-prefix TTFT p50 >= 3x lower with prefix caching than without,
@@ -178,6 +180,7 @@ from jaxkv.bench.vllm_worker import (
     process_tree_cpu_seconds,
     timed_drive,
 )  # fmt: skip
+from jaxkv.kernels import BACKENDS
 from jaxkv.serving.kv_manager import PREEMPTION_MODES
 
 MODULE = "jaxkv.bench.serving"  # workers run as `python -m MODULE --worker SPEC`
@@ -514,7 +517,7 @@ def engine_options(spec: dict) -> dict:
     options = dict(
         kv_memory=f"{spec['kv_memory_mib']}MiB", page_size=spec["page_size"], max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"], prefix_caching=spec["prefix_caching"],
-        preemption=spec["preemption"],
+        preemption=spec["preemption"], attention_backend=spec["attention_backend"],
     )  # fmt: skip
     if spec.get("host_kv_memory_mib"):
         options["host_kv_memory"] = f"{spec['host_kv_memory_mib']}MiB"
@@ -828,6 +831,7 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
         prefix_caching=system in ENGINE_SYSTEMS and system != "engine-no-prefix", static_batch=args.static_batch,
         max_output=args.max_output, host_kv_memory_mib=args.host_kv_memory_mib if system in TIER_SYSTEMS else None,
         preemption=args.preemption, max_concurrency=concurrency, speculative_tokens=args.speculative_tokens,
+        attention_backend=args.attention_backend,
         draft_model=args.draft_model or model,
         requests=[dataclasses.asdict(r) for r in requests], device=args.device if system in ON_GPU else "cpu",
     )  # fmt: skip
@@ -1283,6 +1287,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="tokens per step (both too)")
+    parser.add_argument(
+        "--attention-backend", choices=BACKENDS, default="xla", help="the engine's paged decode attention: xla, "
+        "a Pallas kernel or auto (docs/kernels.md; with --device gpu, pallas_gpu or auto times the kernel)"
+    )
     parser.add_argument("--static-batch", type=int, default=8, help="static batching: requests per batch")
     parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
     parser.add_argument(

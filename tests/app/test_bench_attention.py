@@ -4,6 +4,7 @@ XLA's, and a device JAX does not run on is refused."""
 
 import json
 
+from jaxkv.bench import serving as bench_serving
 from jaxkv.bench.attention import PATHS, main
 from jaxkv.cli.main import BENCHMARKS
 
@@ -25,3 +26,13 @@ def test_smoke_on_cpu(tmp_path, capsys):
 def test_a_device_jax_does_not_run_on_is_refused(capsys):
     assert main(["--device", "gpu", *TINY]) == 2
     assert "--device gpu, but JAX runs on cpu" in capsys.readouterr().err
+
+
+def test_bench_serving_passes_the_backend_to_the_engine():
+    """``jaxkv bench serving --attention-backend pallas_gpu``: the engine systems' options carry it."""
+
+    def backend(argv):
+        spec = bench_serving.system_spec(bench_serving.parse_args(argv), "engine", "random", [], None)
+        return bench_serving.engine_options(spec)["attention_backend"]
+
+    assert backend(["--attention-backend", "pallas_gpu"]) == "pallas_gpu" and backend([]) == "xla"
