@@ -42,6 +42,7 @@ from jaxkv.models.common import (
     Decoder,
     DecoderConfig,
     apply_rope,
+    check_num_layers,
     checked_params,
     decoder_param_axes,
     decoder_param_shapes,
@@ -330,10 +331,14 @@ class Gemma4(Decoder):
         )
         self.ple = nnx.Dict({name: self.param(params[name], axes[name]) for name in _ple_shapes(config)})
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, packed=None):
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, cache: Cache, logits_index=None, num_layers=None, packed=None
+    ):
         """Logits ``[B, T, V]`` (float32), or ``[B, 1, V]`` at ``logits_index`` ``[B]``, and the
-        updated cache. ``packed``: a serving step's ``jaxkv.batch.PackedBatch``."""
+        updated cache. ``packed``: a serving step's ``jaxkv.batch.PackedBatch``. ``num_layers``: run
+        only the first ``num_layers`` layers, then the final norm and head (an early-exit draft)."""
         config = self.config
+        depth = check_num_layers(config, num_layers)
         embed = self.embed[...]
         x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), embed.dtype)
         x = self.constrain(x, Axes(BATCH, None, EMBED))
@@ -345,16 +350,22 @@ class Gemma4(Decoder):
         # describe every packed token, so it runs them on all.
         narrowed_at = _first_reusing(config) if logits_index is not None and packed is None else None
         cache = cache.with_prefetch()
-        for layer in range(config.num_hidden_layers):
+        for layer in range(depth):
             if layer == narrowed_at:
                 x, positions, per_layer_inputs = _at_logits_positions(logits_index, x, positions, per_layer_inputs)
             w = {name: stack[layers.index(layer)] for name, (stack, layers) in stacks.items() if layer in layers}
             x, cache = self._layer(layer, x, w, positions, cache, per_layer_inputs, packed)
-        logits = self.head(x, None if narrowed_at is not None else logits_index, rms_norm)
+        logits = self.head(x, logits_index if narrowed_at is None or narrowed_at >= depth else None, rms_norm)
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping
             logits = cap * jnp.tanh(logits / cap)
         return logits, cache.without_prefetch()
+
+    def early_exit(
+        self, tokens: jax.Array, positions: jax.Array, cache: Cache, num_layers: int
+    ) -> tuple[jax.Array, Cache]:
+        """Logits of the first ``num_layers`` layers and the updated cache: the draft of self-speculative decoding."""
+        return self(tokens, positions, cache, num_layers=num_layers)
 
     def _per_layer_inputs(self, tokens: jax.Array, x: jax.Array) -> jax.Array | None:
         """``[B, T, L, P]``: each token's per-layer embedding mixed with a projection of its main

@@ -29,7 +29,7 @@ from jaxkv.models.weights import load_safetensors_checkpoint
 from jaxkv.decoding.generate import generate
 from jaxkv.serving import Engine
 from tests.cases import greedy_reference, run_arrivals
-from tests.parity import check_teacher_forced, hf_greedy, save_tiny_hf_model
+from tests.parity import check_teacher_forced, hf_early_exit_logits, hf_greedy, save_tiny_hf_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,6 +48,7 @@ SMALL = dict(
 )  # fmt: skip
 PROMPTS = [17, 6]  # ragged rows
 DECODE_STEPS = 32
+EXIT_LAYERS, EXIT_STEPS = 5, 4  # early exit after layer 4, the first reusing K/V: a prefill and 4 steps
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -95,6 +96,18 @@ def test_prefill_and_decode_logits_match_transformers(checkpoint):
         assert np.asarray(cache.lengths).tolist() == [n + DECODE_STEPS for n in PROMPTS]
         assert not cache.shared_views
 
+
+
+def test_early_exit_matches_transformers_first_layers(checkpoint):
+    """``early_exit`` through the first reusing layer: transformers' hidden state after those
+    layers through its norm, head and soft-cap; the cache holds the same tokens (layers 5 and 6
+    store nothing)."""
+    _, config, model, sequences, _, hf = checkpoint
+    expected = hf_early_exit_logits(hf, sequences, EXIT_LAYERS, softcap=config.final_logit_softcapping)
+    step = jax.jit(lambda tokens, positions, cache: model.early_exit(tokens, positions, cache, EXIT_LAYERS))
+    cache = model.init_cache(len(PROMPTS), max_length=64)
+    cache = check_teacher_forced(step, cache, sequences, PROMPTS, expected, EXIT_STEPS, "gemma4 early exit")
+    assert np.asarray(cache.lengths).tolist() == [n + EXIT_STEPS for n in PROMPTS]
 
 
 def test_prefill_at_logits_index_runs_reusing_layers_on_those_positions(checkpoint):
