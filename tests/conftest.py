@@ -181,7 +181,7 @@ SLOW: dict[str, set[str]] = {
     "test_deepseek_v32_parity.py": {
         "test_prefill_and_decode_logits_match_transformers", "test_yarn_logits_match_transformers",
         "test_greedy_generate_matches_transformers", "test_a_shared_prefix_continues_as_transformers",
-        "test_engine_equals_generate",
+        "test_engine_equals_generate", "test_speculative_greedy_equals_plain_greedy",
     },
     "test_latent.py": {
         "test_absorbed_and_plain_forms_equal_expanded_attention", "test_attention_over_the_selection_is_a_dense_mask_of_it",

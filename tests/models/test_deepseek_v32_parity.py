@@ -14,6 +14,7 @@ from jaxkv.models.deepseek_v32 import DeepseekV32, indexer_inputs, rotation
 from jaxkv.models.weights import load_safetensors_checkpoint
 
 from jaxkv.decoding.generate import generate, prefill_prefix
+from jaxkv.decoding.speculative import PromptLookup, generate_speculative
 from jaxkv.layers.indexed import select_slots
 from jaxkv.protocol import MaskInfo
 from jaxkv.serving import Engine
@@ -125,3 +126,13 @@ def test_engine_equals_generate(checkpoint):
         prefix_caching=False,
     )  # fmt: skip
     assert run_arrivals(engine, prompts, [0, 0, 2, 4], 12) == greedy_reference(model, prompts, 12)
+
+
+def test_speculative_greedy_equals_plain_greedy(checkpoint):
+    """Prompt-lookup drafts verified and rolled back on DSA layers (the rejected tokens' latents
+    and indexer keys forgotten, the selection recomputed) give transformers' greedy tokens."""
+    sequences, _, hf, model = checkpoint
+    prompts = [seq[:n].tolist() * 2 for seq, n in zip(sequences, (8, 5))]  # repeats for the lookup to find
+    spec = generate_speculative(model, prompts, drafter=PromptLookup(), num_draft_tokens=3, max_new_tokens=16)
+    assert spec.tokens.tolist() == hf_greedy(hf, prompts, 16, eos_token_id=None, pad_token_id=0)
+    assert np.sum(spec.accepted) < 3 * np.sum(spec.target_steps), "no draft was rejected: rollback not exercised"
