@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""Page retrieval (``jaxkv.layers.retrieval``) against the full cache: decode tok/s at long contexts
+and the K/V bytes a decode step reads (issue 42, deliverable 6).
+
+    .venv/bin/python scripts/bench_retrieval.py --contexts 4096                       # this machine
+    python scripts/bench_retrieval.py --contexts 4096 16384 --repeats 3               # on a GPU
+
+Model: a Llama with SmolLM2-135M's shapes and random weights (``bench_offload.model_for``; what is
+measured is the attention's reads, so the weights need not be real), a prompt of ``context`` random
+tokens, ``--new-tokens`` greedy tokens; tok/s over the decode loop only (compile and prefill apart),
+the median of ``--repeats`` runs. Caches: the static full cache, and retrieval of ``--budget`` tokens
+in pages of ``--page-size`` with Quest's min/max bound (sequential pages) and centroids (clustered
+pages). A step's K/V reads are computed: the full cache's K/V, or the budget's K/V and every page's
+summary, per K/V head and layer. ``--attention-only``: instead of the model, one compiled decode
+step of attention alone over every layer's cache (a scan over the stacked layers, SmolLM2's heads,
+random K/V), the median of ``--steps`` steps: what retrieval changes, without the weights' reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from bench_offload import decode_rate, model_for
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--attention-only", action="store_true", help="time the attention step alone")
+    parser.add_argument("--steps", type=int, default=20)
+    return parser.parse_args(argv)
+
+
+def step_bytes(context: int, spec, layers: int, dtype_bytes: int) -> int:
+    """K/V bytes one decode step reads per row: 3 K/V heads of 64 per layer (SmolLM2's shapes)."""
+    per_token = 3 * 64 * dtype_bytes * layers
+    if spec is None:
+        return 2 * context * per_token
+    rows = 2 if spec.summary == "minmax" else 1
+    return 2 * spec.budget * per_token + rows * (-(-context // spec.page_size)) * per_token
+
+
+def attention_rate(context: int, spec, args) -> float:
+    """Steps per second of one compiled decode step of attention alone over ``args.layers`` layers
+    holding ``context`` random tokens (median of ``args.steps``, the first three apart)."""
+    import functools
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv import Cache
+    from jaxkv.attention import cached_attention
+
+    heads, group, dim = 3, 3, 64
+    dtype = jnp.dtype(args.dtype)
+    cache = Cache.from_layer_types(
+        ["full_attention"] * args.layers, batch_size=args.batch, num_kv_heads=heads, head_dim=dim, dtype=dtype,
+        max_length=context + args.steps, retrieval=spec, stacked=True,
+    )  # fmt: skip
+    keys = jax.random.normal(jax.random.key(0), (args.batch, heads, context, dim), dtype)
+    positions = cache.next_positions(context)
+    for layer in range(args.layers):
+        cache, _ = cache.update(layer, keys, keys, positions)
+    query = jax.random.normal(jax.random.key(1), (args.batch, heads * group, 1, dim), dtype)
+    new = jax.random.normal(jax.random.key(2), (args.batch, heads, 1, dim), dtype)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, positions):
+        def layer(cache, index):
+            cache, out = cached_attention(cache, index, query, new, new, positions)
+            return cache, jnp.sum(out)
+
+        return jax.lax.scan(layer, cache, jnp.arange(args.layers))
+
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        cache, outs = step(cache, cache.next_positions(1))
+        jax.block_until_ready(outs)
+        times.append(time.perf_counter() - start)
+    return 1.0 / float(np.median(times[3:]))
+
+
+def main(argv=None) -> int:
+    import jax
+    import numpy as np
+
+    from jaxkv.layers.retrieval import RetrievalSpec
+
+    args = parse(argv)
+    caches = {
+        "full": None,
+        "retrieval minmax, sequential": RetrievalSpec(args.budget, args.page_size),
+        "retrieval centroid, clustered": RetrievalSpec(
+            args.budget, args.page_size, summary="centroid", pages="clustered"
+        ),
+    }
+    dtype_bytes = np.dtype(args.dtype).itemsize
+    what = (
+        f"attention alone, median of {args.steps} steps"
+        if args.attention_only
+        else (f"{args.new_tokens} new tokens, median of {args.repeats}")
+    )
+    print(f"{jax.devices()[0]}, SmolLM2-135M shapes ({args.layers} layers), {args.dtype}, batch {args.batch}, {what}")
+    rate_name = "attention steps/s x rows" if args.attention_only else "decode tok/s"
+    print(f"| context | cache | {rate_name} | ms/step | K/V MiB read per step and row | vs full |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for context in args.contexts:
+        args.context = context
+        model = None if args.attention_only else model_for(args)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, args.vocab, size=context).tolist() for _ in range(args.batch)]
+        base = None
+        for name, spec in caches.items():
+            options = {"max_length": context + args.new_tokens}
+            if spec is not None:
+                options["retrieval"] = spec
+            if args.attention_only:
+                rate = args.batch * attention_rate(context, spec, args)
+            else:
+                rate, _ = decode_rate(model, prompts, args, **options)
+            base = base or rate
+            mib = step_bytes(context, spec, args.layers, dtype_bytes) / 2**20
+            print(
+                f"| {context} | {name} | {rate:.1f} | {1e3 * args.batch / rate:.1f} | {mib:.1f} | {rate / base:.2f}x |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
