@@ -166,17 +166,17 @@ def _redundancy(keys: jax.Array, filled: jax.Array) -> jax.Array:
     """Zipage's redundancy of each key ``[L, M, S, page_size, H_kv, D]`` among its row's filled
     slots ``[M, S * page_size]``: a softmax over the slots of its summed cosine similarity to
     the others, divided by ``REDUNDANCY_TEMPERATURE`` times the slots filled. Returns
-    ``[L, M, S, page_size, H_kv]`` (0 at empty slots)."""
+    ``[L, M, S, page_size, H_kv]`` (0 at empty slots). The sum over the others is the unit key's
+    dot product with the sum of all unit keys, less its own square: O(slots), not O(slots^2)."""
     layers, rows, pages, size, heads, dim = keys.shape
     flat = keys.reshape(layers, rows, pages * size, heads, dim)
     unit = flat / jnp.maximum(jnp.linalg.norm(flat, axis=-1, keepdims=True), 1e-30)
-    cosine = jnp.einsum("lmshd,lmthd->lmhst", unit, unit)
-    pairs = filled[:, None, :, None] & filled[:, None, None, :] & ~jnp.eye(pages * size, dtype=bool)
-    summed = jnp.sum(jnp.where(pairs, cosine, 0.0), axis=-1)  # [L, M, H, S]
+    unit = jnp.where(filled[None, :, :, None, None], unit, 0.0)
+    summed = jnp.einsum("lmshd,lmhd->lmsh", unit, jnp.sum(unit, axis=2)) - jnp.sum(unit * unit, axis=-1)
     count = jnp.sum(filled, axis=1)[None, :, None, None]
-    logits = jnp.where(filled[:, None], summed / (REDUNDANCY_TEMPERATURE * jnp.maximum(count, 1)), -jnp.inf)
-    redundancy = jnp.where(filled[:, None], jax.nn.softmax(logits, axis=-1), 0.0)
-    return jnp.moveaxis(redundancy, 2, 3).reshape(layers, rows, pages, size, heads)
+    logits = jnp.where(filled[None, :, :, None], summed / (REDUNDANCY_TEMPERATURE * jnp.maximum(count, 1)), -jnp.inf)
+    redundancy = jnp.where(filled[None, :, :, None], jax.nn.softmax(logits, axis=2), 0.0)  # [L, M, S', H]
+    return redundancy.reshape(layers, rows, pages, size, heads)
 
 
 def _compact(
