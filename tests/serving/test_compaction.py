@@ -203,12 +203,13 @@ def test_zipage_redundancy_is_a_softmax_over_the_filled_slots():
     np.testing.assert_allclose(redundancy.sum(), 1.0, rtol=1e-6)
 
 
-def test_nan_in_freed_pages_changes_nothing(llama):
-    """After every step, every page no row holds (and the null page) is set to NaN: compacted
-    rows never read a slot they do not hold."""
+def test_nan_in_freed_pages_changes_nothing(model):
+    """After every step, every page no row holds (and the null page) of every pool is set to NaN:
+    compacted rows never read a slot they do not hold (Gemma: its sliding pool, not budgeted,
+    frees the pages its window left)."""
     prompts = prompts_of(4, [30, 9, 22])
-    expected = budgeted_tokens(llama, prompts, prefix_caching=False, **SMALL)
-    engine = Engine(llama, max_pages_per_request=4, prefix_caching=False, **SMALL)
+    expected = budgeted_tokens(model, prompts, prefix_caching=False, **SMALL)
+    engine = Engine(model, max_pages_per_request=4, prefix_caching=False, **SMALL)
     ids = [engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True) for prompt in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -218,13 +219,16 @@ def test_nan_in_freed_pages_changes_nothing(llama):
 
 
 def poisoned(engine: Engine):
-    """The engine's cache with NaN in every full-pool page at refcount 0 and in the null page."""
-    manager = engine.kv.pools[0].manager
-    free = np.asarray([NULL_PAGE] + [p for p in range(1, manager.num_pages) if manager.refcount(p) == 0])
+    """The engine's cache with NaN in every page at refcount 0 and in the null page, in every pool."""
     cache = engine.runner.cache
-    for index, group in enumerate(cache.groups):
-        if has(group, PagedStorage) and group.pool == "full":
-            cache = cache.with_group(index, jax.tree.map(lambda leaf: leaf.at[:, free].set(jnp.nan), group))
+    for pool in engine.kv.pools:
+        manager = pool.manager
+        free = np.asarray([NULL_PAGE] + [p for p in range(1, manager.num_pages) if manager.refcount(p) == 0])
+        for index, group in enumerate(cache.groups):
+            if has(group, PagedStorage) and group.pool == pool.name:
+                cache = cache.with_group(
+                    index, jax.tree.map(lambda leaf, free=free: leaf.at[:, free].set(jnp.nan), group)
+                )
     return cache
 
 
