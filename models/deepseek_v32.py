@@ -207,8 +207,8 @@ def dense_shapes(c: DeepseekV32Config) -> dict[str, tuple[int, ...]]:
 
 def moe_shapes(c: DeepseekV32Config) -> dict[str, tuple[int, ...]]:
     """The MoE of the other layers: router, routed experts ``[E, ...]``, shared experts."""
-    d, e, ff, shared = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size
-    shared *= c.n_shared_experts
+    d, e, ff = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
+    shared = ff * c.n_shared_experts
     return {
         "router": (d, e), "router_bias": (e,),
         "experts_gate": (e, d, ff), "experts_up": (e, d, ff), "experts_down": (e, ff, d),
