@@ -624,7 +624,8 @@ class KVCacheManager:
     def check(self) -> None:
         """Raise ``AssertionError`` naming the first broken invariant over both tiers: each ledger's,
         no hash both in a device pool and in the host tier, pinned host pages exactly the swapped
-        sequences' pages (which hold no device page). O(pools + host tier)."""
+        sequences' pages (which hold no device page); under a page budget, no sequence over it and
+        no compacted sequence's page in the prefix cache. O(pools + host tier)."""
         for pool in self.pools:
             pool.manager.check()
         self.host.check()
@@ -643,6 +644,18 @@ class KVCacheManager:
         holding = [owner for owner in self.swapped if any(pool.manager.pages(owner) for pool in self.pools)]
         if holding:
             raise AssertionError(f"swapped-out owners {holding} still hold device pages")
+        if self.budget is not None:
+            self._check_budget()
+
+    def _check_budget(self) -> None:
+        """Every owner within its full-pool budget; no compacted owner's page registered."""
+        manager = self._pool(FULL_POOL).manager
+        over = [owner for owner in manager.owners() if len(manager.pages(owner)) > self.budget.max_pages]
+        if over:
+            raise AssertionError(f"owners {over} hold more than max_pages_per_request={self.budget.max_pages} pages")
+        cached = [owner for owner in self.compacted if any(manager.page_hash(p) for p in manager.pages(owner))]
+        if cached:
+            raise AssertionError(f"compacted owners {cached} hold pages registered in the prefix cache")
 
     # --- what the model runner and the metrics read ---------------------------------------------------
     def block_tables(
