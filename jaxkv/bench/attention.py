@@ -6,15 +6,15 @@
 
 One layer's pool holds ``batch`` rows of ``context`` tokens (each row's pages shuffled over the
 pool); each row decodes one token at position ``context - 1``. Three paths are timed, each a
-jitted function of the pool, the block table and the queries:
+jitted ``PagedKVView.attend`` of the pool, the block table and the queries, as the engine runs it:
 
-* ``xla``: ``PagedKVView.attend`` with the 'xla' backend (the engine's default).
-* ``kernel``: the same view with the platform's kernel, as the engine runs it: on a GPU
-  (``attention_backend='pallas_gpu'``) the kernel reads jaxkv's pool in place through a table of
-  one-token pages; on a TPU ('pallas_tpu') the layer's pool is transposed to the kernel's
-  ``[H_kv, P, page, D]`` on every call (``jaxkv.kernels.paged``).
-* ``kernel-native``: the kernel on a pool already stored ``[H_kv, P, page, D]`` (whole pages per
-  table entry): what the pool layout option (docs/kernels.md) would give.
+* ``xla``: the 'xla' backend (the engine's default) on the default 'tokens' pool
+  ``[P, page, H_kv, D]``.
+* ``kernel``: the platform's kernel on the 'tokens' pool: on a GPU (``attention_backend=
+  'pallas_gpu'``) read in place through a table of one-token pages; on a TPU ('pallas_tpu') the
+  layer's pool transposed to ``[H_kv, P, page, D]`` on every call (``jaxkv.kernels.paged``).
+* ``kernel-heads``: the kernel on a 'heads' pool ``[P, H_kv, page, D]`` (``pool_layout='heads'``):
+  read in place, a page per table entry.
 
 Reported per path: ms per step (the median of ``--iters``), decode tok/s of this one layer
 (``batch`` / step seconds), the K/V bytes a step must read (``batch * context * 2 * H_kv * D *
@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.kernels import PALLAS_GPU, PALLAS_TPU, XLA, heads_major, kernel_decode
+from jaxkv.kernels import HEADS_LAYOUT, PALLAS_GPU, PALLAS_TPU, TOKENS_LAYOUT, XLA
 from jaxkv.layers.paged import PagedKVView, table_width
 
 DEVICES = {"gpu": PALLAS_GPU, "tpu": PALLAS_TPU, "cpu": PALLAS_GPU}  # --device -> the kernel timed (cpu: interpreted)
-PATHS = ("xla", "kernel", "kernel-native")
+PATHS = ("xla", "kernel", "kernel-heads")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,24 +108,16 @@ def _inputs(args, batch: int, context: int, seed: int = 0) -> dict:
     }
 
 
-def _view_read(backend: str, scale: float):
-    """A jitted decode step of one layer through ``PagedKVView.attend`` under ``backend``."""
+def _view_read(backend: str, scale: float, layout: str):
+    """A jitted decode step of one layer through ``PagedKVView.attend`` under ``backend``, its pool
+    stored in ``layout``."""
 
     def read(keys, values, tables, positions, queries):
         rows = jnp.arange(queries.shape[2], dtype=jnp.int32)
-        view = PagedKVView(keys, values, 0, tables, rows, decode_tokens=queries.shape[2], backend=backend)
+        view = PagedKVView(
+            keys, values, 0, tables, rows, decode_tokens=queries.shape[2], backend=backend, layout=layout
+        )  # fmt: skip
         return view.attend(queries, positions, scale=scale)
-
-    return jax.jit(read)
-
-
-def _native_read(backend: str, scale: float):
-    """A jitted decode step of the kernel on a pool already stored ``[H_kv, P, page, D]``."""
-
-    def read(k_pages, v_pages, tables, positions, queries):
-        lengths = positions[0] + 1
-        out = kernel_decode(backend, queries[0].transpose(1, 0, 2), k_pages, v_pages, tables, lengths, scale=scale)
-        return out.transpose(1, 0, 2)[None]  # [1, H_q, B, D], as the view returns it
 
     return jax.jit(read)
 
@@ -136,11 +128,11 @@ def measure(args, batch: int, context: int, bandwidth: float) -> list[dict]:
     backend, scale = DEVICES[args.device], args.head_dim**-0.5
     data = _inputs(args, batch, context)
     common = (data["tables"], data["positions"], data["queries"])
-    native = (heads_major(data["keys"][0]), heads_major(data["values"][0]))
+    heads = (data["keys"].swapaxes(2, 3), data["values"].swapaxes(2, 3))  # [1, P, H_kv, page, D]
     calls = {
-        "xla": (_view_read(XLA, scale), (data["keys"], data["values"], *common)),
-        "kernel": (_view_read(backend, scale), (data["keys"], data["values"], *common)),
-        "kernel-native": (_native_read(backend, scale), (*native, *common)),
+        "xla": (_view_read(XLA, scale, TOKENS_LAYOUT), (data["keys"], data["values"], *common)),
+        "kernel": (_view_read(backend, scale, TOKENS_LAYOUT), (data["keys"], data["values"], *common)),
+        "kernel-heads": (_view_read(backend, scale, HEADS_LAYOUT), (*heads, *common)),
     }
     kv_bytes = batch * context * 2 * args.kv_heads * args.head_dim * jnp.dtype(args.dtype).itemsize
     expected, rows = calls["xla"][0](*calls["xla"][1]).astype(jnp.float32), []

@@ -529,6 +529,7 @@ class ServeConfig(Strict):
     max_pages_per_request: PositiveInt | None = None  # compressed pages: full-attention pages per request
     compaction_policy: str = "streaming_llm"  # what a compaction keeps: streaming_llm or key_norm
     attention_backend: Literal["xla", "pallas_gpu", "pallas_tpu", "auto"] = "xla"  # reads decodes (docs/kernels.md)
+    pool_layout: Literal["tokens", "heads"] = "tokens"  # pages [P, page, H_kv, D] or [P, H_kv, page, D]
 
     @model_validator(mode="after")
     def _eviction_without_prefix_caching(self):
@@ -590,6 +591,10 @@ def _serve_parser(sub) -> None:
         "--attention-backend", choices=("xla", "pallas_gpu", "pallas_tpu", "auto"), help="what reads the paged "
         "decode tokens: xla (default), a Pallas kernel, or auto (the platform's kernel, else xla); docs/kernels.md"
     )
+    parser.add_argument(
+        "--pool-layout", choices=("tokens", "heads"), help="how pages are stored: tokens [P, page, H_kv, D] "
+        "(default) or heads [P, H_kv, page, D], which the Pallas kernels read in place page by page"
+    )
     parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; off unless a method is set)")
     for flag, key, kind, help_text in SPECULATIVE_FLAGS:
@@ -632,7 +637,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None)
         quantization=None if config.quantization is None else config.quantization.spec(),
         eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
         max_pages_per_request=config.max_pages_per_request, compaction_policy=config.compaction_policy,
-        attention_backend=config.attention_backend,
+        attention_backend=config.attention_backend, pool_layout=config.pool_layout,
     )  # fmt: skip
 
 

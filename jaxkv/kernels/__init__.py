@@ -4,9 +4,21 @@ ships (``paged``). On a platform other than the kernel's (CPU in the tests) a ke
 Pallas interpret mode. See docs/kernels.md."""
 
 from jaxkv.kernels.backends import AUTO, BACKENDS, PALLAS_GPU, PALLAS_TPU, XLA, check_backend, resolve_backend
-from jaxkv.kernels.paged import heads_major, kernel_decode, kernel_route, paged_decode, token_tables
+from jaxkv.kernels.paged import (
+    HEADS_LAYOUT,
+    POOL_LAYOUTS,
+    TOKENS_LAYOUT,
+    check_layout,
+    flat_tables,
+    heads_major,
+    kernel_decode,
+    kernel_route,
+    paged_decode,
+    slot_and_head_axes,
+)  # fmt: skip
 
 __all__ = [
-    "AUTO", "BACKENDS", "PALLAS_GPU", "PALLAS_TPU", "XLA", "check_backend", "heads_major", "kernel_decode",
-    "kernel_route", "paged_decode", "resolve_backend", "token_tables",
+    "AUTO", "BACKENDS", "HEADS_LAYOUT", "PALLAS_GPU", "PALLAS_TPU", "POOL_LAYOUTS", "TOKENS_LAYOUT", "XLA",
+    "check_backend", "check_layout", "flat_tables", "heads_major", "kernel_decode", "kernel_route", "paged_decode",
+    "resolve_backend", "slot_and_head_axes",
 ]  # fmt: skip

@@ -1,17 +1,19 @@
 """jaxkv's page pools in the argument layout of JAX's Pallas paged-attention decode kernels.
 
-jaxkv stacks a layer group's pages ``[L, P, page_size, H_kv, D]`` (K and V apart; quantized:
-codes and float16 scales ``[L, P, page_size, H_kv, D/G]``); both decode kernels want one layer's
-``[H_kv, P', page', D]`` and one scale per token and head ``[H_kv, P', page']``.
+jaxkv stacks a layer group's pages ``[L, P, page_size, H_kv, D]`` ('tokens' layout, the default)
+or ``[L, P, H_kv, page_size, D]`` ('heads': ``Paging.layout``), K and V apart; quantized: codes
+and float16 scales ``[..., D/G]``. Both decode kernels want one layer's ``[H_kv, P', page', D]``
+and one scale per token and head ``[H_kv, P', page']``.
 
-* GPU: the stack is read in place. Flattened, it is ``L * P * page_size * H_kv`` rows of ``D``
-  values, one per (layer, page, slot, K/V head); the kernel is given that as one K/V head of
-  one-token pages ``[1, L * P * page_size * H_kv, 1, D]`` (a reshape, no copy), each (row, K/V
-  head) as a row of its own, and a block table of token rows (``token_tables``): nothing of the
-  pool is copied or transposed per step.
-* TPU: the kernel copies pages into VMEM a page at a time, so one-token pages would be one DMA
-  per token; the layer's pool is sliced out and transposed ``[H_kv, P, page_size, D]`` per call
-  (``heads_major``): the cost a pool stored heads-major would remove (docs/kernels.md).
+* In place (``flat_tables``): flattened, a stack is a run of contiguous pages of one K/V head:
+  ``[page_size, D]`` tiles of ``(layer, page, head)`` in the 'heads' layout, one-token rows of
+  ``(layer, page, slot, head)`` in the 'tokens' layout. The kernel is given that as one K/V head
+  ``[1, N, g, D]`` (a reshape, no copy), each (row, K/V head) as a row of its own with its query
+  heads, and a block table into the flattened pages. Both kernels read a 'heads' stack this way;
+  the GPU kernel reads a 'tokens' stack this way too.
+* TPU on the 'tokens' layout: the kernel copies pages into VMEM a page at a time, so one-token
+  pages would be one DMA per token; the layer's pool is sliced out and transposed to
+  ``[H_kv, P, page_size, D]`` per call (``heads_major``): store the pool 'heads' instead.
 
 What the kernels read: one query token per row, slots ``0 .. length - 1`` of the row's block
 table (a length, no mask), K/V of float dtype or scaled codes (``x * scale``, no zero point),
@@ -37,6 +39,10 @@ from jaxkv.quantization import QuantSpec
 GPU_PAGES_PER_BLOCK, GPU_K_SPLITS, GPU_TOKENS_PER_BLOCK, TPU_PAGES_PER_BLOCK = 8, 16, 128, 8
 # Block-table padding columns point at page 0: past every row's length, never read.
 PADDING_PAGE = 0
+# How a layer's pages are stored: [P, page_size, H_kv, D] (a slot's heads together) or
+# [P, H_kv, page_size, D] (each head's slots of a page together: the kernels' page tiles).
+TOKENS_LAYOUT, HEADS_LAYOUT = "tokens", "heads"
+POOL_LAYOUTS = (TOKENS_LAYOUT, HEADS_LAYOUT)
 
 
 def heads_major(pool: jax.Array) -> jax.Array:
@@ -65,18 +71,34 @@ def kernel_route(
     return None
 
 
+def check_layout(layout: str, argument: str = "layout") -> str:
+    """``layout`` if it is one of ``POOL_LAYOUTS``, else a ValueError naming ``argument``."""
+    if layout not in POOL_LAYOUTS:
+        raise ValueError(f"{argument} must be one of {POOL_LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def slot_and_head_axes(layout: str) -> tuple[int, int]:
+    """The axes (from the end) of a pool's page slots and K/V heads in ``layout``: 'tokens' pages
+    ``[P, page_size, H_kv, D]``: ``(-3, -2)``; 'heads' pages ``[P, H_kv, page_size, D]``: ``(-2, -3)``."""
+    return (-3, -2) if check_layout(layout) == TOKENS_LAYOUT else (-2, -3)
+
+
 def paged_decode(
     backend: str, queries: jax.Array, key_stack, value_stack, index, tables: jax.Array, lengths: jax.Array, *,
     scale: float, logit_softcap: float | None = None, quantization: QuantSpec | None = None,
+    layout: str = TOKENS_LAYOUT,
 ) -> jax.Array:  # fmt: skip
     """Decode attention by ``backend``'s kernel over layer ``index`` of a pool stack as jaxkv stores
-    it: ``key_stack``/``value_stack`` ``[L, P, page_size, H_kv, D]`` (a ``QuantizedTensor`` under
-    ``quantization``: fp8 codes with one scale per token, see ``kernel_route``); ``queries``
-    ``[B, H_q, D]`` (one token per row), row b reading slots ``0 .. lengths[b] - 1`` ``[B]``
-    through block table ``tables[b]`` ``[B, W]`` (length 0: zeros). Returns ``[B, H_q, D]`` float32."""
+    it: ``key_stack``/``value_stack`` ``[L, P, page_size, H_kv, D]`` (``layout`` 'tokens') or
+    ``[L, P, H_kv, page_size, D]`` ('heads'), a ``QuantizedTensor`` under ``quantization`` (fp8
+    codes with one scale per token, see ``kernel_route``); ``queries`` ``[B, H_q, D]`` (one token
+    per row), row b reading slots ``0 .. lengths[b] - 1`` ``[B]`` through block table ``tables[b]``
+    ``[B, W]`` (length 0: zeros). Returns ``[B, H_q, D]`` float32."""
     options = {"scale": scale, "logit_softcap": logit_softcap}
-    if backend == PALLAS_GPU:
-        return _in_place_decode(queries, key_stack, value_stack, index, tables, lengths, quantization, options)
+    if backend == PALLAS_GPU or layout == HEADS_LAYOUT:
+        stacks = (key_stack, value_stack)
+        return _in_place_decode(backend, queries, stacks, index, tables, lengths, quantization, layout, options)
     (k_pages, k_scales), (v_pages, v_scales) = (
         _kernel_pages(jax.tree.map(lambda leaf: leaf[index], stack), quantization) for stack in (key_stack, value_stack)
     )  # fmt: skip
@@ -85,40 +107,49 @@ def paged_decode(
     )
 
 
-def token_tables(tables: jax.Array, index, stack_shape: tuple[int, ...]) -> jax.Array:
-    """Block tables ``[B, W]`` of layer ``index`` of a stack ``[L, P, page_size, H_kv, ·]`` as tables
-    of the stack's flattened rows ``[B, H_kv, W * page_size]``: slot t of row b, K/V head h is row
-    ``((index * P + tables[b, t // page_size]) * page_size + t % page_size) * H_kv + h``."""
-    layers, num_pages, page_size, num_kv_heads, _ = stack_shape
+def flat_tables(tables: jax.Array, index, stack_shape: tuple[int, ...], layout: str) -> jax.Array:
+    """Block tables ``[B, W]`` of layer ``index`` of a stack ``[L, P, ·, ·, D]`` as tables of the
+    stack's flattened pages, ``[B, H_kv, W']`` for each K/V head h. 'heads' layout: the flattened
+    pages are its ``[page_size, D]`` tiles, page j of row b is ``(index * P + tables[b, j]) * H_kv + h``
+    (``W' = W``). 'tokens': one-token pages, slot t of row b is
+    ``((index * P + tables[b, t // page_size]) * page_size + t % page_size) * H_kv + h`` (``W' = W * page_size``)."""
+    layers, num_pages = stack_shape[:2]
+    slot_axis, head_axis = slot_and_head_axes(layout)
+    page_size, num_kv_heads = stack_shape[slot_axis], stack_shape[head_axis]
     if layers * num_pages * page_size * num_kv_heads > jnp.iinfo(jnp.int32).max:
         raise ValueError(f"paged_decode: a stack {stack_shape} has more token rows than an int32 block table indexes")
-    offsets, heads = jnp.arange(page_size, dtype=jnp.int32), jnp.arange(num_kv_heads, dtype=jnp.int32)
-    slots = (index * num_pages + tables)[:, :, None] * page_size + offsets  # [B, W, page_size]
-    return slots.reshape(tables.shape[0], 1, -1) * num_kv_heads + heads[None, :, None]
+    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    pages = index * num_pages + tables  # [B, W]
+    if layout == HEADS_LAYOUT:
+        return pages[:, None, :] * num_kv_heads + heads
+    slots = pages[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)  # [B, W, page_size]
+    return slots.reshape(tables.shape[0], 1, -1) * num_kv_heads + heads
 
 
-def _in_place_decode(queries, key_stack, value_stack, index, tables, lengths, quantization, options) -> jax.Array:
-    """The GPU kernel over the stacks read in place: each (row, K/V head) a row of its own over
-    one K/V head of one-token pages (see the module docstring). Returns ``[B, H_q, D]`` float32."""
+def _in_place_decode(backend, queries, stacks, index, tables, lengths, quantization, layout, options) -> jax.Array:
+    """The kernel over the stacks read in place: each (row, K/V head) a row of its own over one
+    K/V head of the stacks' flattened pages (``flat_tables``). Returns ``[B, H_q, D]`` float32."""
     batch, num_heads, head_dim = queries.shape
-    shape = (key_stack.codes if quantization is not None else key_stack).shape
-    num_kv_heads = shape[3]
-    (k_rows, k_scales), (v_rows, v_scales) = (_token_rows(stack, quantization) for stack in (key_stack, value_stack))
+    shape = (stacks[0].codes if quantization is not None else stacks[0]).shape
+    num_kv_heads = shape[slot_and_head_axes(layout)[1]]
+    (k_pages, k_scales), (v_pages, v_scales) = (_flat_pages(stack, quantization, layout) for stack in stacks)
     out = kernel_decode(
-        PALLAS_GPU, queries.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim), k_rows, v_rows,
-        token_tables(tables, index, shape).reshape(batch * num_kv_heads, -1), jnp.repeat(lengths, num_kv_heads),
-        k_scales=k_scales, v_scales=v_scales, pages_per_block=GPU_TOKENS_PER_BLOCK, **options,
+        backend, queries.reshape(batch * num_kv_heads, num_heads // num_kv_heads, head_dim), k_pages, v_pages,
+        flat_tables(tables, index, shape, layout).reshape(batch * num_kv_heads, -1), jnp.repeat(lengths, num_kv_heads),
+        k_scales=k_scales, v_scales=v_scales,
+        pages_per_block=GPU_TOKENS_PER_BLOCK if layout == TOKENS_LAYOUT else GPU_PAGES_PER_BLOCK, **options,
     )  # fmt: skip
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _token_rows(stack, quantization: QuantSpec | None) -> tuple[jax.Array, jax.Array | None]:
-    """A stack ``[L, P, page_size, H_kv, D]`` as one K/V head of one-token pages ``[1, N, 1, D]``
-    and, quantized, their scales ``[1, N, 1]`` float32 (fp8 codes as their float8 dtype): reshapes."""
-    if quantization is None:
-        return stack.reshape(1, -1, 1, stack.shape[-1]), None
-    codes = jax.lax.bitcast_convert_type(stack.codes, quantization.number_dtype)
-    return codes.reshape(1, -1, 1, codes.shape[-1]), stack.scales.reshape(1, -1, 1).astype(jnp.float32)
+def _flat_pages(stack, quantization: QuantSpec | None, layout: str) -> tuple[jax.Array, jax.Array | None]:
+    """A stack as one K/V head of pages ``[1, N, g, D]`` (g: 1 for 'tokens', ``page_size`` for
+    'heads') and, quantized, their scales ``[1, N, g]`` float32 (fp8 codes as their float8 dtype):
+    reshapes, no copy."""
+    values = stack if quantization is None else jax.lax.bitcast_convert_type(stack.codes, quantization.number_dtype)
+    size = 1 if layout == TOKENS_LAYOUT else values.shape[-2]
+    pages = values.reshape(1, -1, size, values.shape[-1])
+    return pages, None if quantization is None else stack.scales.reshape(1, -1, size).astype(jnp.float32)
 
 
 def kernel_decode(

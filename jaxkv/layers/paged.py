@@ -36,7 +36,16 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.batch import QUERY_BLOCK, PackedAttention, PackedBatch, PagedStorage
-from jaxkv.kernels import AUTO, XLA, check_backend, kernel_route, paged_decode
+from jaxkv.kernels import (
+    AUTO,
+    TOKENS_LAYOUT,
+    XLA,
+    check_backend,
+    check_layout,
+    kernel_route,
+    paged_decode,
+    slot_and_head_axes,
+)
 from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes
@@ -66,6 +75,9 @@ class Paging:
     (``PagedLayer.slot_scores``), for a compaction policy that ranks tokens by it.
     ``attention_backend``: what reads the decode tokens (``jaxkv.kernels``: 'xla', 'pallas_gpu',
     'pallas_tpu'; resolve 'auto' first with ``jaxkv.kernels.resolve_backend``).
+    ``layout``: how a layer's pages are stored: 'tokens' ``[P, page_size, H_kv, D]`` or 'heads'
+    ``[P, H_kv, page_size, D]`` (each head's slots of a page together: the kernels read such a
+    pool in place, page by page; XLA reads either).
     """
 
     page_size: int
@@ -74,8 +86,10 @@ class Paging:
     sliding_num_pages: int | None = None
     scored: bool = False
     attention_backend: str = XLA
+    layout: str = TOKENS_LAYOUT
 
     def __post_init__(self):
+        check_layout(self.layout, "Paging.layout")
         if check_backend(self.attention_backend, "Paging.attention_backend") == AUTO:
             raise ValueError("Paging.attention_backend: resolve 'auto' first (jaxkv.kernels.resolve_backend)")
         for name in ("page_size", "num_pages", "max_length"):
@@ -114,12 +128,25 @@ def check_page_quantization(spec: QuantSpec, head_dim: int) -> None:
     spec.check_head_dim(head_dim)
 
 
-def empty_pool(shape: tuple[int, int, int, int], dtype, spec: QuantSpec | None) -> PageArray:
-    """Zero pages ``shape`` ``[P, page_size, H_kv, D]``: values, or codes and scales."""
-    if spec is None:
-        return jnp.zeros(shape, dtype)
+def empty_pool(shape: tuple[int, ...], dtype, spec: QuantSpec | None, layout: str = TOKENS_LAYOUT) -> PageArray:
+    """Zero pages ``shape`` ``[P, page_size, H_kv, D]`` stored in ``layout`` (see ``Paging``):
+    values, or codes and scales."""
     pages, size, heads, dim = shape
-    return empty_quantized(pages, size, dim, heads, spec, PER_TOKEN)
+    inner = (size, heads) if layout == TOKENS_LAYOUT else (heads, size)
+    if spec is None:
+        return jnp.zeros((pages, *inner, dim), dtype)
+    return empty_quantized(pages, inner[0], dim, inner[1], spec, PER_TOKEN)
+
+
+def _slot(layout: str, page: jax.Array, offset: jax.Array) -> tuple:
+    """The index of slots (``page``, ``offset``) in a pool of ``layout`` after its leading axes:
+    their K/V heads come first in the result either way (NumPy's advanced indexing)."""
+    return (page, offset) if layout == TOKENS_LAYOUT else (page, slice(None), offset)
+
+
+def _tokens_major(pages: jax.Array, layout: str) -> jax.Array:
+    """Gathered pages ``[..., page_size, H_kv, D]`` from pages stored in ``layout``."""
+    return pages if layout == TOKENS_LAYOUT else pages.swapaxes(-3, -2)
 
 
 def pool_shape(pool: PageArray) -> tuple[int, ...]:
@@ -145,10 +172,11 @@ class PagedKVView:
     shifts: jax.Array | None = None  # [R]: see PackedBatch (None: slot = position)
     slot_positions: jax.Array | None = None  # [R, W * page_size]
     backend: str = struct.field(pytree_node=False, default=XLA)  # reads the decode tokens (jaxkv.kernels)
+    layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
 
     @property
     def page_size(self) -> int:
-        return pool_shape(self.key_stack)[2]
+        return pool_shape(self.key_stack)[slot_and_head_axes(self.layout)[0]]
 
     @property
     def block_pages(self) -> int:
@@ -156,13 +184,14 @@ class PagedKVView:
 
     @property
     def num_kv_heads(self) -> int:
-        return pool_shape(self.key_stack)[3]
+        return pool_shape(self.key_stack)[slot_and_head_axes(self.layout)[1]]
 
     def gather(self, stack: PageArray, pages: jax.Array) -> jax.Array:
         """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized).
         One gather from the stack: slicing the layer's pool out first would copy all of it."""
         found = jax.tree.map(lambda leaf: leaf[self.index, pages], stack)
-        return found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
+        values = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
+        return _tokens_major(values, self.layout)
 
     def read_block(self, block, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Page block ``block`` of each of ``rows`` ``[M]``: keys and values ``[M, S, H_kv, D]`` (S =
@@ -257,7 +286,7 @@ class PagedKVView:
         out = paged_decode(
             self.backend, grouped.reshape(tokens, num_kv_heads * group, head_dim), self.key_stack, self.value_stack,
             self.index, self.block_table[self.token_rows[:tokens]], jnp.maximum(positions + 1, 0), scale=scale,
-            logit_softcap=logit_softcap, quantization=self.quantization,
+            logit_softcap=logit_softcap, quantization=self.quantization, layout=self.layout,
         )  # fmt: skip
         return out.reshape(grouped.shape)
 
@@ -342,6 +371,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     # it adds its probability, summed over the query heads of the K/V head.
     slot_scores: jax.Array | None = None
     attention_backend: str = struct.field(pytree_node=False, default=XLA)  # see Paging
+    layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
 
     MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
     WHY_NOT = {
@@ -360,12 +390,13 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         pages = (paging.pool_pages(window), paging.page_size, num_kv_heads, head_dim)
         scored = paging.scored and window is None
         return cls(
-            key_pages=empty_pool(pages, dtype, quantization),
-            value_pages=empty_pool(pages, dtype, quantization),
+            key_pages=empty_pool(pages, dtype, quantization, paging.layout),
+            value_pages=empty_pool(pages, dtype, quantization, paging.layout),
             window=window,
             quantization=quantization,
             slot_scores=jnp.zeros(pages[:3], jnp.float32) if scored else None,
             attention_backend=paging.attention_backend,
+            layout=paging.layout,
         )
 
     @staticmethod
@@ -376,7 +407,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
 
     @property
     def page_size(self) -> int:
-        return pool_shape(self.key_pages)[-3]
+        return pool_shape(self.key_pages)[slot_and_head_axes(self.layout)[0]]
 
     @property
     def pool(self) -> str:
@@ -399,12 +430,12 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
 
     def logical_axes(self) -> PagedLayer:
         """Pages on ``pages`` (data parallel: each device keeps a share of the pool), K/V heads on ``kv_heads``."""
-        lead = (PAGES, PAGE_SLOTS, KV_HEADS)
+        lead = (PAGES, PAGE_SLOTS, KV_HEADS) if self.layout == TOKENS_LAYOUT else (PAGES, KV_HEADS, PAGE_SLOTS)
 
         def pool_axes(pool: PageArray):
             return pool.logical_axes(*lead) if isinstance(pool, QuantizedTensor) else Axes(*lead, HEAD_DIM)
 
-        scores = None if self.slot_scores is None else Axes(*lead)
+        scores = None if self.slot_scores is None else Axes(PAGES, PAGE_SLOTS, KV_HEADS)  # [P, page, H_kv] always
         return self.replace(
             key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages), slot_scores=scores
         )
@@ -421,18 +452,23 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float) -> PagedLayer:
         source_page, source_offset = sources
         destination_page, destination_offset = destinations
-        moved = jax.tree.map(
-            lambda leaf: leaf.at[:, destination_page, destination_offset].set(leaf[:, source_page, source_offset]), self
-        )
+
+        def move(leaf: jax.Array, layout: str) -> jax.Array:
+            destination = (slice(None), *_slot(layout, destination_page, destination_offset))
+            return leaf.at[destination].set(leaf[(slice(None), *_slot(layout, source_page, source_offset))])
+
+        pools = jax.tree.map(lambda leaf: move(leaf, self.layout), (self.key_pages, self.value_pages))
+        moved = self.replace(key_pages=pools[0], value_pages=pools[1])
         if self.slot_scores is None:
             return moved
+        moved = moved.replace(slot_scores=move(self.slot_scores, TOKENS_LAYOUT))  # [L, P, page, H_kv] in any layout
         decayed = moved.slot_scores.at[:, destination_page, destination_offset].multiply(score_decay)
         return moved.replace(slot_scores=decayed)
 
     def page_keys(self, pages: jax.Array) -> jax.Array:
         found = jax.tree.map(lambda leaf: leaf[:, pages], self.key_pages)
         keys = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
-        return keys.astype(jnp.float32)
+        return _tokens_major(keys, self.layout).astype(jnp.float32)
 
     def update_entry(self, index, keys, values, positions):
         raise TypeError(
@@ -455,7 +491,8 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
 
         def write(pool: PageArray, new: jax.Array) -> PageArray:
             stored = new if self.quantization is None else quantize(new, self.quantization, PER_TOKEN)
-            return jax.tree.map(lambda leaf, x: leaf.at[index, page, offset].set(x), pool, stored)
+            slots = (index, *_slot(self.layout, page, offset))
+            return jax.tree.map(lambda leaf, x: leaf.at[slots].set(x), pool, stored)
 
         new = self.replace(
             key_pages=write(self.key_pages, _flat(keys)), value_pages=write(self.value_pages, _flat(values))
@@ -463,7 +500,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         view = PagedKVView(
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
             self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
-            self.attention_backend,
+            self.attention_backend, self.layout,
         )  # fmt: skip
         if self.slot_scores is None:
             out, _ = read(queries, view, positions, None)
@@ -484,7 +521,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         """Checked inputs: the page and offset each packed token is written to ``[N]`` (slot
         ``position - shifts[row]`` of its row; ``shifts`` None: its position)."""
         caller = f"{type(self).__name__}.update"
-        _, _, _, heads, _ = pool_shape(self.key_pages)
+        heads = pool_shape(self.key_pages)[slot_and_head_axes(self.layout)[1]]
         dtype = keys.dtype if self.quantization else self.key_pages.dtype  # quantized: any float dtype
         for what, x in (("keys", keys), ("values", values)):
             check_array(caller, what, x, ("B", "H_kv", "T", "D"), (keys.shape[0], heads, None, self.head_dim), dtype)

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from jaxkv.kernels import TOKENS_LAYOUT
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.disk_tier import DiskPageStore
 from jaxkv.serving.host_tier import HostKey, HostPage
@@ -34,8 +35,11 @@ def pool_formats(
     *,
     page_size: int,
     quantization: QuantSpec | None,
+    layout: str = TOKENS_LAYOUT,
 ) -> dict[str, dict]:
-    """Each pool's ``page_format`` from ``step.page_formats(cache)`` (its groups' leaves, in order)."""
+    """Each pool's ``page_format`` from ``step.page_formats(cache)`` (its groups' leaves, in order;
+    ``layout``: the pools' ``Paging.layout``, whose pages' leaves are ``[L, H_kv, page_size, ·]``
+    when 'heads')."""
     formats: dict[str, dict] = {}
     for pool, leaves in page_formats:
         entry = formats.setdefault(
@@ -44,7 +48,7 @@ def pool_formats(
                 "pool": pool,
                 "page_size": page_size,
                 "quantization": None if quantization is None else dataclasses.asdict(quantization),
-                "layout": LAYOUT,
+                "layout": LAYOUT if layout == TOKENS_LAYOUT else f"{LAYOUT}; pool layout {layout}",
                 "leaves": [],
             },
         )

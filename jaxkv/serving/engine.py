@@ -30,7 +30,7 @@ from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
 from jaxkv.decoding.speculative import DraftModel
 from jaxkv.eviction import EvictionSpec
-from jaxkv.kernels import XLA, check_backend, resolve_backend
+from jaxkv.kernels import TOKENS_LAYOUT, XLA, check_backend, check_layout, resolve_backend
 from jaxkv.layers.paged import Paging
 from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
@@ -94,6 +94,8 @@ class EngineConfig:
     'pallas_gpu' / 'pallas_tpu' (JAX's Pallas paged-attention kernels; interpreted off their
     platform) or 'auto' (the platform's kernel, else 'xla'); what a kernel lacks (prefill chunks,
     windows, drafts, compacted rows, int pages) is read by XLA (``jaxkv.kernels``, docs/kernels.md).
+    ``pool_layout``: how the pages are stored (``Paging.layout``): 'tokens' ``[P, page, H_kv, D]``
+    or 'heads' ``[P, H_kv, page, D]``, which the kernels read in place page by page.
     """
 
     kv_memory: int | str = "1GiB"
@@ -114,9 +116,11 @@ class EngineConfig:
     max_pages_per_request: int | None = None
     compaction_policy: str = "streaming_llm"
     attention_backend: str = XLA
+    pool_layout: str = TOKENS_LAYOUT
 
     def __post_init__(self):
         check_backend(self.attention_backend, "EngineConfig.attention_backend")
+        check_layout(self.pool_layout, "EngineConfig.pool_layout")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -239,7 +243,7 @@ class Engine:
         if self.config.kv_cache_dir is None:
             return None
         formats = pool_formats(self.runner.page_formats, page_size=self.config.page_size,
-                               quantization=self.config.quantization)  # fmt: skip
+                               quantization=self.config.quantization, layout=self.config.pool_layout)  # fmt: skip
         return DiskTier(self.config.kv_cache_dir, identity=model_identity(self.model), formats=formats,
                         max_bytes=parse_bytes(self.config.disk_kv_memory, "disk_kv_memory"))  # fmt: skip
 
@@ -262,7 +266,7 @@ class Engine:
         return Paging(
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
             sliding_num_pages=sizes.sliding_pages or None, scored=self.config.scores_slots,
-            attention_backend=resolve_backend(self.config.attention_backend),
+            attention_backend=resolve_backend(self.config.attention_backend), layout=self.config.pool_layout,
         )  # fmt: skip
 
     # --- requests ---------------------------------------------------------------------------------

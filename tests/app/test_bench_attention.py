@@ -14,7 +14,7 @@ TINY += ["--page-size", "4", "--iters", "1", "--bandwidth-mib", "8"]
 
 def test_smoke_on_cpu(tmp_path, capsys):
     assert main(["--device", "cpu", *TINY, "--out", str(tmp_path / "attention")]) == 0
-    assert "| 2 | 40 | kernel-native | pallas_gpu |" in capsys.readouterr().out
+    assert "| 2 | 40 | kernel-heads | pallas_gpu |" in capsys.readouterr().out
     summary = json.loads((tmp_path / "attention.json").read_text())
     assert [(r["batch"], r["path"]) for r in summary["rows"]] == [(b, p) for b in (1, 2) for p in PATHS]
     for row in summary["rows"]:

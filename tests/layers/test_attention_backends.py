@@ -18,19 +18,23 @@ from jaxkv.models.llama import Llama, LlamaConfig
 import jaxkv.layers.paged as paged_layers
 from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
 from jaxkv.kernels import (
+    HEADS_LAYOUT,
     PALLAS_GPU,
     PALLAS_TPU,
+    POOL_LAYOUTS,
+    TOKENS_LAYOUT,
     XLA,
     check_backend,
+    flat_tables,
     heads_major,
     kernel_route,
     paged_decode,
     resolve_backend,
-    token_tables,
 )
-from jaxkv.layers.paged import NULL_PAGE, PagedKVView, table_width
+from jaxkv.layers.paged import NULL_PAGE, PagedKVView, PagedLayer, table_width
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
 from jaxkv.serving import Engine
+from jaxkv.serving.disk_link import pool_formats
 from tests.cases import TINY_GEMMA, TINY_LLAMA, greedy_reference, run_arrivals
 
 HQ, HKV, D, PAGE, PAGES = 4, 2, 16, 4, 16
@@ -78,46 +82,57 @@ def _xla(queries, keys, values, quantization=None, window=None, logit_softcap=No
     return out[0].transpose(1, 0, 2)
 
 
-def _view(keys, values, backend, window=None, quantization=None) -> PagedKVView:
-    """A view of one layer's pool (a stack of one) whose decode tokens are ``TOKEN_ROWS``' rows."""
-    stack = jax.tree.map(lambda leaf: leaf[None], (keys, values))
+def _stored(pool, layout):
+    """A pool ``[P, page, H_kv, ·]`` (values, or codes and scales) as ``layout`` stores it."""
+    return pool if layout == TOKENS_LAYOUT else jax.tree.map(lambda leaf: leaf.swapaxes(1, 2), pool)
+
+
+def _view(keys, values, backend, window=None, quantization=None, layout=TOKENS_LAYOUT) -> PagedKVView:
+    """A view of one layer's pool (a stack of one, stored in ``layout``) whose decode tokens are
+    ``TOKEN_ROWS``' rows."""
+    stack = jax.tree.map(lambda leaf: leaf[None], (_stored(keys, layout), _stored(values, layout)))
     return PagedKVView(
         *stack, 0, jnp.asarray(_tables()), jnp.asarray(TOKEN_ROWS), decode_tokens=len(TOKEN_ROWS), window=window,
-        quantization=quantization, backend=backend,
+        quantization=quantization, backend=backend, layout=layout,
     )  # fmt: skip
 
 
-def _kernel(backend, queries, keys, values, quantization=None, logit_softcap=None) -> jax.Array:
-    """The kernel over layer 1 of a stack of 2 (layer 0: other K/V, so a wrong layer offset shows)."""
+def _kernel(backend, queries, keys, values, quantization=None, logit_softcap=None, layout=TOKENS_LAYOUT):
+    """The kernel over layer 1 of a stack of 2 stored in ``layout`` (layer 0: other K/V, so a wrong
+    layer offset shows)."""
     tables, lengths = _tables()[TOKEN_ROWS], np.maximum(_positions() + 1, 0)
-    stacks = jax.tree.map(lambda leaf: jnp.stack([leaf[::-1], leaf]), (keys, values))
+    stacks = jax.tree.map(lambda leaf: jnp.stack([leaf[::-1], leaf]), (_stored(keys, layout), _stored(values, layout)))
     return paged_decode(
         backend, queries, *stacks, 1, jnp.asarray(tables), jnp.asarray(lengths), scale=D**-0.5,
-        logit_softcap=logit_softcap, quantization=quantization,
+        logit_softcap=logit_softcap, quantization=quantization, layout=layout,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "backend, logit_softcap", [(PALLAS_GPU, None), (PALLAS_GPU, 5.0), (PALLAS_TPU, None)]
+    "backend, logit_softcap, layout",
+    [(PALLAS_GPU, None, TOKENS_LAYOUT), (PALLAS_GPU, 5.0, HEADS_LAYOUT), (PALLAS_TPU, None, TOKENS_LAYOUT),
+     (PALLAS_TPU, None, HEADS_LAYOUT)],
 )  # fmt: skip
-def test_kernel_matches_the_xla_paged_read(pools, queries, backend, logit_softcap):
+def test_kernel_matches_the_xla_paged_read(pools, queries, backend, logit_softcap, layout):
     """Ragged lengths (a padding row included), GQA, rows' pages out of order, the null page past
-    each row's pages and garbage past each length: the kernel agrees with XLA within its tolerance."""
+    each row's pages and garbage past each length, either pool layout: the kernel agrees with
+    XLA within its tolerance."""
     keys, values = pools
     expected = _xla(queries, keys, values, logit_softcap=logit_softcap)
-    got = _kernel(backend, queries, keys, values, logit_softcap=logit_softcap)
+    got = _kernel(backend, queries, keys, values, logit_softcap=logit_softcap, layout=layout)
     assert got.shape == (len(TOKEN_ROWS), HQ, D) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, expected, atol=TOLERANCE[backend], rtol=TOLERANCE[backend])
     assert np.all(np.asarray(got)[TOKEN_ROWS == 1] == 0)  # the padding token sees nothing
 
 
 @pytest.mark.parametrize("backend", [PALLAS_GPU, PALLAS_TPU])
-def test_kernel_reads_scaled_fp8_pages(pools, queries, backend):
+@pytest.mark.parametrize("layout", POOL_LAYOUTS)
+def test_kernel_reads_scaled_fp8_pages(pools, queries, backend, layout):
     """fp8 pages with one float16 scale per token and head: the kernel's scale path."""
     keys, values = (quantize(x, FP8, PER_TOKEN) for x in pools)
     assert kernel_route(backend, **(PLAIN | {"quantization": FP8})) is None
     expected = _xla(queries, keys, values, quantization=FP8)
-    got = _kernel(backend, queries, keys, values, quantization=FP8)
+    got = _kernel(backend, queries, keys, values, quantization=FP8, layout=layout)
     np.testing.assert_allclose(got, expected, atol=TOLERANCE[backend], rtol=TOLERANCE[backend])
 
 
@@ -179,18 +194,47 @@ def test_ragged_reference_reads_a_mixed_step(pools):
 
 
 def test_the_kernels_layouts(pools):
-    """``heads_major``: a layer's pool as ``[H_kv, P, page, D]``; ``token_tables``: each (row, K/V head,
-    slot) as its row of the flattened stack ``[L * P * page * H_kv, D]`` (the GPU kernel's in-place read)."""
+    """``heads_major``: a layer's pool as ``[H_kv, P, page, D]``; ``flat_tables``: each (row, K/V head,
+    slot) as its row of a flattened 'tokens' stack ``[L * P * page * H_kv, D]``, each (row, K/V head,
+    page) as its tile of a flattened 'heads' stack ``[L * P * H_kv, page, D]`` (the kernels' in-place reads)."""
     keys, _ = pools
     assert heads_major(keys).shape == (HKV, PAGES, PAGE, D)
     np.testing.assert_array_equal(heads_major(keys)[1, 5, 2], keys[5, 2, 1])
-    stack = jnp.stack([keys[::-1], keys])
-    rows = token_tables(jnp.asarray(_tables()), 1, stack.shape)  # [R, H_kv, W * page]
+    tables, places = jnp.asarray(_tables()), [(0, 0, 0), (0, 1, 8), (2, 1, 15), (3, 0, 0)]  # (row, head, slot)
+    tokens = jnp.stack([keys[::-1], keys])
+    rows = flat_tables(tables, 1, tokens.shape, TOKENS_LAYOUT)  # [R, H_kv, W * page]
     assert rows.shape == (len(LENGTHS), HKV, WIDTH * PAGE)
-    flat = stack.reshape(-1, D)
-    for row, head, slot in [(0, 0, 0), (0, 1, 8), (2, 1, 15), (3, 0, 0)]:
-        page = _tables()[row, slot // PAGE]
-        np.testing.assert_array_equal(flat[rows[row, head, slot]], keys[page, slot % PAGE, head])
+    heads = _stored(tokens.reshape(-1, PAGE, HKV, D), HEADS_LAYOUT).reshape(2, PAGES, HKV, PAGE, D)
+    tiles = flat_tables(tables, 1, heads.shape, HEADS_LAYOUT)  # [R, H_kv, W]
+    assert tiles.shape == (len(LENGTHS), HKV, WIDTH)
+    for row, head, slot in places:
+        expected = keys[_tables()[row, slot // PAGE], slot % PAGE, head]
+        np.testing.assert_array_equal(tokens.reshape(-1, D)[rows[row, head, slot]], expected)
+        np.testing.assert_array_equal(heads.reshape(-1, PAGE, D)[tiles[row, head, slot // PAGE], slot % PAGE], expected)
+
+
+def test_xla_reads_the_heads_layout_as_the_tokens_layout(pools, queries):
+    """XLA's paged read of a 'heads' pool equals its read of the same K/V in a 'tokens' pool bit
+    for bit (float and int8 pages); a layer's moved slots, copied pages and page keys too."""
+    q, positions = queries.transpose(1, 0, 2)[None], jnp.asarray(_positions())[None]
+    int8 = QuantSpec(nbits=8, q_group_size=D, residual_length=0)
+    for spec in (None, int8):
+        stored = pools if spec is None else tuple(quantize(x, int8, PER_TOKEN) for x in pools)
+        tokens, heads = (_view(*stored, XLA, quantization=spec, layout=layout) for layout in POOL_LAYOUTS)
+        read = [view.attend(q, positions, scale=D**-0.5) for view in (tokens, heads)]
+        np.testing.assert_array_equal(*read)
+    layers = [
+        PagedLayer(*jax.tree.map(lambda leaf: leaf[None], tuple(_stored(p, layout) for p in pools)), layout=layout)
+        for layout in POOL_LAYOUTS
+    ]  # fmt: skip
+    moved = [
+        layer.with_slots_moved((jnp.array([5, 9]), jnp.array([3, 0])), (jnp.array([2, 2]), jnp.array([1, 3])), 1.0)
+        .with_page_copies({"full": jnp.array([[5, 6], [12, 4]])})
+        for layer in layers
+    ]  # fmt: skip
+    pages = jnp.array([[2, 5, 6], [4, 12, 9]])
+    np.testing.assert_array_equal(moved[0].page_keys(pages), moved[1].page_keys(pages))
+    assert not np.array_equal(moved[0].page_keys(pages), layers[0].page_keys(pages))
 
 
 def test_the_view_dispatches_its_decodes_and_routes_the_rest(pools, queries):
@@ -211,29 +255,38 @@ def test_the_view_dispatches_its_decodes_and_routes_the_rest(pools, queries):
     assert _view(*pools, PALLAS_GPU, window=4).kernel_route(D, slot_mass=False).startswith("a sliding window")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_engine_greedy_tokens_with_the_gpu_kernel(kind, monkeypatch):
+@pytest.mark.parametrize("kind, layout", [("llama", TOKENS_LAYOUT), ("gemma3", HEADS_LAYOUT)])
+def test_engine_greedy_tokens_with_the_gpu_kernel(kind, layout, monkeypatch):
     """Tiny Llama and Gemma 3 through the serving engine with ``attention_backend='pallas_gpu'``
-    (interpreted here): prefill chunks and Gemma's sliding layers by XLA, the full-attention
-    layers' decodes by the kernel; the same greedy tokens as ``generate``."""
+    (interpreted here), Gemma's pages stored 'heads': prefill chunks and Gemma's sliding layers
+    by XLA, the full-attention layers' decodes by the kernel; the same greedy tokens as ``generate``."""
     model = Llama(LlamaConfig(**TINY_LLAMA)) if kind == "llama" else Gemma3(Gemma3Config(**TINY_GEMMA))
     traced = []
     monkeypatch.setattr(paged_layers, "paged_decode", lambda *args, **kw: traced.append(args[0]) or paged_decode(
         *args, **kw))  # fmt: skip
     prompts = [[3, 14, 15, 9, 26, 5], [35, 8, 9]]
     engine = Engine(model, kv_memory=64 * 1024, page_size=4, max_num_seqs=2, max_num_batched_tokens=16,
-                    attention_backend=PALLAS_GPU)  # fmt: skip
+                    attention_backend=PALLAS_GPU, pool_layout=layout)  # fmt: skip
+    assert {group.layout for group in engine.runner.cache.groups} == {layout}  # every group a PagedLayer
     assert run_arrivals(engine, prompts, [0, 1], 4) == greedy_reference(model, prompts, 4)
     assert traced and set(traced) == {PALLAS_GPU}  # traced into the decode steps
 
 
-def test_serve_flag_reaches_the_engine(caplog):
-    """``jaxkv serve --attention-backend auto`` on CPU: the engine's pools read with XLA, said once."""
-    args = build_parser().parse_args(["serve", "--attention-backend", "auto"])
+def test_serve_flags_reach_the_engine(caplog):
+    """``jaxkv serve --attention-backend auto --pool-layout heads`` on CPU: the engine's pools are
+    stored 'heads' and read with XLA, said once."""
+    args = build_parser().parse_args(["serve", "--attention-backend", "auto", "--pool-layout", "heads"])
     served = resolve_serve_config(args)
     assert served.attention_backend == "auto"
     with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
         engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**TINY_LLAMA)))
-    assert engine.runner.cache.groups[0].attention_backend == XLA and len(caplog.records) == 1
+    layer = engine.runner.cache.groups[0]
+    assert (layer.attention_backend, layer.layout) == (XLA, HEADS_LAYOUT) and len(caplog.records) == 1
     with pytest.raises(ValueError, match="EngineConfig.attention_backend must be one of"):
         Engine(Llama(LlamaConfig(**TINY_LLAMA)), attention_backend="cudnn")
+    with pytest.raises(ValueError, match="EngineConfig.pool_layout must be one of"):
+        Engine(Llama(LlamaConfig(**TINY_LLAMA)), pool_layout="interleaved")
+    tiers = [
+        pool_formats(engine.runner.page_formats, page_size=16, quantization=None, layout=lay) for lay in POOL_LAYOUTS
+    ]
+    assert tiers[0]["full"]["layout"] != tiers[1]["full"]["layout"]  # a disk tier never reads the other layout
