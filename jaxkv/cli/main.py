@@ -466,7 +466,8 @@ def run_chat(args) -> int:
     return 0
 
 
-BENCHMARKS = {"decode": "jaxkv.bench.decode", "serving": "jaxkv.bench.serving", "attention": "jaxkv.bench.attention"}
+BENCHMARKS = {"decode": "jaxkv.bench.decode", "serving": "jaxkv.bench.serving", "attention": "jaxkv.bench.attention",
+              "latent": "jaxkv.bench.latent"}
 
 
 def _bench_parser(sub) -> None:
