@@ -139,7 +139,7 @@ FILE_SECONDS = {
     "test_tier_ledger.py": 10, "test_disk_tier.py": 8, "test_speculation.py": 103, "test_retrieval.py": 35,
     "test_gemma4_parity.py": 70, "test_shared_kv.py": 30,
     "test_compaction.py": 75, "test_deepseek_v32_parity.py": 60, "test_latent.py": 32,
-    "test_attention_backends.py": 45, "test_bench_attention.py": 8,
+    "test_attention_backends.py": 45, "test_bench_attention.py": 8, "test_bench_latent.py": 14,
 }  # fmt: skip
 
 
