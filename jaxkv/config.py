@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
 from jaxkv.eviction import POLICIES, EvictionSpec
-from jaxkv.layers.retrieval import PAGE_ORDERS, SUMMARIES, RetrievalSpec
+from jaxkv.layers.retrieval import PAGE_ORDERS, PREFILLS, SUMMARIES, RetrievalSpec
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import DATA, MODEL, make_mesh, parse_mesh
 
@@ -78,7 +78,8 @@ class RetrievalConfig(Strict):
     """Page retrieval attention (``jaxkv.layers.retrieval.RetrievalSpec``): each query reads ``budget``
     tokens (a multiple of ``page_size``) of every full-attention layer, the ``sink`` first and
     ``recent`` last pages always, the rest chosen by their ``summary``; ``pages``: 'sequential', or
-    'clustered' (a prefill's pages hold similar keys)."""
+    'clustered' (a prefill's pages hold similar keys); ``prefill``: 'retrieve', or 'dense' (an update of
+    more than a page per row attends every token, as Quest's prefill)."""
 
     budget: PositiveInt
     page_size: PositiveInt = 16
@@ -86,6 +87,7 @@ class RetrievalConfig(Strict):
     recent: PositiveInt = 1
     summary: Literal[SUMMARIES] = "minmax"
     pages: Literal[PAGE_ORDERS] = "sequential"
+    prefill: Literal[PREFILLS] = "retrieve"
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -59,6 +59,7 @@ from jaxkv.softmax import attention_block_size, softmax_init, softmax_step
 
 SUMMARIES = ("minmax", "centroid")
 PAGE_ORDERS = ("sequential", "clustered")
+PREFILLS = ("retrieve", "dense")
 PAGES_PER_CLUSTER = 2  # clustered pages: k-means clusters of about this many pages' tokens
 KMEANS_ITERATIONS = 10
 _SUMMARY_ROWS = {"minmax": 2, "centroid": 1}  # C: vectors per page summary
@@ -70,7 +71,9 @@ class RetrievalSpec:
     ``page_size``), of which the ``sink`` first pages and the ``recent`` pages up to the query's own
     (at least 1) always, the rest chosen by ``summary`` ('minmax' or 'centroid'). ``pages``:
     'sequential' (page i holds positions ``[i·page_size, (i+1)·page_size)``) or 'clustered'
-    (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys)."""
+    (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys). ``prefill``: 'retrieve' (every
+    query reads its pages, so any chunking gives token-by-token decoding's outputs) or 'dense' (the
+    queries of an update of more than ``page_size`` tokens per row read every token: Quest's prefill)."""
 
     budget: int
     page_size: int = 16
@@ -78,6 +81,7 @@ class RetrievalSpec:
     recent: int = 1
     summary: str = "minmax"
     pages: str = "sequential"
+    prefill: str = "retrieve"
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -95,6 +99,8 @@ class RetrievalSpec:
             raise ValueError(f"RetrievalSpec: summary must be one of {list(SUMMARIES)}, got {self.summary!r}")
         if self.pages not in PAGE_ORDERS:
             raise ValueError(f"RetrievalSpec: pages must be one of {list(PAGE_ORDERS)}, got {self.pages!r}")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"RetrievalSpec: prefill must be one of {list(PREFILLS)}, got {self.prefill!r}")
         if self.sink + self.recent > self.budget_pages:
             raise ValueError(
                 f"RetrievalSpec: {self.sink} sink + {self.recent} recent pages are always read but the budget is "
@@ -393,12 +399,15 @@ class RetrievalView(KVView):
     def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
         """Softmax attention of ``queries`` ``[B, H_q, T, D]`` over each query's pages: a gather of them
         where it holds fewer slots than the buffer, else a mask of them over the buffer read in blocks
-        of ``block_size`` slots (default ``attention_block_size``). Returns ``[B, H_q, T, D]``."""
+        of ``block_size`` slots (default ``attention_block_size``); over every token for a dense
+        prefill (``RetrievalSpec.prefill``). Returns ``[B, H_q, T, D]``."""
         if query_weights is not None:
             raise ValueError(
                 "a retrieval layer reads a budget of pages per query and reports no slot mass; query_weights "
                 "serve an evicting layer's scores"
             )
+        if self.spec.prefill == "dense" and queries.shape[2] > self.spec.page_size:
+            return super().attend(queries, q_positions, scale=scale, logit_softcap=logit_softcap, block_size=block_size)
         batch, num_heads, length, head_dim = queries.shape
         pages = self.pages(queries, q_positions)
         read = _Read(_grouped(queries, self.shape[1]), q_positions, scale, logit_softcap)

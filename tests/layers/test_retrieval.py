@@ -174,6 +174,15 @@ def test_clustered_pages_keep_positions_with_keys_and_queries_read_the_pages_num
         np.testing.assert_array_equal(static.keys[b, :, :length], k[b, :, :length])
 
 
+def test_a_dense_prefill_reads_every_token_and_decode_steps_retrieve():
+    """``prefill='dense'`` (Quest's): an update of 24 tokens attends like the full cache; the decode
+    steps after it read the pages NumPy chooses, as with a retrieving prefill."""
+    spec = RetrievalSpec(16, PAGE, prefill="dense")
+    out, _ = run(spec, [24] + [1] * 16)
+    np.testing.assert_allclose(out[:, :, :24], full_outputs()[:, :, :24], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out[:, :, 24:], numpy_retrieval(spec)[:, :, 24:], atol=1e-5, rtol=1e-5)
+
+
 def test_rollback_then_refill_equals_feeding_the_final_rows():
     """Undo 6 tokens (a page and a half) of 30 and feed 10 others: the last update's outputs equal
     a cache fed the final tokens directly, at a small budget (the refilled pages are summarized again)."""
@@ -294,6 +303,7 @@ def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
         ({"budget": 16, "sink": -1}, "sink must be >= 0"),
         ({"budget": 16, "summary": "mean"}, "summary must be one of"),
         ({"budget": 16, "pages": "kmeans"}, "pages must be one of"),
+        ({"budget": 16, "prefill": "full"}, "prefill must be one of"),
         ({"budget": 16, "page_size": 8, "sink": 2}, "2 sink \\+ 1 recent pages are always read but the budget is 2"),
     ],
 )
