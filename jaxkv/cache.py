@@ -676,6 +676,8 @@ class Cache:
         period = pattern_period(stored_types) if stacked else len(stored_types)
         layout = None if mesh is None else Layout.create(mesh, rules)
 
+        if layout is not None and spec.paging is not None:  # a kernel reading the pages is split by hand
+            spec = dataclasses.replace(spec, paging=dataclasses.replace(spec.paging, sharding=layout))
         def build() -> Cache:
             groups = build_groups(layer_types, spec, period, layer_builder, stored, kv_shapes)
             return cls(groups, tuple(layer_types), period, layout, kv_sources=tuple(kv_sources))

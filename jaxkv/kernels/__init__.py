@@ -15,10 +15,11 @@ from jaxkv.kernels.paged import (
     kernel_route,
     paged_decode,
     slot_and_head_axes,
+    split_pool,
 )  # fmt: skip
 
 __all__ = [
     "AUTO", "BACKENDS", "HEADS_LAYOUT", "PALLAS_GPU", "PALLAS_TPU", "POOL_LAYOUTS", "TOKENS_LAYOUT", "XLA",
     "check_backend", "check_layout", "flat_tables", "heads_major", "kernel_decode", "kernel_route", "paged_decode",
-    "resolve_backend", "slot_and_head_axes",
+    "resolve_backend", "slot_and_head_axes", "split_pool",
 ]  # fmt: skip

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as gpu_paged_attention
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
@@ -32,6 +33,7 @@ from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import Q
 
 from jaxkv.kernels.backends import PALLAS_GPU, PALLAS_TPU, XLA, interpreted
 from jaxkv.quantization import QuantSpec
+from jaxkv.sharding import HEAD_DIM, KV_HEADS, LAYERS, PAGE_SLOTS, PAGES, Axes, Layout
 
 # Pages per compute block and K splits of the GPU kernel (its defaults), tokens per compute block
 # of the GPU kernel over one-token pages (8 pages of 16), pages per compute block of the TPU
@@ -52,12 +54,15 @@ def heads_major(pool: jax.Array) -> jax.Array:
 
 def kernel_route(
     backend: str, *, window: int | None, decode_width: int, shifted: bool, slot_mass: bool,
-    quantization: QuantSpec | None, head_dim: int,
+    quantization: QuantSpec | None, head_dim: int, split_pool: bool = False,
 ) -> str | None:  # fmt: skip
     """Why a paged view's decode tokens are read by XLA under ``backend``; None: the kernel reads
-    them. Prefill chunks always go to XLA (the decode kernels take one query token per row)."""
+    them. Prefill chunks always go to XLA (the decode kernels take one query token per row).
+    ``split_pool``: the pool is split over devices along more than its K/V heads (``split_pool``)."""
     if backend == XLA:
         return "the xla backend"
+    if split_pool:
+        return "pages split over devices (a row's pages on several devices: its softmax needs a cross-device merge)"
     if window is not None:
         return "a sliding window (the kernels read slots 0 .. length - 1, and freed pages leave holes)"
     if decode_width != 1:
@@ -84,17 +89,44 @@ def slot_and_head_axes(layout: str) -> tuple[int, int]:
     return (-3, -2) if check_layout(layout) == TOKENS_LAYOUT else (-2, -3)
 
 
+def _stack_spec(sharding: Layout, shape: tuple[int, ...], layout: str) -> PartitionSpec:
+    """The mesh ``PartitionSpec`` of a pool stack of ``shape`` ``[L, P, ·, ·, D]`` stored in
+    ``layout`` under ``sharding`` (its codes' and its scales' alike: their leading axes agree)."""
+    inner = (PAGE_SLOTS, KV_HEADS) if check_layout(layout) == TOKENS_LAYOUT else (KV_HEADS, PAGE_SLOTS)
+    return sharding.spec(Axes(LAYERS, PAGES, *inner, HEAD_DIM), shape, quiet=True)
+
+
+def split_pool(sharding: Layout | None, shape: tuple[int, ...], layout: str) -> bool:
+    """Whether ``sharding`` splits a pool stack of ``shape`` over devices along anything but its K/V
+    heads (its pages, by default over ``data``): a kernel call per device would see only some of a
+    row's pages, so the decode tokens go to XLA (``kernel_route``)."""
+    if sharding is None:
+        return False
+    spec = _stack_spec(sharding, shape, layout)
+    head_axis = len(shape) + slot_and_head_axes(layout)[1]
+    return any(axis is not None for dim, axis in enumerate(spec) if dim != head_axis)
+
+
 def paged_decode(
     backend: str, queries: jax.Array, key_stack, value_stack, index, tables: jax.Array, lengths: jax.Array, *,
     scale: float, logit_softcap: float | None = None, quantization: QuantSpec | None = None,
-    layout: str = TOKENS_LAYOUT,
+    layout: str = TOKENS_LAYOUT, sharding: Layout | None = None,
 ) -> jax.Array:  # fmt: skip
     """Decode attention by ``backend``'s kernel over layer ``index`` of a pool stack as jaxkv stores
     it: ``key_stack``/``value_stack`` ``[L, P, page_size, H_kv, D]`` (``layout`` 'tokens') or
     ``[L, P, H_kv, page_size, D]`` ('heads'), a ``QuantizedTensor`` under ``quantization`` (fp8
     codes with one scale per token, see ``kernel_route``); ``queries`` ``[B, H_q, D]`` (one token
     per row), row b reading slots ``0 .. lengths[b] - 1`` ``[B]`` through block table ``tables[b]``
-    ``[B, W]`` (length 0: zeros). Returns ``[B, H_q, D]`` float32."""
+    ``[B, W]`` (length 0: zeros). Returns ``[B, H_q, D]`` float32.
+
+    ``sharding``: the mesh and rules the stacks are sharded by. XLA does not partition a Pallas
+    call, so the kernel runs per device under ``shard_map``, each device over its own K/V heads
+    and their query heads; a pool split otherwise (``split_pool``) is refused: route it to XLA."""
+    if sharding is not None:
+        return _sharded_decode(
+            sharding, backend, queries, key_stack, value_stack, index, tables, lengths, scale=scale,
+            logit_softcap=logit_softcap, quantization=quantization, layout=layout,
+        )  # fmt: skip
     options = {"scale": scale, "logit_softcap": logit_softcap}
     if backend == PALLAS_GPU or layout == HEADS_LAYOUT:
         stacks = (key_stack, value_stack)
@@ -105,6 +137,26 @@ def paged_decode(
     return kernel_decode(
         backend, queries, k_pages, v_pages, tables, lengths, k_scales=k_scales, v_scales=v_scales, **options
     )
+
+
+def _sharded_decode(sharding: Layout, backend, queries, key_stack, value_stack, index, tables, lengths, **options):
+    """``paged_decode`` per device under ``shard_map``: K/V heads (and their query heads) split as
+    the stacks are, everything else replicated. Returns ``[B, H_q, D]`` float32."""
+    shape = (key_stack.codes if options["quantization"] is not None else key_stack).shape
+    if split_pool(sharding, shape, options["layout"]):
+        raise ValueError(f"paged_decode: {sharding.mesh.shape} splits the pool {shape} along more than its K/V heads")
+    pool = _stack_spec(sharding, shape, options["layout"])
+    heads = PartitionSpec(None, pool[len(shape) + slot_and_head_axes(options["layout"])[1]], None)
+
+    def local(queries, key_stack, value_stack, index, tables, lengths):
+        return paged_decode(backend, queries, key_stack, value_stack, index, tables, lengths, **options)
+
+    replicated = PartitionSpec()
+    decode = jax.shard_map(
+        local, mesh=sharding.mesh, in_specs=(heads, pool, pool, replicated, replicated, replicated), out_specs=heads,
+        check_vma=False,
+    )  # fmt: skip
+    return decode(queries, key_stack, value_stack, jnp.asarray(index, jnp.int32), tables, lengths)
 
 
 def flat_tables(tables: jax.Array, index, stack_shape: tuple[int, ...], layout: str) -> jax.Array:

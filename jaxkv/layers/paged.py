@@ -45,10 +45,11 @@ from jaxkv.kernels import (
     kernel_route,
     paged_decode,
     slot_and_head_axes,
+    split_pool,
 )
 from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
-from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes
+from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes, Layout
 from jaxkv.softmax import attention_mask, softmax_init, softmax_step
 
 NULL_PAGE = 0
@@ -78,6 +79,8 @@ class Paging:
     ``layout``: how a layer's pages are stored: 'tokens' ``[P, page_size, H_kv, D]`` or 'heads'
     ``[P, H_kv, page_size, D]`` (each head's slots of a page together: the kernels read such a
     pool in place, page by page; XLA reads either).
+    ``sharding``: the mesh and rules the pools are sharded by (``Cache.from_config(mesh=...)`` sets
+    it): a kernel call is split over them by hand (``jaxkv.kernels.paged_decode``).
     """
 
     page_size: int
@@ -87,6 +90,7 @@ class Paging:
     scored: bool = False
     attention_backend: str = XLA
     layout: str = TOKENS_LAYOUT
+    sharding: Layout | None = None
 
     def __post_init__(self):
         check_layout(self.layout, "Paging.layout")
@@ -173,6 +177,7 @@ class PagedKVView:
     slot_positions: jax.Array | None = None  # [R, W * page_size]
     backend: str = struct.field(pytree_node=False, default=XLA)  # reads the decode tokens (jaxkv.kernels)
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
+    sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
 
     @property
     def page_size(self) -> int:
@@ -277,6 +282,7 @@ class PagedKVView:
             self.backend, window=self.window, decode_width=self.decode_width,
             shifted=self.shifts is not None or self.slot_positions is not None, slot_mass=slot_mass,
             quantization=self.quantization, head_dim=head_dim,
+            split_pool=split_pool(self.sharding, pool_shape(self.key_stack), self.layout),
         )  # fmt: skip
 
     def _kernel_decode(self, grouped: jax.Array, positions: jax.Array, scale: float, logit_softcap) -> jax.Array:
@@ -286,7 +292,7 @@ class PagedKVView:
         out = paged_decode(
             self.backend, grouped.reshape(tokens, num_kv_heads * group, head_dim), self.key_stack, self.value_stack,
             self.index, self.block_table[self.token_rows[:tokens]], jnp.maximum(positions + 1, 0), scale=scale,
-            logit_softcap=logit_softcap, quantization=self.quantization, layout=self.layout,
+            logit_softcap=logit_softcap, quantization=self.quantization, layout=self.layout, sharding=self.sharding,
         )  # fmt: skip
         return out.reshape(grouped.shape)
 
@@ -372,6 +378,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     slot_scores: jax.Array | None = None
     attention_backend: str = struct.field(pytree_node=False, default=XLA)  # see Paging
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
+    sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
 
     MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
     WHY_NOT = {
@@ -397,6 +404,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             slot_scores=jnp.zeros(pages[:3], jnp.float32) if scored else None,
             attention_backend=paging.attention_backend,
             layout=paging.layout,
+            sharding=paging.sharding,
         )
 
     @staticmethod
@@ -500,7 +508,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         view = PagedKVView(
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
             self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
-            self.attention_backend, self.layout,
+            self.attention_backend, self.layout, self.sharding,
         )  # fmt: skip
         if self.slot_scores is None:
             out, _ = read(queries, view, positions, None)

@@ -30,11 +30,13 @@ from jaxkv.kernels import (
     kernel_route,
     paged_decode,
     resolve_backend,
+    split_pool,
 )
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, PagedLayer, table_width
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
 from jaxkv.serving import Engine
 from jaxkv.serving.disk_link import pool_formats
+from jaxkv.sharding import Layout, make_mesh
 from tests.cases import TINY_GEMMA, TINY_LLAMA, greedy_reference, run_arrivals
 
 HQ, HKV, D, PAGE, PAGES = 4, 2, 16, 4, 16
@@ -290,3 +292,49 @@ def test_serve_flags_reach_the_engine(caplog):
         pool_formats(engine.runner.page_formats, page_size=16, quantization=None, layout=lay) for lay in POOL_LAYOUTS
     ]
     assert tiers[0]["full"]["layout"] != tiers[1]["full"]["layout"]  # a disk tier never reads the other layout
+
+
+def _layout(data: int, model: int) -> Layout:
+    """A mesh of the first ``data * model`` host devices (conftest sets 8)."""
+    return Layout.create(make_mesh({"data": data, "model": model}, jax.devices()[: data * model]))
+
+
+@pytest.mark.parametrize("layout", POOL_LAYOUTS)
+def test_kernel_under_a_mesh_runs_per_device_over_its_heads(pools, queries, layout):
+    """K/V heads over ``model`` (2 devices, one K/V head and its query heads each): the kernel runs
+    under ``shard_map`` and agrees with the XLA read; pages split over ``data`` are refused by
+    ``paged_decode`` and routed to XLA by the view, with the reason."""
+    keys, values = pools
+    heads = _layout(1, 2)
+    tables, lengths = jnp.asarray(_tables()[TOKEN_ROWS]), jnp.asarray(np.maximum(_positions() + 1, 0))
+    stacks = tuple(_stored(x, layout)[None] for x in pools)
+    assert not split_pool(heads, stacks[0].shape, layout)
+    got = jax.jit(lambda *a: paged_decode(PALLAS_GPU, *a, scale=D**-0.5, layout=layout, sharding=heads))(
+        queries, *stacks, 0, tables, lengths)  # fmt: skip
+    np.testing.assert_allclose(got, _xla(queries, keys, values), atol=1e-5, rtol=1e-5)
+    pages = _layout(2, 1)
+    assert split_pool(pages, stacks[0].shape, layout) and split_pool(_layout(2, 2), stacks[0].shape, layout)
+    with pytest.raises(ValueError, match="splits the pool"):
+        paged_decode(PALLAS_GPU, queries, *stacks, 0, tables, lengths, scale=D**-0.5, layout=layout, sharding=pages)
+    view = _view(keys, values, PALLAS_GPU, layout=layout).replace(sharding=pages)
+    assert view.kernel_route(D, slot_mass=False).startswith("pages split over devices")
+    assert _view(keys, values, PALLAS_GPU, layout=layout).replace(sharding=heads).kernel_route(D, False) is None
+
+
+@pytest.mark.filterwarnings("ignore:.*is not divisible by mesh axis:UserWarning")
+@pytest.mark.parametrize("data, model", [(1, 2), (2, 4)])
+def test_engine_under_a_mesh_with_the_gpu_kernel(data, model, monkeypatch):
+    """Tiny Llama (8 K/V heads) served on a ``data x model`` mesh with ``pallas_gpu``: on 1x2 the
+    kernel runs per device over its K/V heads (traced), on 2x4 the pages split over ``data`` send
+    the decodes to XLA (not traced); either way one device's greedy tokens (``generate``)."""
+    config = LlamaConfig(**TINY_LLAMA | {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8})
+    traced = []
+    monkeypatch.setattr(paged_layers, "paged_decode", lambda *args, **kw: traced.append(kw["sharding"]) or paged_decode(
+        *args, **kw))  # fmt: skip
+    prompts = [[3, 14, 15, 9, 26, 5], [35, 8, 9]]
+    mesh = make_mesh({"data": data, "model": model}, jax.devices()[: data * model])
+    engine = Engine(Llama(config, mesh=mesh), kv_memory=64 * 1024, page_size=4, max_num_seqs=2,
+                    max_num_batched_tokens=16, attention_backend=PALLAS_GPU)  # fmt: skip
+    assert engine.runner.cache.groups[0].sharding.mesh == mesh
+    assert run_arrivals(engine, prompts, [0, 1], 4) == greedy_reference(Llama(config), prompts, 4)
+    assert bool(traced) == (data == 1) and all(sharding.mesh == mesh for sharding in traced)
