@@ -29,7 +29,8 @@ read. Rows are gathered leaf by leaf (``BatchMajorLayer``).
 
 ``ClusteredRetrievalLayer`` (``pages='clustered'``, IceCache's step): after an update of more than
 a page per row (a prefill), each K/V head's complete pages are reordered so that a page holds
-similar keys (k-means per K/V head), each token keeping its position; it has no rollback.
+similar keys (k-means per K/V head), each token keeping its position; a decode page leaving the
+recent pages is folded into the clusters (its tokens join their nearest centroids); no rollback.
 """
 
 from __future__ import annotations
@@ -145,11 +146,12 @@ class PageRetrieval(PositionalLayer, Refill):
         pages = (batch_size, num_kv_heads, slots // spec.page_size, _SUMMARY_ROWS[spec.summary], head_dim)
         return cls(
             keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), summaries=jnp.zeros(pages, dtype),
-            lengths=jnp.zeros((batch_size,), jnp.int32), spec=spec, **cls.empty_order(batch_size, num_kv_heads, slots),
+            lengths=jnp.zeros((batch_size,), jnp.int32), spec=spec,
+            **cls.empty_order(batch_size, num_kv_heads, slots, head_dim, spec),
         )  # fmt: skip
 
     @staticmethod
-    def empty_order(batch_size: int, num_kv_heads: int, slots: int) -> dict:
+    def empty_order(batch_size: int, num_kv_heads: int, slots: int, head_dim: int, spec: RetrievalSpec) -> dict:
         """The leaves recording which position each slot holds, empty (none: slot ``p`` holds ``p``)."""
         return {}
 
@@ -241,16 +243,22 @@ class ClusteredRetrievalLayer(PageRetrieval):
     query's are reordered (IceCache's step): their keys are clustered by k-means (``KMEANS_ITERATIONS``,
     about ``PAGES_PER_CLUSTER`` pages of tokens per cluster, per K/V head) and laid out cluster by
     cluster, so that a page holds similar keys; ``slot_positions`` records the position each slot
-    holds (masks and RoPE stay those of the tokens' positions). Decode steps write the later pages
-    in order; the next long update clusters them with the others. No rollback: re-fed tokens would
-    land on reordered slots.
+    holds (masks and RoPE stay those of the tokens' positions). Shorter updates (decode steps) write
+    the later pages in order; once a page leaves the recent pages, its tokens are folded into the
+    clusters (each joins its nearest k-means centroid, the centroids kept as fitted) and the slots
+    up to it are laid out cluster by cluster again (``folded``: under ``lax.cond``, so a step that
+    fills no page pays nothing). The next long update clusters every page again. No rollback:
+    re-fed tokens would land on reordered slots.
     """
 
     slot_positions: jax.Array  # [B, H_kv, S_max] int32: the position held by each slot below ``clustered``
+    slot_clusters: jax.Array  # [B, H_kv, S_max] int32: the cluster of each slot's token below ``clustered``
+    centroids: jax.Array  # [B, H_kv, K, D] float32: the k-means centroids, K = S_max / page / PAGES_PER_CLUSTER
     clustered: jax.Array  # [B] int32: slots below hold the reordered pages (and the sink pages, in order)
 
     MEMORY_FORMULA = (
-        "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 4·B·S_max·H_kv + 8·B; C = 2 (minmax) or 1 (centroid)"
+        "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 8·B·S_max·H_kv + 4·B·K·H_kv·D + 8·B; "
+        "C = 2 (minmax) or 1 (centroid), K = max(1, S_max / page / 2) centroids"
     )
     WHY_NOT = {
         Rollback: "its prefill's pages were reordered by clustering, and tokens fed again would land on their "
@@ -258,24 +266,30 @@ class ClusteredRetrievalLayer(PageRetrieval):
     }
 
     @staticmethod
-    def empty_order(batch_size: int, num_kv_heads: int, slots: int) -> dict:
+    def empty_order(batch_size: int, num_kv_heads: int, slots: int, head_dim: int, spec: RetrievalSpec) -> dict:
         return {
             "slot_positions": jnp.zeros((batch_size, num_kv_heads, slots), jnp.int32),
+            "slot_clusters": jnp.zeros((batch_size, num_kv_heads, slots), jnp.int32),
+            "centroids": jnp.zeros((batch_size, num_kv_heads, _cluster_count(slots, spec), head_dim), jnp.float32),
             "clustered": jnp.zeros((batch_size,), jnp.int32),
         }
 
     @staticmethod
     def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, spec=None, **_) -> int:
-        """``RetrievalLayer.kv_bytes`` and the slot positions."""
+        """``RetrievalLayer.kv_bytes``, the slot positions and clusters, and the centroids."""
         slots = _whole_pages(max_length or seq_len, spec.page_size)
-        order = 4 * batch_size * (num_kv_heads * slots + 1)
+        order = 4 * batch_size * (2 * num_kv_heads * slots + num_kv_heads * _cluster_count(slots, spec) * head_dim + 1)
         return RetrievalLayer.kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length, spec) + order
 
     def describe(self) -> str:
         return super().describe() + " clustered"
 
     def logical_axes(self):
-        return super().logical_axes().replace(slot_positions=Axes(BATCH, KV_HEADS, KV_SLOTS), clustered=Axes(BATCH))
+        slots = Axes(BATCH, KV_HEADS, KV_SLOTS)
+        return super().logical_axes().replace(
+            slot_positions=slots, slot_clusters=slots, centroids=Axes(BATCH, KV_HEADS, None, HEAD_DIM),
+            clustered=Axes(BATCH),
+        )  # fmt: skip
 
     def held_positions(self, index) -> jax.Array:
         slot = super().held_positions(index)
@@ -283,57 +297,102 @@ class ClusteredRetrievalLayer(PageRetrieval):
         return jnp.where(reordered, entry(self.slot_positions, index), slot)
 
     def arranged(self, index, num_new: int) -> ClusteredRetrievalLayer:
-        """Entry ``index`` with its pages clustered after an update of more than ``page_size`` tokens per row."""
+        """Entry ``index`` after an update of ``num_new`` tokens per row: more than ``page_size``, its
+        pages clustered afresh; fewer, the page that left the recent pages (if one did) folded in."""
         if num_new <= self.spec.page_size:
-            return self
-        spec, num_slots = self.spec, self.capacity
-        page, start = spec.page_size, spec.sink * spec.page_size
+            return self.folded(index)
         lengths = entry(self.lengths, index)
-        cut = jnp.maximum(start, (lengths // page - spec.recent + 1) * page)  # [B]: slots [start, cut) reorder
-        keys = entry(self.keys, index)
+        cut, start = self.cut(lengths), self.spec.sink * self.spec.page_size
+        member = (jnp.arange(self.capacity) >= start) & (jnp.arange(self.capacity) < cut[:, None])  # [B, S]
+        keys = entry(self.keys, index).astype(jnp.float32)
+        labels, centroids = _kmeans(keys, member, start, cut, self.centroids.shape[-2])
+        layer = self.replace(centroids=self.centroids.at[index].set(centroids))
+        return layer.laid_out(index, labels, cut, jnp.ones_like(lengths, bool))
+
+    def folded(self, index) -> ClusteredRetrievalLayer:
+        """Entry ``index`` with the page that left the recent pages in a short update (at most one
+        per row: the update wrote at most ``page_size`` tokens) folded into the clusters: each of its
+        tokens joins its nearest centroid and the slots up to it are laid out again (rows whose
+        recent pages did not move are left as they are; no row moved: nothing is computed)."""
+        page, start = self.spec.page_size, self.spec.sink * self.spec.page_size
+        clustered = entry(self.clustered, index)
+        cut = self.cut(entry(self.lengths, index))
+        moved = cut > clustered  # [B]
+
+        def fold(layer: ClusteredRetrievalLayer) -> ClusteredRetrievalLayer:
+            slots = jnp.maximum(clustered, start)[:, None] + jnp.arange(page)  # [B, page]: the page that left
+            keys = jnp.take_along_axis(
+                entry(layer.keys, index), jnp.minimum(slots, layer.capacity - 1)[:, None, :, None], axis=2
+            )  # [B, H_kv, page, D]
+            labels = _nearest(keys.astype(jnp.float32), entry(layer.centroids, index))  # [B, H_kv, page]
+            rows, heads = jnp.arange(slots.shape[0])[:, None, None], jnp.arange(keys.shape[1])[None, :, None]
+            written = jnp.where(slots < cut[:, None], slots, layer.capacity)[:, None, :]  # [B, 1, page]
+            clusters = entry(layer.slot_clusters, index).at[rows, heads, written].set(labels, mode="drop")
+            return layer.laid_out(index, clusters, cut, moved)
+
+        return jax.lax.cond(jnp.any(moved), fold, lambda layer: layer, self)
+
+    def cut(self, lengths: jax.Array) -> jax.Array:
+        """``[B]``: the slots ``[sink pages, cut)`` that are clustered at ``lengths`` ``[B]``: the complete
+        pages before the ``recent - 1`` pages preceding the next query's own."""
+        page, start = self.spec.page_size, self.spec.sink * self.spec.page_size
+        return jnp.maximum(start, (lengths // page - self.spec.recent + 1) * page)
+
+    def laid_out(self, index, labels: jax.Array, cut: jax.Array, rows: jax.Array) -> ClusteredRetrievalLayer:
+        """Entry ``index`` with each row of ``rows`` ``[B]`` (bool) laid out by the clusters ``labels``
+        ``[B, H_kv, S]`` of its slots ``[sink pages, cut)`` (``cut`` ``[B]``): the sink slots first,
+        then those slots cluster by cluster (in position order within one), then the rest; the slot
+        positions and clusters travel with the tokens and every page is summarized again."""
+        num_slots, count = self.capacity, self.centroids.shape[-2]
         slot = jnp.arange(num_slots, dtype=jnp.int32)
+        start = self.spec.sink * self.spec.page_size
         member = (slot >= start) & (slot < cut[:, None])  # [B, S]
-        count = max(1, num_slots // page // PAGES_PER_CLUSTER)
-        labels = _kmeans_labels(keys.astype(jnp.float32), member, start, cut, count)  # [B, H_kv, S]
-        # Sink slots first, then the members cluster by cluster (in position order within one), then the rest.
         group = jnp.where(member[:, None], labels + 1, jnp.where(slot < start, 0, count + 1))
-        order = jnp.argsort(group * num_slots + slot, axis=-1)  # [B, H_kv, S]
+        held = self.held_positions(index)
+        order = jnp.where(rows[:, None, None], jnp.argsort(group * num_slots + held, axis=-1), slot)  # [B, H_kv, S]
         take = lambda x: jnp.take_along_axis(x, order[..., None], axis=2)
         layer = self.replace(
-            keys=self.keys.at[index].set(take(keys)),
+            keys=self.keys.at[index].set(take(entry(self.keys, index))),
             values=self.values.at[index].set(take(entry(self.values, index))),
-            slot_positions=self.slot_positions.at[index].set(
-                jnp.take_along_axis(self.held_positions(index), order, axis=-1)
-            ),
-            clustered=self.clustered.at[index].set(cut),
+            slot_positions=self.slot_positions.at[index].set(jnp.take_along_axis(held, order, axis=-1)),
+            slot_clusters=self.slot_clusters.at[index].set(jnp.take_along_axis(labels, order, axis=-1)),
+            clustered=self.clustered.at[index].set(jnp.where(rows, cut, entry(self.clustered, index))),
         )
-        return layer.summarized(index, jnp.zeros_like(lengths), num_slots)
+        return layer.summarized(index, jnp.zeros_like(cut), num_slots)
 
 
 # pages= -> the layer class (``RetrievalSpec.pages``).
 RETRIEVAL_LAYERS = {"sequential": RetrievalLayer, "clustered": ClusteredRetrievalLayer}
 
 
-def _kmeans_labels(keys: jax.Array, member: jax.Array, start: int, cut: jax.Array, count: int) -> jax.Array:
+def _cluster_count(slots: int, spec: RetrievalSpec) -> int:
+    """K: the k-means clusters of a clustered layer of ``slots`` slots (about ``PAGES_PER_CLUSTER`` pages each)."""
+    return max(1, slots // spec.page_size // PAGES_PER_CLUSTER)
+
+
+def _nearest(keys: jax.Array, centroids: jax.Array) -> jax.Array:
+    """The nearest of ``centroids`` ``[B, H_kv, K, D]`` to each key ``[B, H_kv, S, D]`` (float32): ``[B, H_kv, S]``."""
+    distance = jnp.sum(centroids**2, -1)[:, :, None, :] - 2 * jnp.einsum("bhsd,bhkd->bhsk", keys, centroids)
+    return jnp.argmin(distance, axis=-1).astype(jnp.int32)
+
+
+def _kmeans(keys: jax.Array, member: jax.Array, start: int, cut: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     """The cluster ``[B, H_kv, S]`` of each key ``[B, H_kv, S, D]`` (float32) among ``count`` k-means
-    centroids fitted per row and K/V head to the ``member`` slots ``[B, S]`` (``[start, cut)``, ``cut``
-    ``[B]``), seeded with evenly spaced members."""
+    centroids ``[B, H_kv, count, D]`` (returned too) fitted per row and K/V head to the ``member``
+    slots ``[B, S]`` (``[start, cut)``, ``cut`` ``[B]``), seeded with evenly spaced members."""
     num_slots = keys.shape[2]
     seeds = start + (jnp.arange(count) * (cut - start)[:, None]) // count  # [B, count]
     centroids = jnp.take_along_axis(keys, jnp.minimum(seeds, num_slots - 1)[:, None, :, None], axis=2)
     weights = member[:, None, :, None].astype(jnp.float32)  # [B, 1, S, 1]
 
-    def nearest(centroids: jax.Array) -> jax.Array:  # [B, H_kv, S]
-        distance = jnp.sum(centroids**2, -1)[:, :, None, :] - 2 * jnp.einsum("bhsd,bhkd->bhsk", keys, centroids)
-        return jnp.argmin(distance, axis=-1)
-
     def step(_, centroids: jax.Array) -> jax.Array:
-        assigned = (nearest(centroids)[..., None] == jnp.arange(count)) * weights  # [B, H_kv, S, count]
+        assigned = (_nearest(keys, centroids)[..., None] == jnp.arange(count)) * weights  # [B, H_kv, S, count]
         totals = jnp.sum(assigned, axis=2)[..., None]  # [B, H_kv, count, 1]
         sums = jnp.einsum("bhsk,bhsd->bhkd", assigned, keys)
         return jnp.where(totals > 0, sums / jnp.maximum(totals, 1.0), centroids)
 
-    return nearest(jax.lax.fori_loop(0, KMEANS_ITERATIONS, step, centroids))
+    centroids = jax.lax.fori_loop(0, KMEANS_ITERATIONS, step, centroids)
+    return _nearest(keys, centroids), centroids
 
 
 def _summary(kind: str, page_keys: jax.Array, filled: jax.Array) -> jax.Array:

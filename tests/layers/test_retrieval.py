@@ -9,6 +9,7 @@ refill, or a reorder, give what feeding the final rows directly gives.
 """
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -114,15 +115,15 @@ def numpy_pages(spec: RetrievalSpec, q, k, q_pos) -> list[int]:
     return sorted(pages | {candidates[i] for i in order})
 
 
-def numpy_retrieval(spec: RetrievalSpec, keys=None, values=None, held=None) -> np.ndarray:
-    """Outputs ``[B, H_q, LENGTH, D]`` of ``inputs()``'s queries over the pages NumPy chooses among slots
-    holding ``keys``/``values`` ``[B, H_kv, S, D]`` at positions ``held`` ``[B, H_kv, S]`` (-1: none;
-    default: ``inputs()``'s keys, slot p holding position p)."""
+def numpy_retrieval(spec: RetrievalSpec, keys=None, values=None, held=None, times=range(LENGTH)) -> np.ndarray:
+    """Outputs ``[B, H_q, LENGTH, D]`` of ``inputs()``'s queries (those at ``times``; zeros elsewhere)
+    over the pages NumPy chooses among slots holding ``keys``/``values`` ``[B, H_kv, S, D]`` at
+    positions ``held`` ``[B, H_kv, S]`` (-1: none; default: ``inputs()``'s keys, slot p holding position p)."""
     q, k, v, positions = (np.asarray(x, np.float64) for x in inputs(0))
     keys, values = (k, v) if keys is None else (np.asarray(keys, np.float64), np.asarray(values, np.float64))
     held = np.broadcast_to(np.arange(keys.shape[2]), keys.shape[:3]) if held is None else np.asarray(held)
     out = np.zeros(q.shape)
-    for b, h, t in np.ndindex(B, H_KV, LENGTH):
+    for b, h, t in itertools.product(range(B), range(H_KV), times):
         p = int(positions[b, t])
         if p < 0:
             continue
@@ -149,29 +150,46 @@ def test_a_small_budget_reads_the_pages_numpy_chooses_at_any_chunking(summary):
 
 def test_clustered_pages_keep_positions_with_keys_and_queries_read_the_pages_numpy_chooses():
     """A prefill of 24 tokens (one update) attends over sequential pages, then its pages 1-5 are
-    reordered by cluster per K/V head, each key keeping its position; the 16 decode steps after it
-    read the pages NumPy chooses from that layout. No rollback; a refill gets the tokens in order."""
+    reordered by cluster per K/V head, each key keeping its position. Each of the 16 decode steps
+    after it reads the pages NumPy chooses from the layout before the step; a page leaving the recent
+    page is folded into the clusters (row 0's pages 6-8; ragged row 1, past its 27 tokens, moves
+    none): its tokens join their nearest centroids and the slots are laid out cluster by cluster,
+    in position order within one. No rollback; a refill gets the tokens in order."""
     spec = RetrievalSpec(16, PAGE, pages="clustered")
-    out, cache = run(spec, [24] + [1] * 16)
+    q, k, v, positions = inputs()
+    k_np, v_np = np.asarray(k), np.asarray(v)
+    cache, out = feed(layer_cache(spec), q[:, :, :24], k[:, :, :24], v[:, :, :24], positions[:, :24])
+    live = np.asarray(positions >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(live[:, :, :24], out, 0), numpy_retrieval(spec, times=range(24))[:, :, :24],
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    for t in range(24, LENGTH):
+        held = np.asarray(cache.groups[0].held_positions(0))  # [B, H_kv, S] before the step
+        at = np.minimum(held, LENGTH - 1)[..., None]
+        keys, values = np.take_along_axis(k_np, at, axis=2), np.take_along_axis(v_np, at, axis=2)
+        cache, out = feed(cache, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], positions[:, t : t + 1])
+        want = numpy_retrieval(spec, keys, values, held, times=[t])[:, :, t : t + 1]
+        np.testing.assert_allclose(np.where(live[:, :, t : t + 1], out, 0), want, atol=1e-5, rtol=1e-5)
     stack = cache.groups[0]
-    keys, values, held = (np.asarray(x) for x in (stack.keys[0], stack.values[0], stack.kv_positions(0)))
-    _, k, v, _ = (np.asarray(x) for x in inputs(0))
-    for b, h in np.ndindex(B, H_KV):
-        region = held[b, h, PAGE:24]
-        assert sorted(region) == list(range(PAGE, 24)) and np.array_equal(
-            held[b, h, 24 : ROW_LENGTHS[b]], range(24, ROW_LENGTHS[b])
-        )
-        np.testing.assert_array_equal(keys[b, h, : ROW_LENGTHS[b]], k[b, h, held[b, h, : ROW_LENGTHS[b]]])
-    assert any(not np.array_equal(held[b, h, PAGE:24], range(PAGE, 24)) for b, h in np.ndindex(B, H_KV))
-    np.testing.assert_allclose(out[:, :, :24], numpy_retrieval(spec)[:, :, :24], atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(
-        out[:, :, 24:], numpy_retrieval(spec, keys, values, held)[:, :, 24:], atol=1e-5, rtol=1e-5
+    keys, held, clusters, centroids = (
+        np.asarray(x) for x in (stack.keys[0], stack.kv_positions(0), stack.slot_clusters[0], stack.centroids[0])
     )
+    np.testing.assert_array_equal(np.asarray(stack.clustered[0]), [40, 24])
+    for b, h in np.ndindex(B, H_KV):
+        length, cut = ROW_LENGTHS[b], (40, 24)[b]
+        assert sorted(held[b, h, :length]) == list(range(length))  # positions travel with their keys
+        np.testing.assert_array_equal(keys[b, h, :length], k_np[b, h, held[b, h, :length]])
+        np.testing.assert_array_equal(held[b, h, cut:length], range(cut, length))  # the recent page, in order
+        region = list(zip(clusters[b, h, PAGE:cut], held[b, h, PAGE:cut]))
+        assert region == sorted(region)  # cluster by cluster, position order within one
+        folded = held[b, h, PAGE:cut] >= 24  # decode tokens folded in: each in its nearest cluster
+        distance = ((keys[b, h, PAGE:cut, None] - centroids[b, h][None]) ** 2).sum(-1)
+        np.testing.assert_array_equal(clusters[b, h, PAGE:cut][folded], distance.argmin(-1)[folded])
+    assert any(not np.array_equal(held[0, h, 24:36], range(24, 36)) for h in range(H_KV))  # folded among the prefill's
     with pytest.raises(ValueError, match=r"ClusteredRetrievalLayer cannot roll back .* pages='sequential'"):
         cache.rollback(1)
     static = jax.jit(refill)(cache, layer_cache(None)).layer(0)
     for b, length in enumerate(ROW_LENGTHS):
-        np.testing.assert_array_equal(static.keys[b, :, :length], k[b, :, :length])
+        np.testing.assert_array_equal(static.keys[b, :, :length], k_np[b, :, :length])
 
 
 def test_a_dense_prefill_reads_every_token_and_decode_steps_retrieve():
