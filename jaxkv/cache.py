@@ -28,8 +28,8 @@ from jaxkv.batch import PackedAttention, PackedBatch, PackedState, PagedStorage
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
-from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer, PackedIndexedLayer
-from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer, PackedLatentLayer
+from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer, PagedIndexedLayer
+from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer, PagedLatentLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -194,9 +194,9 @@ def _chunked_layer(spec: LayerSpec) -> CacheLayer:
     )
 
 
-def _latent_storage(spec: LayerSpec, static, dynamic, packed) -> CacheLayer:
+def _latent_storage(spec: LayerSpec, static, dynamic, paged) -> CacheLayer:
     """A latent layer: ``static`` or ``dynamic`` by ``full_attention``; under ``paging`` (the engine)
-    ``packed`` around a static one of ``paging.max_length`` slots per engine row."""
+    ``paged``, in pages of the full-attention pool."""
     if spec.latent is None:
         raise ValueError(
             "layer types 'latent_attention' and 'indexed_attention' need latent=LatentSpec(...) (from_config reads "
@@ -206,7 +206,7 @@ def _latent_storage(spec: LayerSpec, static, dynamic, packed) -> CacheLayer:
     if given:
         raise ValueError(f"latent and indexed attention layers are stored at the cache dtype; not with {given[0]}")
     if spec.paging is not None:
-        return packed(static.create(spec.batch_size, spec.latent, spec.paging.max_length, spec.dtype))
+        return paged.create(spec.latent, spec.paging, spec.dtype)
     if spec.full_attention == "dynamic":
         return dynamic.create(spec.batch_size, spec.latent, spec.dtype)
     if spec.max_length is None:
@@ -215,11 +215,11 @@ def _latent_storage(spec: LayerSpec, static, dynamic, packed) -> CacheLayer:
 
 
 def _latent_layer(spec: LayerSpec) -> CacheLayer:
-    return _latent_storage(spec, LatentLayer, DynamicLatentLayer, PackedLatentLayer)
+    return _latent_storage(spec, LatentLayer, DynamicLatentLayer, PagedLatentLayer)
 
 
 def _indexed_layer(spec: LayerSpec) -> CacheLayer:
-    return _latent_storage(spec, IndexedLayer, DynamicIndexedLayer, PackedIndexedLayer)
+    return _latent_storage(spec, IndexedLayer, DynamicIndexedLayer, PagedIndexedLayer)
 
 
 def _conv_state(spec: LayerSpec, state_shapes) -> CacheLayer:
@@ -310,10 +310,10 @@ LAYER_TYPES: dict[str, LayerType] = {
     "hybrid": LayerType(_hybrid_layer, {}),
     "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
     "latent_attention": LayerType(
-        _latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}, paged=PackedLatentLayer
+        _latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}, paged=PagedLatentLayer
     ),
     "indexed_attention": LayerType(
-        _indexed_layer, {"static": IndexedLayer, "dynamic": DynamicIndexedLayer}, paged=PackedIndexedLayer
+        _indexed_layer, {"static": IndexedLayer, "dynamic": DynamicIndexedLayer}, paged=PagedIndexedLayer
     ),
 }
 FULL_ATTENTION_KINDS = tuple(LAYER_TYPES["full_attention"].storage)

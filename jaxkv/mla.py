@@ -40,16 +40,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxkv.batch import PackedAttention, PackedBatch
+from jaxkv.batch import PackedAttention, PackedBatch, PagedStorage
+from jaxkv.page_table import FULL_POOL, NULL_PAGE, page_slots
 from jaxkv.protocol import (
     KV_AXES,
     BatchMajorLayer,
+    CacheLayer,
     Growth,
     KVView,
     MaskInfo,
     Overflow,
-    PackedRowsLayer,
     Rollback,
+    RowPacking,
+    RowSelection,
     check_array,
     check_capacity,
     check_positions,
@@ -59,7 +62,7 @@ from jaxkv.protocol import (
     pytree_class,
     write_slots,
 )  # fmt: skip
-from jaxkv.sharding import BATCH, Axes, to_host
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes, to_host
 from jaxkv.sizing import bucket
 from jaxkv.softmax import attention_mask
 
@@ -321,33 +324,148 @@ class GrowingSlots(Growth):
         return super(GrowingSlots, grown).update_entry(index, keys, values, positions)
 
 
-@pytree_class
-class PackedLatentRows(PackedRowsLayer, PackedAttention):
-    """A latent layer (``slots``, static, ``[B, 1, S_max, ·]``) held for the serving engine: one row
-    per engine row, fed packed tokens of many rows (``PackedRowsLayer``). Not paged: each row
-    keeps ``S_max`` (the engine's ``max_model_len``) slots, so the engine serves these layers
-    without prefix caching or rollback."""
+PAGE_AXES = Axes(PAGES, PAGE_SLOTS, KV_HEADS, HEAD_DIM)
 
-    slots: LatentStorage
+
+@pytree_class
+class LatentPages(CacheLayer, PackedAttention, PagedStorage):
+    """Latent entries in the serving engine's full pool: pages ``[P, page_size, 1, R + P]`` shared by
+    all rows, read through each step's block table (what ``PagedLatentLayer`` and DSA's
+    ``PagedIndexedLayer`` build on).
+
+    The same block table, page size and page ids as a Llama's K/V pages, every leaf's pages on
+    axis 1: the engine's host page manager shares prefix pages (the prefix cache), forks them
+    copy-on-write, preempts and swaps them to the host tier as for ``PagedLayer``. Slot ``s`` of a
+    row's logical page ``j`` holds position ``j * page_size + s``; the null page reads as empty.
+
+    A step writes its packed tokens through the table (``page_slots``), lays the queries out per
+    row (``RowPacking``) and reads each row's table whole: entries ``[R, 1, W * page_size, R + P]``
+    gathered at once and handed to ``_read_rows``. That read is ``W * page_size`` (the engine's
+    ``max_model_len``) slots a row and step, not the filled length (``PagedKVView`` reads page
+    blocks up to the furthest query; doing the same here is left). Compacted rows (shifted
+    slots) are refused; the Pallas kernels do not read these pages.
+    """
+
+    latent_pages: jax.Array  # [P, page_size, 1, R + P]
+
+    WHY_NOT = {
+        Rollback: "a paged layer keeps no lengths: the engine rolls a row back on the host",
+        RowSelection: "a paged layer has no rows: the engine forks a row on the host (copy-on-write pages)",
+    }
+
+    @classmethod
+    def create(cls, spec: LatentSpec, paging, dtype=jnp.float32):
+        """``paging``: a ``jaxkv.layers.paged.Paging`` (its full pool's ``num_pages`` and ``page_size``)."""
+        return cls(latent_pages=empty_pages(paging, spec.width, dtype))
+
+    @classmethod
+    def kv_bytes(cls, batch_size, seq_len, num_kv_heads, head_dim, dtype, page_size: int = 16, *, latent, **_) -> int:
+        """Bytes of a pool holding exactly ``batch_size`` rows of ``seq_len`` tokens (plus the null page)."""
+        return (batch_size * -(-seq_len // page_size) + 1) * page_size * cls.token_bytes(latent, dtype)
+
+    @classmethod
+    def token_bytes(cls, spec: LatentSpec, dtype) -> int:
+        """Bytes one token takes in one layer."""
+        return spec.width * jnp.dtype(dtype).itemsize
+
+    @property
+    def page_size(self) -> int:
+        return self.latent_pages.shape[-3]
+
+    @property
+    def pool(self) -> str:
+        return FULL_POOL
+
+    @property
+    def max_length(self) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"page={self.page_size}"
+
+    def logical_axes(self):
+        return self.replace(latent_pages=PAGE_AXES)
+
+    def reset(self):
+        """Nothing per row to empty: rows are the host's (the pool's contents are masked by position)."""
+        return self
+
+    def update_entry(self, index, keys, values, positions):
+        raise TypeError(
+            f"{type(self).__name__} is written by the serving engine's packed batch: "
+            "Cache.attend(..., packed=PackedBatch(...))"
+        )
 
     def attend_entry(self, index, queries, keys, values, positions, read):
         raise TypeError(
             f"{type(self).__name__} serves the engine's packed batch: Cache.attend(..., packed=PackedBatch)"
         )
 
-    def attend_packed_entry(self, index, queries, keys, values, positions, read, packed: PackedBatch):
-        """``attend_entry`` of the slots for packed tokens: ``queries`` (``LatentQueries`` or the DSA
-        ones, token axis per array), entries ``keys`` ``[1, 1, N, R + P]``, ``values`` (indexer keys
-        ``[1, 1, N, D_I]`` or None) at ``positions`` ``[1, N]``; the output comes back ``[1, H, N, v]``."""
-        slots, packing = self.packing(index, positions[0], packed)
+    def with_page_copies(self, copies: dict):
+        source, destination = copies[self.pool][:, 0], copies[self.pool][:, 1]
+        return jax.tree.map(lambda leaf: leaf.at[:, destination].set(leaf[:, source]), self)
+
+    def page_keys(self, pages: jax.Array) -> jax.Array:
+        """The latent entries of ``pages`` ``[M, K]``: ``[L, M, K, page_size, 1, R + P]`` float32."""
+        return self.latent_pages[:, pages].astype(jnp.float32)
+
+    def page_scores(self, pages: jax.Array) -> jax.Array:
+        raise ValueError(f"{type(self).__name__} keeps no slot scores: compaction does not cover latent pages")
+
+    def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float):
+        raise ValueError(f"{type(self).__name__}: compaction (moving slots) does not cover latent pages")
+
+    def attend_packed_entry(self, index, queries, keys, values, positions, read: Callable, packed: PackedBatch):
+        """Write the entries ``keys`` ``[1, 1, N, R + P]`` (and DSA's indexer keys ``values``
+        ``[1, 1, N, D_I]``) of the packed tokens at ``positions`` ``[1, N]`` through the block
+        table, then attend ``queries`` (``LatentQueries`` or DSA's, token axis per array) over each
+        token's row: the output ``[1, H, N, v]``."""
+        if packed.shifts.get(self.pool) is not None:
+            raise ValueError(f"{type(self).__name__}: compacted rows (shifted slots) are not supported")
+        table = packed.block_tables[self.pool]
+        page, offset = page_slots(table, packed.token_rows, positions[0], None, self.page_size)
+        new = self._written(index, page, offset, keys, values)
+        packing = RowPacking.of(packed.token_rows, positions[0], table.shape[0], packed.tokens_per_row)
 
         def unpack(x: jax.Array, axis: int) -> jax.Array:  # [1, ..., N (at axis), ...] -> [R, ..., T, ...]
             rows = packing.unpacked(jnp.moveaxis(x[0], axis - 1, 0), 0)  # [R, T, ...]
             return jnp.moveaxis(rows, 1, axis)
 
-        index_keys = None if values is None else unpack(values, 2)
-        row_positions = packing.unpacked(positions[0], -1)
-        slots, out = slots.attend_entry(
-            index, queries.per_row(unpack), unpack(keys, 2), index_keys, row_positions, read
-        )  # fmt: skip
-        return self.replace(slots=slots), jnp.moveaxis(packing.packed(jnp.moveaxis(out, 2, 1)), 1, 0)[None]
+        row_positions = packing.unpacked(positions[0], -1)  # [R, T]
+        out = new._read_rows(index, table, queries.per_row(unpack), row_positions, read)  # [R, H, T, v]
+        return new, jnp.moveaxis(packing.packed(jnp.moveaxis(out, 2, 1)), 1, 0)[None]
+
+    def _written(self, index, page, offset, keys, values):
+        """The pages with the entries written at ``(page, offset)`` ``[N]`` of entry ``index``."""
+        if values is not None:
+            raise ValueError(
+                f"{type(self).__name__}.update: values must be None: the latent entry (keys [1, 1, N, R + P]) is "
+                "both key and value"
+            )
+        return self.replace(latent_pages=write_pages(self.latent_pages, index, page, offset, keys, "keys"))
+
+    def rows_view(self, index, table) -> LatentView:
+        """Each row's whole table: entries ``[1, R, 1, W * page_size, R + P]`` (entry 0) and their positions."""
+        rows, width = table.shape
+        size = self.page_size
+        entries = self.latent_pages[index, table].reshape(1, rows, 1, width * size, -1)
+        held = jnp.repeat(table != NULL_PAGE, size, axis=1)
+        kv_positions = jnp.where(held, jnp.arange(width * size, dtype=jnp.int32)[None], -1)
+        return LatentView(entries, entries, 0, MaskInfo(kv_positions, slots_used=width * size))
+
+    def _read_rows(self, index, table, queries, row_positions, read) -> jax.Array:
+        """``[R, H, T, v]``: ``read`` of the per-row ``queries`` at ``row_positions`` ``[R, T]``."""
+        out, _ = read(queries, self.rows_view(index, table), row_positions, None)
+        return out
+
+
+def empty_pages(paging, width: int, dtype) -> jax.Array:
+    """``[P, page_size, 1, width]`` zeros: the full pool's pages (``paging`` a ``jaxkv.layers.paged.Paging``)."""
+    return jnp.zeros((paging.num_pages, paging.page_size, 1, width), dtype)
+
+
+def write_pages(pages: jax.Array, index, page, offset, new: jax.Array, what: str) -> jax.Array:
+    """``pages`` ``[L, P, page_size, 1, D]`` with ``new`` ``[1, 1, N, D]`` at ``(page, offset)`` ``[N]`` of entry ``index``."""
+    expected = (1, 1, page.shape[0], pages.shape[-1])
+    check_array("LatentPages.update", what, new, ("1", "1", "N", "D"), expected, pages.dtype)
+    return pages.at[index, page, offset].set(new[0, 0][:, None])

@@ -21,14 +21,18 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.mla import (
+    PAGE_AXES,
     GrowingSlots,
+    LatentPages,
     LatentQueries,
     LatentSpec,
     LatentStorage,
+    LatentView,
     LatentWeights,
-    PackedLatentRows,
     absorbed_attention,
+    empty_pages,
     masked_softmax,
+    write_pages,
 )  # fmt: skip
 from jaxkv.protocol import KV_AXES, MaskInfo, entry, pytree_class
 from jaxkv.sharding import BATCH, Axes
@@ -56,7 +60,7 @@ class IndexedQueries:
     indexer: IndexerQueries
 
     def per_row(self, unpack: Callable[[jax.Array, int], jax.Array]) -> IndexedQueries:
-        """Both halves laid out per row (``PackedLatentRows``)."""
+        """Both halves laid out per row (``jaxkv.mla.LatentPages``)."""
         return IndexedQueries(self.latent.per_row(unpack), self.indexer.per_row(unpack))
 
 
@@ -100,6 +104,16 @@ class SelectedView:
         """``[B, H, T, v]``: the absorbed form over the chosen entries (expanding each query's own K
         entries per head would cost more than the gather saves)."""
         return absorbed_attention(queries, self, q_positions, weights, scale)
+
+
+def indexed_view(view: LatentView, index_keys, indexer: IndexerQueries, q_positions, topk: int):
+    """What DSA's queries at ``q_positions`` ``[B, T]`` read of ``view`` (entries ``[.., S, R + P]``,
+    indexer keys ``index_keys`` ``[B, S, D_I]``): a ``SelectedView`` of each query's ``topk``
+    best slots, or ``view`` itself while ``S <= topk`` (every visible token is chosen)."""
+    if view.key_stack.shape[-2] <= topk:
+        return view
+    slots, chosen = select_slots(indexer, index_keys, q_positions, view.mask_info, topk)
+    return SelectedView(view.key_stack, view.index, slots, chosen)
 
 
 @pytree_class
@@ -147,10 +161,8 @@ class IndexedLayer(LatentStorage):
 
     def attend_entry(self, index, queries: IndexedQueries, keys, values, positions, read):
         stack, view = self.update_entry(index, keys, values, positions)
-        if stack.capacity > self.index_topk:  # the updated stack: a dynamic layer grew in the update
-            index_keys = entry(stack.index_keys, index)[:, 0]
-            slots, chosen = select_slots(queries.indexer, index_keys, positions, view.mask_info, self.index_topk)
-            view = SelectedView(view.key_stack, view.index, slots, chosen)
+        # the updated stack: a dynamic layer grew in the update
+        view = indexed_view(view, entry(stack.index_keys, index)[:, 0], queries.indexer, positions, self.index_topk)
         out, _ = read(queries.latent, view, positions, None)
         return stack, out
 
@@ -164,10 +176,48 @@ class DynamicIndexedLayer(GrowingSlots, IndexedLayer):
 
 
 @pytree_class
-class PackedIndexedLayer(PackedLatentRows):
-    """DSA for the serving engine: one ``IndexedLayer`` row (latent and indexer keys, ``S_max`` slots) per engine row.
+class PagedIndexedLayer(LatentPages):
+    """DSA in pages of the full pool: latent entries ``[P, page, 1, R + P]``, indexer keys ``[P, page, 1, D_I]``.
 
-    Fed packed tokens of many rows (``jaxkv.mla.PackedLatentRows``); not paged."""
+    The serving engine's variant (``jaxkv.mla.LatentPages``): each row's indexer keys are read
+    with its entries, scored and the top ``index_topk`` gathered (``indexed_view``)."""
 
-    MEMORY_FORMULA = IndexedLayer.MEMORY_FORMULA + "; B engine rows, S_max the engine's max_model_len"
-    kv_bytes = staticmethod(IndexedLayer.kv_bytes)
+    index_pages: jax.Array  # [P, page_size, 1, D_I]
+    index_topk: int = struct.field(pytree_node=False)
+
+    MEMORY_FORMULA = "P·page·(R_kv+P+D_I)·bytes; P pages (all rows share them)"
+    token_bytes = IndexedLayer.token_bytes
+
+    @classmethod
+    def create(cls, spec: LatentSpec, paging, dtype=jnp.float32) -> PagedIndexedLayer:
+        """``paging``: a ``jaxkv.layers.paged.Paging``."""
+        if spec.index_dim is None or spec.index_topk is None:
+            raise ValueError(
+                f"{cls.__name__} needs the LatentSpec's index_dim and index_topk (index_head_dim, index_topk)"
+            )
+        return cls(
+            latent_pages=empty_pages(paging, spec.width, dtype),
+            index_pages=empty_pages(paging, spec.index_dim, dtype),
+            index_topk=spec.index_topk,
+        )
+
+    def describe(self) -> str:
+        return f"page={self.page_size} topk={self.index_topk}"
+
+    def logical_axes(self):
+        return self.replace(latent_pages=PAGE_AXES, index_pages=PAGE_AXES)
+
+    def _written(self, index, page, offset, keys, values):
+        if values is None:
+            raise ValueError(f"{type(self).__name__}.update: values (the indexer keys [1, 1, N, D_I]) is None")
+        return self.replace(
+            latent_pages=write_pages(self.latent_pages, index, page, offset, keys, "keys"),
+            index_pages=write_pages(self.index_pages, index, page, offset, values, "values"),
+        )
+
+    def _read_rows(self, index, table, queries: IndexedQueries, row_positions, read) -> jax.Array:
+        rows, width = table.shape
+        index_keys = self.index_pages[index, table].reshape(rows, width * self.page_size, -1)  # [R, S, D_I]
+        view = indexed_view(self.rows_view(index, table), index_keys, queries.indexer, row_positions, self.index_topk)
+        out, _ = read(queries.latent, view, row_positions, None)
+        return out

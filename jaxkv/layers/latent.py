@@ -6,7 +6,7 @@ and the measured rule between them: ``jaxkv.mla``.
 
 from __future__ import annotations
 
-from jaxkv.mla import GrowingSlots, LatentStorage, PackedLatentRows
+from jaxkv.mla import GrowingSlots, LatentPages, LatentStorage
 from jaxkv.protocol import pytree_class
 
 
@@ -31,10 +31,10 @@ class DynamicLatentLayer(GrowingSlots, LatentLayer):
 
 
 @pytree_class
-class PackedLatentLayer(PackedLatentRows):
-    """MLA latent entries for the serving engine: one ``LatentLayer`` row ``[1, S_max, R + P]`` per engine row.
+class PagedLatentLayer(LatentPages):
+    """MLA latent entries in pages ``[P, page_size, 1, R + P]`` of the full pool, shared by all rows.
 
-    Fed packed tokens of many rows (``jaxkv.mla.PackedLatentRows``); not paged."""
+    The serving engine's variant (``jaxkv.mla.LatentPages``): prefix caching, forks, preemption
+    and swaps as for ``PagedLayer``."""
 
-    MEMORY_FORMULA = LatentLayer.MEMORY_FORMULA + "; B engine rows, S_max the engine's max_model_len"
-    kv_bytes = staticmethod(LatentLayer.kv_bytes)
+    MEMORY_FORMULA = "P·page·(R_kv+P)·bytes; P pages (all rows share them)"

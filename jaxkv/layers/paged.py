@@ -47,16 +47,15 @@ from jaxkv.kernels import (
     slot_and_head_axes,
     split_pool,
 )
+from jaxkv.page_table import FULL_POOL, NULL_PAGE, SLIDING_POOL, page_slots
 from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes, Layout
 from jaxkv.softmax import attention_mask, softmax_init, softmax_step
 
-NULL_PAGE = 0
 # Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
 # page at a time, while the reads stay proportional to the filled length.
 ATTENTION_BLOCK_SLOTS = 128
-FULL_POOL, SLIDING_POOL = "full", "sliding"
 
 
 def pool_name(window: int | None) -> str:
@@ -540,13 +539,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             )
         if positions.size != rows.shape[0]:
             raise ValueError(f"{caller}: {positions.size} tokens but the batch names the rows of {rows.shape[0]}")
-        tokens = positions.reshape(-1)
-        if shifts is not None:
-            tokens = jnp.where(tokens >= 0, tokens - shifts[rows], -1)
-        logical = tokens // self.page_size
-        stored = (tokens >= 0) & (logical < table.shape[1])
-        page = jnp.where(stored, table[rows, jnp.clip(logical, 0, table.shape[1] - 1)], NULL_PAGE)
-        return page, jnp.where(stored, tokens % self.page_size, 0)
+        return page_slots(table, rows, positions.reshape(-1), shifts, self.page_size)
 
     def reset(self) -> PagedLayer:
         """Nothing per row to empty: rows are the host's (the pool's contents are masked by position)."""

@@ -48,6 +48,7 @@ LEVELS = {
     "jaxkv.hugepages": 0,
     "jaxkv.eviction": 0,
     "jaxkv.mla": 0,
+    "jaxkv.page_table": 0,
     "jaxkv.kernels": 0,
     "jaxkv.layers": 1,
     "jaxkv.offload": 1,

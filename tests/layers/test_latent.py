@@ -196,7 +196,7 @@ def test_updates_name_what_is_wrong():
     paged = Cache.from_layer_types(
         ["indexed_attention"], batch_size=1, num_kv_heads=1, head_dim=4, paging=Paging(4, 2, 16), latent=SPEC
     )  # fmt: skip
-    with pytest.raises(TypeError, match="PackedIndexedLayer serves the engine's packed batch"):
+    with pytest.raises(TypeError, match="PagedIndexedLayer serves the engine's packed batch"):
         attend(paged, 0, 1, jnp.zeros((1, 1), jnp.int32))
 
 

@@ -103,7 +103,7 @@ BUILT_KINDS = {
     "indexed_dynamic": {
         "layer_types": ["indexed_attention"], "full_attention": "dynamic", "latent": LatentSpec(4, 2, 4, 2),
     },
-    "packed_indexed": {"layer_types": ["indexed_attention"], "paging": PAGING, "latent": LatentSpec(4, 2, 4, 2)},
+    "paged_indexed": {"layer_types": ["indexed_attention"], "paging": PAGING, "latent": LatentSpec(4, 2, 4, 2)},
 }
 # The capabilities each kind's layer has (the others it lacks).
 CAPABILITIES = {
@@ -122,7 +122,7 @@ CAPABILITIES = {
     "packed_state": set(),
     "latent": {Rollback, RowSelection, Overflow},
     "indexed_dynamic": {Rollback, RowSelection, Growth, Overflow},
-    "packed_indexed": set(),
+    "paged_indexed": set(),
 }
 ALL_CAPABILITIES = (
     Rollback, RowSelection, Growth, Eviction, DepthBudgets, HeldTokens, Refill, LinearState, Overflow, ChunkLimit
