@@ -439,3 +439,60 @@ def test_multi_turn_with_the_host_tier_on_a_tiny_llama(tmp_path):
     assert host["stats"]["tiers"]["host"]["hit_pages"] > 0 and engine["stats"]["tiers"]["host"]["hit_pages"] == 0
     assert all(row["returning_ttft_p50_s"] is not None and row["first_ttft_p50_s"] is not None for row in (engine, host))
     assert "returning turns" in proc.stdout
+
+
+def test_compressed_engine_systems_are_named_by_their_budget(bench):
+    """``engine-compact-<pages>`` runs as the engine with that page budget; other names are refused."""
+    args = bench.parse_args(["--systems", "engine", "engine-compact-16", "--compaction-policy", "h2o",
+                             "--workload", "long-generation"])  # fmt: skip
+    spec = bench.system_spec(args, "engine-compact-16", "long-generation", [], None)
+    assert spec["max_pages_per_request"] == 16 and spec["compaction_policy"] == "h2o" and spec["prefix_caching"]
+    assert bench.engine_options(spec)["max_pages_per_request"] == 16
+    assert "max_pages_per_request" not in bench.engine_options(bench.system_spec(args, "engine", "random", [], None))
+    assert bench.system_title("engine-compact-16") == "jaxkv engine, <= 16 pages / request"
+    for wrong in ("engine-compact-1", "engine-compact-x", "engine-compact-"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--systems", wrong])
+
+
+def test_kv_bytes_per_request_counts_whole_pages_up_to_the_budget(bench):
+    requests = [bench.ServingRequest(0.0, [1] * 10, 23), bench.ServingRequest(0.0, [1] * 3, 2)]  # 32 and 4 tokens
+    stats = dict(page_size=8, page_bytes=100)
+    assert bench.kv_bytes_per_request(requests, stats, None) == (4 + 1) / 2 * 100
+    assert bench.kv_bytes_per_request(requests, stats, 3) == (3 + 1) / 2 * 100
+
+
+def test_compaction_targets_and_table(bench):
+    def row(system, tok_s, mean_running):
+        stats = dict(peak_running=8, mean_running=mean_running, kv_bytes_per_request=2**20, compactions=3,
+                     preemptions=0)  # fmt: skip
+        return dict(workload="long-generation", system=system, max_concurrency=None, output_tok_s=tok_s,
+                    ttft_p50_s=0.5, tpot_p50_ms=20.0, stats=stats)  # fmt: skip
+
+    rows = [row("engine", 100.0, 4.0), row("engine-compact-8", 190.0, 8.0), row("engine-compact-4", 150.0, 8.0)]
+    targets = bench.compaction_targets(rows)
+    assert [(t["value"], t["passed"]) for t in targets] == [(2.0, True), (1.9, True), (2.0, True), (1.5, False)]
+    table = bench.compaction_table(rows)
+    assert "| long-generation | jaxkv engine, <= 8 pages / request | 190.0 | 1.90 | 8.0 / 8 |" in table
+    assert bench.compaction_table(rows[:1]) == ""  # no compressed engine, no table
+
+
+def test_compressed_pages_on_a_tiny_llama(tmp_path):
+    """engine and engine-compact-4 on the long-generation workload: 2 MiB of pages (64 pages of
+    16 tokens of the tiny model) hold about 5 of the 8 requests of 200 tokens uncompressed (13
+    pages each), all 8 at 4 pages each; the compressed engine compacts, holds 4 pages per request
+    and runs more rows a step."""
+    out = tmp_path / "serving.json"
+    args = ["--model", "tiny-random", "--quick", "--requests", "8", "--workload", "long-generation", "--rate", "inf",
+            "--systems", "engine", "engine-compact-4", "--min-prompt", "8", "--max-prompt", "16", "--min-output",
+            "192", "--max-output", "192", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--kv-memory-mib",
+            "2", "--out", str(out)]  # fmt: skip
+    cli = Path(sys.executable).with_name("jaxkv")
+    proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    engine, compact = (row["stats"] for row in json.loads(out.read_text())["rows"])
+    assert engine["compactions"] == 0 and compact["compactions"] > 0 and compact["xla_compiles_run"] == 0
+    assert compact["kv_bytes_per_request"] == 4 * compact["page_bytes"] < engine["kv_bytes_per_request"]
+    assert compact["mean_running"] > engine["mean_running"] and compact["preemptions"] == 0 < engine["preemptions"]
+    assert "compressed pages in the engine" in proc.stdout and "engine-compact-4 >= 2x engine's rows" in proc.stdout
