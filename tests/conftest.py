@@ -129,7 +129,7 @@ def drop_compiled_executables():
 FILE_SECONDS = {
     "test_speculative.py": 169, "test_sharding.py": 135, "test_gemma3.py": 50, "test_engine.py": 120,
     "test_eviction.py": 140, "test_engine_models.py": 152, "test_properties.py": 98, "test_quantized.py": 90,
-    "test_engine_sharding.py": 98, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 62,
+    "test_engine_sharding.py": 98, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 112,
     "test_bench_smoke.py": 87, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
     "test_models_toy.py": 67, "test_hostile_inputs.py": 45, "test_guidellm.py": 54, "test_linear.py": 69,
     "test_eviction_parity.py": 66, "test_prefix_chat.py": 55, "test_llama_parity.py": 49, "test_observer.py": 49,
@@ -191,7 +191,7 @@ SLOW: dict[str, set[str]] = {
     "test_offload.py": {"test_bench_offload_smoke"},
     "test_bench_serving.py": {
         "test_engine_systems_on_a_tiny_llama", "test_static_and_transformers_on_a_tiny_llama",
-        "test_multi_turn_with_the_host_tier_on_a_tiny_llama",
+        "test_multi_turn_with_the_host_tier_on_a_tiny_llama", "test_compressed_pages_on_a_tiny_llama",
     },
     "test_bench_smoke.py": {"test_bench_decode_quantized_and_gpu_refusal", "test_bench_decode_tiny_jaxkv"},
     "test_cli.py": {
