@@ -105,8 +105,12 @@ class _Layer:
         b, h, dtype = args.batch, args.heads, jnp.dtype(args.dtype)
         self.args, self.context, self.dtype = args, context, dtype
         self.spec = LatentSpec(args.rank, args.rope_dim, args.index_dim, args.index_topk)
-        self.weights = LatentWeights(_normal(1, (h, 2 * args.nope_dim + args.rope_dim, args.rank), dtype), args.nope_dim)
-        self.queries = LatentQueries(_normal(2, (b, h, 1, args.nope_dim), dtype), _normal(3, (b, h, 1, args.rope_dim), dtype))
+        self.weights = LatentWeights(
+            _normal(1, (h, 2 * args.nope_dim + args.rope_dim, args.rank), dtype), args.nope_dim
+        )
+        self.queries = LatentQueries(
+            _normal(2, (b, h, 1, args.nope_dim), dtype), _normal(3, (b, h, 1, args.rope_dim), dtype)
+        )
         self.indexer = IndexerQueries(
             _normal(4, (b, 1, args.index_heads, args.index_dim), dtype), _normal(5, (b, 1, args.index_heads), dtype)
         )
@@ -175,7 +179,7 @@ class _Layer:
         q_positions, _, slots, chosen = self._selection()
         stack = self.entries[None]  # [1, B, 1, S, R + P]
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=0)  # the stack passed through in place, not copied
         def step(stack, slots, chosen):
             view = SelectedView(stack, 0, slots, chosen)
             return stack, view.attend_latent(self.queries, q_positions, self.weights, self.scale)
@@ -185,7 +189,7 @@ class _Layer:
     def _dsa_indexer(self) -> float:
         q_positions, mask_info, _, _ = self._selection()
 
-        @jax.jit
+        @functools.partial(jax.jit, donate_argnums=0)
         def step(index_keys, mask_info):
             return index_keys, select_slots(self.indexer, index_keys, q_positions, mask_info, self.args.index_topk)[0]
 
@@ -219,7 +223,9 @@ def main(argv=None) -> int:
     print("| S | case | ms/step | MiB read per step and row | bytes vs full-head |")
     print("|---:|---|---:|---:|---:|")
     for row in table:
-        print(f"| {row['context']} | {row['case']} | {row['ms']:.3f} | {row['mib_read']:.3f} | {row['bytes_vs_full_head']:.3f} |")
+        print(
+            f"| {row['context']} | {row['case']} | {row['ms']:.3f} | {row['mib_read']:.3f} | {row['bytes_vs_full_head']:.3f} |"
+        )
     if args.out is not None:
         summary = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0]), "args": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rows": table}  # fmt: skip
