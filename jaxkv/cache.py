@@ -26,6 +26,7 @@ from flax import struct
 
 from jaxkv.batch import PackedAttention, PackedBatch, PackedState, PagedStorage
 from jaxkv.eviction import EvictionSpec
+from jaxkv.kernels import XLA, resolve_backend
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
 from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer, PagedIndexedLayer
@@ -93,6 +94,8 @@ class LayerSpec:
     # MLA's latent (and DSA's indexer) per token, for latent_attention and indexed_attention (jaxkv.mla).
     latent: LatentSpec | None = None
     num_layers: int = 1  # the model's layers (PyramidKV spreads its budget over them)
+    # What reads static full-attention layers' decode tokens (jaxkv.kernels; resolved: not 'auto').
+    attention_backend: str = XLA
 
     def __post_init__(self):
         if self.full_attention not in FULL_ATTENTION_KINDS:
@@ -165,7 +168,9 @@ def _full_attention_storage(spec: LayerSpec) -> CacheLayer:
         return DynamicLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
     if spec.max_length is None:
         raise ValueError("a static full-attention cache needs max_length; pass it, or use full_attention='dynamic'")
-    return StaticLayer.create(spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.dtype)
+    return StaticLayer.create(
+        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.dtype, spec.attention_backend
+    )
 
 
 def _sliding_layer(spec: LayerSpec) -> CacheLayer:
@@ -616,6 +621,7 @@ class Cache:
         offload=None,
         kv_sources: Sequence[int] = (),
         kv_shapes: Mapping[str, tuple[int, int]] | None = None,
+        attention_backend: str = XLA,
     ) -> Cache:
         """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
 
@@ -656,6 +662,9 @@ class Cache:
         index, or an earlier storing layer of its type, whose K/V it reuses with no storage of its
         own; empty: every layer stores its own. ``kv_shapes``: per layer type, its
         ``(num_kv_heads, head_dim)`` where it differs from the arguments (``kv_shapes_of``).
+        ``attention_backend``: what reads the decode tokens of static full-attention layers
+        (``jaxkv.kernels``: 'xla', 'pallas_gpu', 'pallas_tpu', 'auto'; docs/kernels.md); the other
+        layers are read by XLA, paged ones by ``paging.attention_backend``.
         """
         spec = LayerSpec(
             batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
@@ -663,6 +672,7 @@ class Cache:
             rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
             state_shapes=state_shapes, quantization=quantization, paging=paging, eviction=eviction,
             retrieval=retrieval, latent=latent, num_layers=len(layer_types),
+            attention_backend=resolve_backend(attention_backend),
         )  # fmt: skip
         check_layer_types(layer_types)
         check_kv_sources(kv_sources, layer_types)
@@ -675,9 +685,9 @@ class Cache:
         stored_types = [layer_types[i] for i in stored]
         period = pattern_period(stored_types) if stacked else len(stored_types)
         layout = None if mesh is None else Layout.create(mesh, rules)
-
         if layout is not None and spec.paging is not None:  # a kernel reading the pages is split by hand
             spec = dataclasses.replace(spec, paging=dataclasses.replace(spec.paging, sharding=layout))
+
         def build() -> Cache:
             groups = build_groups(layer_types, spec, period, layer_builder, stored, kv_shapes)
             return cls(groups, tuple(layer_types), period, layout, kv_sources=tuple(kv_sources))

@@ -70,6 +70,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxkv.kernels.backends import XLA
+from jaxkv.kernels.dense import dense_decode, dense_route
 from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
 from jaxkv.softmax import dense_attention
 
@@ -197,6 +199,34 @@ class KVView(SlotView):
 
     def __iter__(self):
         return iter((self.keys, self.values, self.mask_info))
+
+
+@pytree_class
+class PositionalView(KVView):
+    """A ``KVView`` of a layer whose slot p holds position p (``PositionalLayer``) read under an
+    attention ``backend`` (``jaxkv.kernels``): its decode tokens go to the backend's dense decode
+    kernel when ``jaxkv.kernels.dense.dense_route`` finds nothing it lacks, everything else to XLA.
+    ``lengths`` ``[B]``: the tokens each row holds (slots ``0 .. lengths - 1``)."""
+
+    lengths: jax.Array | None = None
+    backend: str = struct.field(pytree_node=False, default=XLA)
+
+    def route(self, queries: jax.Array, logit_softcap, query_weights) -> str | None:
+        """Why ``queries`` ``[B, H_q, T, D]`` are read by XLA (``dense_route``); None: by the kernel."""
+        return dense_route(
+            self.backend, num_queries=queries.shape[2], num_slots=self.shape[2], logit_softcap=logit_softcap,
+            slot_mass=query_weights is not None,
+        )  # fmt: skip
+
+    def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
+        """``KVView.attend``; one query per row by the kernel over slots ``0 .. min(length, q + 1) - 1``
+        (causal, and a row's slots past its length hold nothing visible): ``[B, H_q, 1, D]``."""
+        if self.route(queries, logit_softcap, query_weights) is not None:
+            options = dict(logit_softcap=logit_softcap, block_size=block_size, query_weights=query_weights)
+            return super().attend(queries, q_positions, scale=scale, **options)
+        visible = jnp.minimum(self.lengths, jnp.maximum(q_positions[:, 0] + 1, 0))
+        out = dense_decode(self.backend, queries[:, :, 0], self.keys, self.values, visible, scale=scale)
+        return out[:, :, None].astype(queries.dtype)
 
 
 class CacheLayer(abc.ABC):
@@ -490,7 +520,11 @@ KV_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS, HEAD_DIM)  # [B, H_kv, S, D]
 
 
 class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
-    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention, and the like)."""
+    """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention, and the like).
+    ``attention_backend``: what reads the queries (``jaxkv.kernels``; a layer that takes it as a
+    field, ``StaticLayer``, hands it to a ``PositionalView``)."""
+
+    attention_backend = XLA
 
     @property
     def capacity(self) -> int:
@@ -520,7 +554,10 @@ class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
         slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
         used = jnp.minimum(jnp.max(lengths), self.capacity)
-        return new, KVView(new.keys, new.values, index, MaskInfo(kv_positions, slots_used=used))
+        mask_info = MaskInfo(kv_positions, slots_used=used)
+        if self.attention_backend == XLA:
+            return new, KVView(new.keys, new.values, index, mask_info)
+        return new, PositionalView(new.keys, new.values, index, mask_info, lengths, self.attention_backend)
 
     @property
     def overflowed(self) -> jax.Array:

@@ -31,6 +31,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model
 from jaxkv.cli import launch
 from jaxkv.config import BudgetedEvictionConfig, CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
 from jaxkv.cli.launch import Distributed
+from jaxkv.kernels import BACKENDS
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -61,6 +62,7 @@ class GenerateConfig(Strict):
     early_stopping: bool | Literal["never"] = False
     num_return_sequences: PositiveInt = 1
     mesh: MeshConfig | None = None  # shard the model and the cache over the devices (one prompt per data row)
+    attention_backend: Literal[BACKENDS] = "xla"  # reads static full-attention decodes (docs/kernels.md)
 
     @property
     def prompts(self) -> list[str]:
@@ -128,6 +130,11 @@ def _generate_parser(sub) -> None:
         "--early-stopping", choices=["true", "false", "never"], help="transformers' semantics (default false)"
     )
     beams.add_argument("--num-return-sequences", type=int, help="best hypotheses printed (default 1)")
+    parser.add_argument(
+        "--attention-backend", choices=BACKENDS, help="what reads the static full-attention layers' decode tokens: "
+        "xla (default), pallas_gpu (Pallas' GPU decode kernel), pallas_tpu (xla: no dense TPU kernel), or auto "
+        "(the platform's kernel, else xla); docs/kernels.md"
+    )
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged)")
     spec.add_argument("--speculative", choices=["prompt_lookup", "draft", "self"], help="how drafts are made")
     spec.add_argument("--num-draft-tokens", type=int, help="drafts verified per target pass (default 4)")
@@ -160,7 +167,7 @@ def resolve_config(args) -> GenerateConfig:
     for key in (
         "model", "prompt", "chat", "max_new_tokens", "dtype", "temperature", "top_k", "top_p", "min_p", "seed",
         "speculative", "num_draft_tokens", "draft_model", "exit_layer", "num_beams", "length_penalty",
-        "num_return_sequences",
+        "num_return_sequences", "attention_backend",
     ):  # fmt: skip
         if getattr(args, key) is not None:
             merged[key] = getattr(args, key)
@@ -307,7 +314,7 @@ def load_for_generate(config: GenerateConfig, use_weight_cache: bool, mesh: Mesh
 
 
 def cache_options(config: GenerateConfig) -> dict:
-    """The decoders' cache keywords from the config's ``cache`` section."""
+    """The decoders' cache keywords from the config's ``cache`` section and its ``attention_backend``."""
     cache = config.cache
     return {
         "full_attention": cache.full_attention,
@@ -316,6 +323,7 @@ def cache_options(config: GenerateConfig) -> dict:
         "quantization": cache.quantization_spec(),
         "retrieval": cache.retrieval_spec(),
         "offload": cache.offload,
+        "attention_backend": config.attention_backend,
     }
 
 
@@ -529,7 +537,7 @@ class ServeConfig(Strict):
     speculative: ServeSpeculativeConfig | None = None  # draft tokens verified in the engine's steps
     max_pages_per_request: PositiveInt | None = None  # compressed pages: full-attention pages per request
     compaction_policy: str = "streaming_llm"  # what a compaction keeps: streaming_llm or key_norm
-    attention_backend: Literal["xla", "pallas_gpu", "pallas_tpu", "auto"] = "xla"  # reads decodes (docs/kernels.md)
+    attention_backend: Literal[BACKENDS] = "xla"  # reads decodes (docs/kernels.md)
     pool_layout: Literal["tokens", "heads"] = "tokens"  # pages [P, page, H_kv, D] or [P, H_kv, page, D]
 
     @model_validator(mode="after")
@@ -589,7 +597,7 @@ def _serve_parser(sub) -> None:
         "or key_norm (low-norm keys)"
     )
     parser.add_argument(
-        "--attention-backend", choices=("xla", "pallas_gpu", "pallas_tpu", "auto"), help="what reads the paged "
+        "--attention-backend", choices=BACKENDS, help="what reads the paged "
         "decode tokens: xla (default), a Pallas kernel, or auto (the platform's kernel, else xla); docs/kernels.md"
     )
     parser.add_argument(

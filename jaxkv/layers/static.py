@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from jaxkv.kernels import XLA
 from jaxkv.protocol import PositionalLayer, Refill, Rollback, check_capacity, check_update_inputs, pytree_class
 
 
@@ -25,15 +27,24 @@ class StaticLayer(PositionalLayer, Rollback, Refill):
     keys: jax.Array  # [B, H_kv, S_max, D]
     values: jax.Array  # [B, H_kv, S_max, D]
     lengths: jax.Array  # [B] int32
+    # See PositionalLayer; keyword-only, so that subclasses may add fields without defaults.
+    attention_backend: str = struct.field(pytree_node=False, default=XLA, kw_only=True)
 
     MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + 4·B"
 
     @classmethod
-    def create(cls, batch_size: int, num_kv_heads: int, head_dim: int, max_length: int, dtype=jnp.float32):
+    def create(
+        cls, batch_size: int, num_kv_heads: int, head_dim: int, max_length: int, dtype=jnp.float32,
+        attention_backend: str = XLA,
+    ):  # fmt: skip
+        """``attention_backend``: a concrete one (``jaxkv.kernels.resolve_backend`` resolves 'auto')."""
         if max_length <= 0:
             raise ValueError(f"StaticLayer: max_length must be positive, got {max_length}")
         shape = (batch_size, num_kv_heads, max_length, head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32))
+        return cls(
+            jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32),
+            attention_backend=attention_backend,
+        )
 
     @staticmethod
     def kv_bytes(batch_size, seq_len, num_kv_heads, head_dim, dtype, max_length=None, **_) -> int:

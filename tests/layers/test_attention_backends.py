@@ -11,12 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas.ops.gpu.decode_attention import gqa
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 
 import jaxkv.layers.paged as paged_layers
-from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
+import jaxkv.kernels.dense as dense_kernels
+from jaxkv.cli.main import build_parser, cache_options, resolve_config, resolve_serve_config, serving_engine
+from jaxkv.decoding.generate import generate
 from jaxkv.kernels import (
     HEADS_LAYOUT,
     PALLAS_GPU,
@@ -32,7 +35,9 @@ from jaxkv.kernels import (
     resolve_backend,
     split_pool,
 )
+from jaxkv.kernels.dense import dense_route
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, PagedLayer, table_width
+from jaxkv.protocol import KVView, MaskInfo, PositionalView
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
 from jaxkv.serving import Engine
 from jaxkv.serving.disk_link import pool_formats
@@ -338,3 +343,53 @@ def test_engine_under_a_mesh_with_the_gpu_kernel(data, model, monkeypatch):
     assert engine.runner.cache.groups[0].sharding.mesh == mesh
     assert run_arrivals(engine, prompts, [0, 1], 4) == greedy_reference(Llama(config), prompts, 4)
     assert bool(traced) == (data == 1) and all(sharding.mesh == mesh for sharding in traced)
+
+
+def test_dense_decode_kernel_matches_the_xla_read(queries):
+    """A static layer's buffer ``[B, H_kv, S, D]`` read by the Pallas GPU decode kernel (interpreted):
+    ragged lengths (a padding row, a full row, a query before its row's last slot), GQA, garbage
+    past each length; within 1e-5 of XLA. What the kernel lacks is read by XLA, bit for bit."""
+    slots, lengths = 64, jnp.array([9, 0, 64, 1], jnp.int32)
+    positions = jnp.array([[8], [-1], [40], [0]], jnp.int32)  # row 2 reads slots 0..40 of its 64
+    slot = jnp.arange(slots)
+    keys, values = jax.random.normal(jax.random.key(3), (2, len(lengths), HKV, slots, D))
+    written = slot[None, None, :, None] < lengths[:, None, None, None]
+    keys, values = jnp.where(written, keys, 1e3), jnp.where(written, values, -1e3)
+    mask_info = MaskInfo(jnp.where(slot[None] < lengths[:, None], slot[None], -1), slots_used=jnp.max(lengths))
+    q = queries[:, :, None]  # [B, H_q, 1, D]
+
+    def read(view_class, *more, **options):
+        return view_class(keys[None], values[None], 0, mask_info, *more).attend(q, positions, scale=D**-0.5, **options)
+
+    kernel, xla = read(PositionalView, lengths, PALLAS_GPU), read(KVView)
+    np.testing.assert_allclose(kernel, xla, atol=1e-5, rtol=1e-5)
+    assert not np.array_equal(kernel, xla) and np.all(np.asarray(kernel)[1] == 0)
+    np.testing.assert_array_equal(read(PositionalView, lengths, PALLAS_GPU, logit_softcap=5.0),
+                                  read(KVView, logit_softcap=5.0))  # fmt: skip
+    plain = {"num_queries": 1, "num_slots": slots, "logit_softcap": None, "slot_mass": False}
+    assert dense_route(PALLAS_GPU, **plain) is None
+    for lacking in ({"num_queries": 2}, {"logit_softcap": 5.0}, {"slot_mass": True}, {"num_slots": 40}):
+        assert dense_route(PALLAS_GPU, **(plain | lacking)), lacking
+    assert dense_route(PALLAS_TPU, **plain) and dense_route(XLA, **plain) == "the xla backend"
+
+
+def test_generate_with_each_backend(monkeypatch, caplog):
+    """``generate(..., attention_backend=...)``: tiny Llama's greedy tokens are the same under every
+    name; ``pallas_gpu`` traces the dense decode kernel into the loop; ``auto`` on CPU is XLA, said
+    once; a bad name is refused by name; ``jaxkv generate --attention-backend`` reaches the keywords."""
+    model, prompts = Llama(LlamaConfig(**TINY_LLAMA)), [[3, 14, 15, 9, 26, 5], [35, 8, 9]]
+    traced = []
+    monkeypatch.setattr(dense_kernels, "gqa", lambda *args, **kw: traced.append(kw["interpret"]) or gqa(*args, **kw))
+    tokens = {}
+    for backend in (XLA, PALLAS_GPU, PALLAS_TPU):
+        tokens[backend] = generate(model, prompts, max_new_tokens=6, attention_backend=backend).tokens.tolist()
+        assert bool(traced) == (backend == PALLAS_GPU)
+        traced.clear()
+    with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
+        tokens["auto"] = generate(model, prompts, max_new_tokens=6, attention_backend="auto").tokens.tolist()
+    assert len(caplog.records) == 1 and "using xla" in caplog.records[0].getMessage() and not traced
+    assert all(found == tokens[XLA] for found in tokens.values())
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        generate(model, prompts, max_new_tokens=2, attention_backend="cudnn")
+    config = resolve_config(build_parser().parse_args(["generate", "--attention-backend", "pallas_gpu"]))
+    assert cache_options(config)["attention_backend"] == PALLAS_GPU
