@@ -117,13 +117,12 @@ def test_a_shared_prefix_continues_as_transformers(checkpoint):
 
 def test_engine_equals_generate(checkpoint):
     """Requests arriving at different steps, their prefills chunked, through the serving engine
-    (each request's latent and indexer keys in its own engine row; no pages, so no prefix cache):
-    ``generate``'s greedy tokens, with contexts past ``index_topk``."""
+    (each request's latent and indexer keys in pages, prompts sharing prefixes hitting the prefix
+    cache): ``generate``'s greedy tokens, with contexts past ``index_topk``."""
     sequences, _, _, model = checkpoint
     prompts = [seq[:n].tolist() for seq in sequences for n in (9, 17)]
     engine = Engine(
-        model, kv_memory=256 * 1024, page_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64,
-        prefix_caching=False,
+        model, kv_memory=256 * 1024, page_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64
     )  # fmt: skip
     assert run_arrivals(engine, prompts, [0, 0, 2, 4], 12) == greedy_reference(model, prompts, 12)
 
