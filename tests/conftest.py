@@ -140,6 +140,7 @@ FILE_SECONDS = {
     "test_gemma4_parity.py": 70, "test_shared_kv.py": 30,
     "test_compaction.py": 75, "test_deepseek_v32_parity.py": 60, "test_latent.py": 32,
     "test_attention_backends.py": 45, "test_bench_attention.py": 8, "test_bench_latent.py": 14,
+    "test_paged_latent.py": 22,
 }  # fmt: skip
 
 
