@@ -67,7 +67,8 @@ def runner_row(task: RetrievalTask, model, tokenizer, data, context: int, seed: 
     ``policy`` None, else ``EvictingLayer`` keeping ``slots`` tokens ranked by ``policy``."""
     cache = CacheChoice(name="cache", eviction=None if policy is None else EvictionConfig(policy=policy))
     budget = 1.0 if slots is None else slots / context
-    metrics, _ = task.run(model, tokenizer, data, context, seed, cache.options(budget, context, task.prompt_length(context)))
+    options = cache.options(budget, context, task.prompt_length(context))
+    metrics, _ = task.run(model, tokenizer, data, context, seed, options)
     return {key: metrics[key] for key in ("accuracy", "accuracy_by_depth", "num_examples", "outputs")}
 
 
@@ -111,8 +112,9 @@ def markdown(rows: list[dict], page_size: int) -> str:
              "|---|---:|---:|---:|" + "---:|" * len(depths)]  # fmt: skip
     for row in rows:
         kept = "all" if row["pages"] is None else str((row["pages"] - 1) * page_size)
+        by_depth = [f"{row['accuracy_by_depth'][d]:.0%}" for d in depths]
         cells = [row["system"], "-" if row["pages"] is None else str(row["pages"]), kept,
-                 f"{row['accuracy']:.0%} of {row['num_examples']}", *(f"{row['accuracy_by_depth'][d]:.0%}" for d in depths)]  # fmt: skip
+                 f"{row['accuracy']:.0%} of {row['num_examples']}", *by_depth]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

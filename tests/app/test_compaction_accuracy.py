@@ -3,9 +3,9 @@ with SmolLM2's tokenizer: the engine's answers are the runner's with full K/V an
 the prompt fits in, every row scored alike; the table."""
 
 import pytest
+from jaxkv.models.llama import Llama, LlamaConfig
 
 from jaxkv.bench import compaction_accuracy
-from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.research.tasks import RetrievalExample
 
 
@@ -14,8 +14,9 @@ def rows():
     from jaxkv.models.load import Pretrained
 
     tokenizer = Pretrained("smollm2").tokenizer(required=True)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,  # SmolLM2's vocab
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)  # fmt: skip
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=1024)  # fmt: skip  SmolLM2's vocabulary
     args = compaction_accuracy.parse_args(["--context", "160", "--depths", "0.5", "--examples", "2", "--pages", "11",
                                            "3", "--batch-size", "2", "--kv-memory-mib", "4"])  # fmt: skip
     return compaction_accuracy.measure(args, Llama(config, seed=0), tokenizer)
