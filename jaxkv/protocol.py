@@ -71,9 +71,9 @@ import numpy as np
 from flax import struct
 
 from jaxkv.kernels.backends import XLA
-from jaxkv.kernels.dense import dense_decode, dense_route
+from jaxkv.kernels.dense import dense_decode, dense_prefill, dense_route
 from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
-from jaxkv.softmax import dense_attention
+from jaxkv.softmax import attention_mask, dense_attention
 
 
 def pytree_class(cls: type) -> type:
@@ -205,7 +205,8 @@ class KVView(SlotView):
 class PositionalView(KVView):
     """A ``KVView`` of a layer whose slot p holds position p (``PositionalLayer``) read under an
     attention ``backend`` (``jaxkv.kernels``): its decode tokens go to the backend's dense decode
-    kernel when ``jaxkv.kernels.dense.dense_route`` finds nothing it lacks, everything else to XLA.
+    kernel, its prefills to cuDNN, when ``jaxkv.kernels.dense.dense_route`` finds nothing they
+    lack; everything else to XLA.
     ``lengths`` ``[B]``: the tokens each row holds (slots ``0 .. lengths - 1``)."""
 
     lengths: jax.Array | None = None
@@ -214,16 +215,20 @@ class PositionalView(KVView):
     def route(self, queries: jax.Array, logit_softcap, query_weights) -> str | None:
         """Why ``queries`` ``[B, H_q, T, D]`` are read by XLA (``dense_route``); None: by the kernel."""
         return dense_route(
-            self.backend, num_queries=queries.shape[2], num_slots=self.shape[2], logit_softcap=logit_softcap,
-            slot_mass=query_weights is not None,
+            self.backend, num_queries=queries.shape[2], num_slots=self.shape[2], dtype=self.key_stack.dtype,
+            logit_softcap=logit_softcap, slot_mass=query_weights is not None,
         )  # fmt: skip
 
     def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
-        """``KVView.attend``; one query per row by the kernel over slots ``0 .. min(length, q + 1) - 1``
-        (causal, and a row's slots past its length hold nothing visible): ``[B, H_q, 1, D]``."""
+        """``KVView.attend``; one query per row by the decode kernel over slots ``0 .. min(length, q + 1)
+        - 1`` (causal, and a row's slots past its length hold nothing visible), several by cuDNN
+        under the view's mask: ``[B, H_q, T, D]``."""
         if self.route(queries, logit_softcap, query_weights) is not None:
             options = dict(logit_softcap=logit_softcap, block_size=block_size, query_weights=query_weights)
             return super().attend(queries, q_positions, scale=scale, **options)
+        if queries.shape[2] > 1:
+            mask = attention_mask(q_positions, self.mask_info)  # [B, T, S]
+            return dense_prefill(queries, self.keys, self.values, mask, scale=scale).astype(queries.dtype)
         visible = jnp.minimum(self.lengths, jnp.maximum(q_positions[:, 0] + 1, 0))
         out = dense_decode(self.backend, queries[:, :, 0], self.keys, self.values, visible, scale=scale)
         return out[:, :, None].astype(queries.dtype)

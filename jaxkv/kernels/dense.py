@@ -1,11 +1,17 @@
-"""jaxkv's dense full-attention buffers read by JAX's Pallas GPU decode kernel
-(``jax.experimental.pallas.ops.gpu.decode_attention``): ``generate``'s caches, no pages.
+"""jaxkv's dense full-attention buffers read by GPU kernels: decode tokens by JAX's Pallas GPU
+decode kernel (``jax.experimental.pallas.ops.gpu.decode_attention``), prefills by cuDNN's fused
+attention (``jax.nn.dot_product_attention(implementation="cudnn")``): ``generate``'s caches, no pages.
 
 A static layer's slot p holds position p, so a decode query at position q of a row holding
 ``length`` tokens sees exactly slots ``0 .. min(length, q + 1) - 1``: the kernel's
 ``kv_seq_len``. The buffer ``[B, H_kv, S, D]`` is read in place (the kernel's GQA entry swaps its
 ``[B, S, H_kv, D]`` argument back to this layout, so the two swaps cancel). What it lacks goes to
 XLA (``dense_route``).
+
+A prefill's mask is jaxkv's own (``[B, T, S]``, from positions: a fresh prompt and a continued
+cache put the causal diagonal in different places), handed to cuDNN as its mask; cuDNN takes
+float16 and bfloat16 only. Off a GPU the same call runs ``jax.nn.dot_product_attention``'s XLA
+implementation (the check on CPU, as interpret mode is for the Pallas kernel).
 """
 
 from __future__ import annotations
@@ -19,24 +25,43 @@ from jaxkv.kernels.backends import PALLAS_GPU, PALLAS_TPU, XLA, interpreted
 # The kernel splits the buffer into K splits (the most of K_SPLITS) of a multiple of MIN_SPLIT
 # slots each, read in blocks of the most of BLOCK_SIZES that divides a split.
 K_SPLITS, MIN_SPLIT, BLOCK_SIZES = (16, 8, 4, 2, 1), 16, (128, 64, 32, 16)
+HALF_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))  # what cuDNN's attention takes
 
 
-def dense_route(backend: str, *, num_queries: int, num_slots: int, logit_softcap, slot_mass: bool) -> str | None:
-    """Why a static layer's queries are read by XLA under ``backend``; None: the GPU decode kernel
-    reads them. ``num_queries``: query tokens per row; ``num_slots``: the buffer's capacity S."""
+def dense_route(
+    backend: str, *, num_queries: int, num_slots: int, dtype, logit_softcap, slot_mass: bool
+) -> str | None:  # fmt: skip
+    """Why a static layer's queries are read by XLA under ``backend``; None: a kernel reads them
+    (one query per row: the decode kernel; more: cuDNN). ``num_queries``: query tokens per row;
+    ``num_slots``: the buffer's capacity S; ``dtype``: the buffer's."""
     if backend == XLA:
         return "the xla backend"
     if backend == PALLAS_TPU:
         return "no Pallas TPU kernel for dense buffers"
-    if num_queries != 1:
-        return "several query tokens per row (a prefill): the decode kernel takes one"
     if logit_softcap is not None:
-        return "logit soft-capping (the dense decode kernel has none)"
+        return "logit soft-capping (neither the decode kernel nor cuDNN's attention has it)"
     if slot_mass:
         return "slot scores (query_weights)"
-    if num_slots % MIN_SPLIT:
-        return f"a buffer of {num_slots} slots (the kernel splits it in multiples of {MIN_SPLIT})"
+    if num_queries == 1 and num_slots % MIN_SPLIT:
+        return f"a buffer of {num_slots} slots (the decode kernel splits it in multiples of {MIN_SPLIT})"
+    if num_queries > 1 and not interpreted(PALLAS_GPU) and jnp.dtype(dtype) not in HALF_DTYPES:
+        return f"a {jnp.dtype(dtype).name} prefill (cuDNN's attention takes float16 or bfloat16)"
     return None
+
+
+def dense_prefill(
+    queries: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, *, scale: float
+) -> jax.Array:  # fmt: skip
+    """Attention of ``queries`` ``[B, H_q, T, D]`` over ``keys``/``values`` ``[B, H_kv, S, D]`` under
+    ``mask`` ``[B, T, S]`` (jaxkv's: ``jaxkv.softmax.attention_mask``) by cuDNN on a GPU, else by
+    ``jax.nn.dot_product_attention``'s XLA implementation; a query that sees nothing gets zeros.
+    Returns ``[B, H_q, T, D]`` float32."""
+    out = jax.nn.dot_product_attention(
+        queries.astype(keys.dtype).swapaxes(1, 2), keys.swapaxes(1, 2), values.swapaxes(1, 2), mask=mask[:, None],
+        scale=scale, implementation="xla" if interpreted(PALLAS_GPU) else "cudnn",
+    )  # fmt: skip
+    seen = jnp.any(mask, axis=-1)[:, None, :, None]  # [B, 1, T, 1]
+    return jnp.where(seen, out.swapaxes(1, 2).astype(jnp.float32), 0.0)
 
 
 def dense_decode(

@@ -37,6 +37,7 @@ from jaxkv.kernels import (
 )
 from jaxkv.kernels.dense import dense_route
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, PagedLayer, table_width
+import jaxkv.protocol as protocol
 from jaxkv.protocol import KVView, MaskInfo, PositionalView
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
 from jaxkv.serving import Engine
@@ -345,10 +346,12 @@ def test_engine_under_a_mesh_with_the_gpu_kernel(data, model, monkeypatch):
     assert bool(traced) == (data == 1) and all(sharding.mesh == mesh for sharding in traced)
 
 
-def test_dense_decode_kernel_matches_the_xla_read(queries):
+def test_dense_kernels_match_the_xla_read(queries, monkeypatch):
     """A static layer's buffer ``[B, H_kv, S, D]`` read by the Pallas GPU decode kernel (interpreted):
     ragged lengths (a padding row, a full row, a query before its row's last slot), GQA, garbage
-    past each length; within 1e-5 of XLA. What the kernel lacks is read by XLA, bit for bit."""
+    past each length; within 1e-5 of XLA; a prefill of 3 queries a row (padding included) by
+    ``jax.nn.dot_product_attention`` (cuDNN's call, its XLA implementation here) too. What they
+    lack is read by XLA, bit for bit."""
     slots, lengths = 64, jnp.array([9, 0, 64, 1], jnp.int32)
     positions = jnp.array([[8], [-1], [40], [0]], jnp.int32)  # row 2 reads slots 0..40 of its 64
     slot = jnp.arange(slots)
@@ -358,32 +361,43 @@ def test_dense_decode_kernel_matches_the_xla_read(queries):
     mask_info = MaskInfo(jnp.where(slot[None] < lengths[:, None], slot[None], -1), slots_used=jnp.max(lengths))
     q = queries[:, :, None]  # [B, H_q, 1, D]
 
-    def read(view_class, *more, **options):
-        return view_class(keys[None], values[None], 0, mask_info, *more).attend(q, positions, scale=D**-0.5, **options)
+    def read(view_class, *more, q=q, positions=positions, **options):
+        view = view_class(keys[None], values[None], 0, mask_info, *more)
+        return view.attend(q, positions, scale=D**-0.5, **options)
 
+    prefill = {"q": jnp.repeat(q, 3, axis=2), "positions": jnp.array([[6, 7, 8], [-1] * 3, [38, 39, 40], [0, -1, -1]])}
+    kernel, xla = read(PositionalView, lengths, PALLAS_GPU, **prefill), read(KVView, **prefill)
+    np.testing.assert_allclose(kernel, xla, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(kernel)[1] == 0)
     kernel, xla = read(PositionalView, lengths, PALLAS_GPU), read(KVView)
     np.testing.assert_allclose(kernel, xla, atol=1e-5, rtol=1e-5)
     assert not np.array_equal(kernel, xla) and np.all(np.asarray(kernel)[1] == 0)
     np.testing.assert_array_equal(read(PositionalView, lengths, PALLAS_GPU, logit_softcap=5.0),
                                   read(KVView, logit_softcap=5.0))  # fmt: skip
-    plain = {"num_queries": 1, "num_slots": slots, "logit_softcap": None, "slot_mass": False}
-    assert dense_route(PALLAS_GPU, **plain) is None
-    for lacking in ({"num_queries": 2}, {"logit_softcap": 5.0}, {"slot_mass": True}, {"num_slots": 40}):
+    plain = {"num_queries": 1, "num_slots": slots, "dtype": jnp.float32, "logit_softcap": None, "slot_mass": False}
+    assert dense_route(PALLAS_GPU, **plain) is None and dense_route(PALLAS_GPU, **plain | {"num_queries": 8}) is None
+    for lacking in ({"logit_softcap": 5.0}, {"slot_mass": True}, {"num_slots": 40}):
         assert dense_route(PALLAS_GPU, **(plain | lacking)), lacking
     assert dense_route(PALLAS_TPU, **plain) and dense_route(XLA, **plain) == "the xla backend"
+    monkeypatch.setattr(dense_kernels, "interpreted", lambda backend: False)  # as on a GPU: cuDNN wants half floats
+    assert "float32 prefill" in dense_route(PALLAS_GPU, **plain | {"num_queries": 8})
+    assert dense_route(PALLAS_GPU, **plain | {"num_queries": 8, "dtype": jnp.bfloat16}) is None
 
 
 def test_generate_with_each_backend(monkeypatch, caplog):
     """``generate(..., attention_backend=...)``: tiny Llama's greedy tokens are the same under every
-    name; ``pallas_gpu`` traces the dense decode kernel into the loop; ``auto`` on CPU is XLA, said
-    once; a bad name is refused by name; ``jaxkv generate --attention-backend`` reaches the keywords."""
+    name; ``pallas_gpu`` traces the dense decode kernel into the loop and the prefill's attention
+    into the prefill; ``auto`` on CPU is XLA, said once; a bad name is refused by name;
+    ``jaxkv generate --attention-backend`` reaches the keywords."""
     model, prompts = Llama(LlamaConfig(**TINY_LLAMA)), [[3, 14, 15, 9, 26, 5], [35, 8, 9]]
     traced = []
-    monkeypatch.setattr(dense_kernels, "gqa", lambda *args, **kw: traced.append(kw["interpret"]) or gqa(*args, **kw))
+    monkeypatch.setattr(dense_kernels, "gqa", lambda *args, **kw: traced.append("decode") or gqa(*args, **kw))
+    prefill = protocol.dense_prefill
+    monkeypatch.setattr(protocol, "dense_prefill", lambda *args, **kw: traced.append("prefill") or prefill(*args, **kw))
     tokens = {}
     for backend in (XLA, PALLAS_GPU, PALLAS_TPU):
         tokens[backend] = generate(model, prompts, max_new_tokens=6, attention_backend=backend).tokens.tolist()
-        assert bool(traced) == (backend == PALLAS_GPU)
+        assert set(traced) == ({"decode", "prefill"} if backend == PALLAS_GPU else set())
         traced.clear()
     with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
         tokens["auto"] = generate(model, prompts, max_new_tokens=6, attention_backend="auto").tokens.tolist()
