@@ -30,7 +30,7 @@ from jaxkv.kernels import XLA, resolve_backend
 from jaxkv.layers.dynamic import DynamicLayer
 from jaxkv.layers.evicting import EvictingLayer, PackedEvictingLayer
 from jaxkv.layers.indexed import DynamicIndexedLayer, IndexedLayer, PagedIndexedLayer
-from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer, PagedLatentLayer
+from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer, PagedLatentLayer, QuantizedLatentLayer
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
@@ -207,9 +207,10 @@ def _latent_storage(spec: LayerSpec, static, dynamic, paged) -> CacheLayer:
             "layer types 'latent_attention' and 'indexed_attention' need latent=LatentSpec(...) (from_config reads "
             "kv_lora_rank, qk_rope_head_dim, index_head_dim and index_topk)"
         )
-    given = [name for name in ("quantization", "eviction") if getattr(spec, name) is not None]
-    if given:
-        raise ValueError(f"latent and indexed attention layers are stored at the cache dtype; not with {given[0]}")
+    if spec.eviction is not None:
+        raise ValueError("latent and indexed attention layers keep every token; not with eviction")
+    if spec.quantization is not None:
+        return _quantized_latent(spec, static)
     if spec.paging is not None:
         return paged.create(spec.latent, spec.paging, spec.dtype)
     if spec.full_attention == "dynamic":
@@ -217,6 +218,20 @@ def _latent_storage(spec: LayerSpec, static, dynamic, paged) -> CacheLayer:
     if spec.max_length is None:
         raise ValueError("a static latent cache needs max_length; pass it, or use full_attention='dynamic'")
     return static.create(spec.batch_size, spec.latent, spec.max_length, spec.dtype)
+
+
+def _quantized_latent(spec: LayerSpec, static) -> CacheLayer:
+    """``QuantizedLatentLayer``: a static ``latent_attention`` layer (not DSA's, not paged or dynamic)."""
+    if static is not LatentLayer or spec.paging is not None or spec.full_attention == "dynamic":
+        raise ValueError(
+            "quantization covers static latent_attention layers (QuantizedLatentLayer); indexed, paged and dynamic "
+            "latent layers are stored at the cache dtype"
+        )
+    if spec.max_length is None:
+        raise ValueError("a quantized latent cache needs max_length")
+    return QuantizedLatentLayer.create(
+        spec.batch_size, spec.latent, spec.max_length, spec.dtype, quantization=spec.quantization
+    )
 
 
 def _latent_layer(spec: LayerSpec) -> CacheLayer:
@@ -315,7 +330,8 @@ LAYER_TYPES: dict[str, LayerType] = {
     "hybrid": LayerType(_hybrid_layer, {}),
     "hybrid_sliding": LayerType(_hybrid_sliding_layer, {}),
     "latent_attention": LayerType(
-        _latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}, paged=PagedLatentLayer
+        _latent_layer, {"static": LatentLayer, "dynamic": DynamicLatentLayer}, quantized=QuantizedLatentLayer,
+        paged=PagedLatentLayer,
     ),
     "indexed_attention": LayerType(
         _indexed_layer, {"static": IndexedLayer, "dynamic": DynamicIndexedLayer}, paged=PagedIndexedLayer

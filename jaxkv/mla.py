@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -275,12 +276,21 @@ class LatentStorage(BatchMajorLayer, Rollback, Overflow):
         """``new`` (field -> ``[B, 1, T, D]``) written at slot = position in entry ``index``."""
         slots = jnp.where(positions >= 0, positions, self.capacity)
         lengths = lengths_after(entry(self.lengths, index), positions)
-        written = {name: write_slots(getattr(self, name), index, x, slots) for name, x in new.items()}
+        written = {name: self._write_field(name, index, x, slots) for name, x in new.items()}
         layer = self.replace(lengths=self.lengths.at[index].set(lengths), **written)
         slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
         mask_info = MaskInfo(kv_positions, slots_used=jnp.minimum(jnp.max(lengths), self.capacity))
-        return layer, LatentView(layer.latent, layer.latent, index, mask_info)
+        stack, stack_index = layer._read_entries(index)
+        return layer, LatentView(stack, stack, stack_index, mask_info)
+
+    def _write_field(self, name: str, index, x: jax.Array, slots) -> jax.Array:
+        """Buffer ``name`` with ``x`` ``[B, 1, T, D]`` written at ``slots`` ``[B, T]`` of entry ``index``."""
+        return write_slots(getattr(self, name), index, x, slots)
+
+    def _read_entries(self, index) -> tuple[jax.Array, jax.Array | int]:
+        """The stack of entries attention reads ``[L, B, 1, S, R + P]`` and entry ``index``'s place in it."""
+        return self.latent, index
 
 
 class GrowingSlots(Growth):
@@ -348,7 +358,7 @@ class LatentPages(CacheLayer, PackedAttention, PagedStorage):
 
     latent_pages: jax.Array  # [P, page_size, 1, R + P]
 
-    WHY_NOT = {
+    WHY_NOT: ClassVar[dict] = {
         Rollback: "a paged layer keeps no lengths: the engine rolls a row back on the host",
         RowSelection: "a paged layer has no rows: the engine forks a row on the host (copy-on-write pages)",
     }

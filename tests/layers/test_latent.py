@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxkv.models.architectures import DEEPSEEK_V32
 
 from jaxkv.cache import Cache
 from jaxkv.layers.indexed import IndexedQueries, IndexerQueries, index_scores, select_slots
 from jaxkv.layers.paged import Paging
 from jaxkv.memory import cache_bytes, layer_bytes
-from jaxkv.models.architectures import DEEPSEEK_V32
 from jaxkv.mla import (
     LatentQueries,
     LatentSpec,
@@ -22,6 +22,7 @@ from jaxkv.mla import (
     prefers_expanded,
 )  # fmt: skip
 from jaxkv.protocol import MaskInfo
+from jaxkv.quantization import QuantSpec
 
 HEADS, NOPE, VALUE, RANK, ROPE, INDEX_DIM, INDEX_HEADS, TOPK = 3, 5, 7, 8, 4, 6, 2, 3
 SPEC = LatentSpec(RANK, ROPE, INDEX_DIM, TOPK)
@@ -32,10 +33,10 @@ def normal(seed, *shape):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
-def make_cache(kind="indexed_attention", full_attention="static", batch=2, max_length=16, spec=SPEC):
+def make_cache(kind="indexed_attention", full_attention="static", batch=2, max_length=16, spec=SPEC, **options):
     return Cache.from_layer_types(
         [kind], batch_size=batch, num_kv_heads=1, head_dim=4, max_length=max_length, full_attention=full_attention,
-        latent=spec,
+        latent=spec, **options,
     )  # fmt: skip
 
 
@@ -220,3 +221,38 @@ def test_deepseek_v32_totals_of_the_readme():
     assert cache_bytes(DEEPSEEK_V32, 1, 32768, jnp.bfloat16) == 32768 * per_token + 61 * 4
     assert cache_bytes(DEEPSEEK_V32, 1, 32768, jnp.bfloat16) / 2**20 == pytest.approx(2684.0, abs=0.05)
     assert 61 * 2 * 128 * 128 * 2 / per_token == pytest.approx(46.5, abs=0.05)
+
+
+@pytest.mark.parametrize("fmt, tolerance", [("int", 0.03), ("e4m3", 0.1)])
+def test_quantized_latent_within_quantization_tolerance_of_the_float_one(fmt, tolerance):
+    """``quantization=`` on a static latent layer: 8-bit codes per token in groups of 4 (the latent's
+    and the RoPE key's apart); a ragged prefill and a decode step attend within the format's
+    tolerance of the float latent (and not equal to it: the codes are read), a rollback forgets
+    the decode, and the bytes equal the formula (12 codes + 3 groups' scales a token)."""
+    quantization = QuantSpec(nbits=8, format=fmt, q_group_size=4, residual_length=0)
+    caches = [make_cache("latent_attention"), make_cache("latent_attention", quantization=quantization)]
+    positions = caches[0].next_positions(5, num_new=[5, 3])
+    for step, length in enumerate((5, 1)):
+        entries, q = normal(10 + step, 2, 1, length, RANK + ROPE), queries(20 + step, 2, length)
+        outs = []
+        for i, cache in enumerate(caches):
+            caches[i], view = cache.update(0, entries, None, positions)
+            outs.append(np.asarray(absorbed_attention(q, view, positions, WEIGHTS, SCALE)))
+        assert 0 < np.max(np.abs(outs[1] - outs[0])) < tolerance * np.max(np.abs(outs[0]))
+        positions = caches[0].next_positions(1)
+    assert np.asarray(caches[1].rollback(1).lengths).tolist() == [5, 3]
+    scales = 3 * (4 if fmt == "int" else 2)  # float16 scale (and int zero) per group of 4
+    options = {"batch_size": 2, "seq_len": 16, "num_kv_heads": 1, "head_dim": 4, "dtype": jnp.float32}
+    formula = layer_bytes("latent_attention", latent=SPEC, quantization=quantization, **options)
+    assert formula == caches[1].layer(0).nbytes == 2 * 16 * (12 + scales) + 4 * 2
+
+
+def test_quantized_latent_refusals():
+    """A quantized latent needs 8 bits, per-token groups dividing R + P and no residual; DSA, paged
+    and dynamic latent layers are not quantized."""
+    with pytest.raises(ValueError, match="8-bit per-token codes without a residual"):
+        make_cache("latent_attention", quantization=QuantSpec(nbits=4, q_group_size=4, residual_length=0))
+    with pytest.raises(ValueError, match="q_group_size 8 must divide R \\+ P = 12"):
+        make_cache("latent_attention", quantization=QuantSpec(nbits=8, q_group_size=8, residual_length=0))
+    with pytest.raises(ValueError, match="quantization covers static latent_attention layers"):
+        make_cache("indexed_attention", quantization=QuantSpec(nbits=8, q_group_size=4, residual_length=0))

@@ -47,6 +47,7 @@ from tests.oracle import full_attention
 
 WINDOW, HEAD_DIM = 4, 4
 SPEC = QuantSpec(nbits=8, q_group_size=HEAD_DIM, residual_length=HEAD_DIM)
+LATENT_SPEC = QuantSpec(nbits=8, q_group_size=2, residual_length=0)  # a latent layer's: no residual, G | R + P
 LINEAR = {"conv_width": 2, "conv_channels": 3, "state_shapes": ((3,),)}
 # kind -> Cache.from_layer_types options
 KINDS = {
@@ -239,7 +240,9 @@ def test_registry_storage_is_what_the_builder_builds(layer_type, full_attention)
     assert type(layer) in storage.values()
     quantizable = LAYER_TYPES[layer_type].quantized
     if quantizable is not None:
-        quantized = make_cache("static", layer_types=[layer_type], max_length=8, quantization=SPEC).layer(0)
+        latent = {"latent": options["latent"], "quantization": LATENT_SPEC} if layer_type == "latent_attention" else {}
+        built = {"quantization": SPEC, **latent}
+        quantized = make_cache("static", layer_types=[layer_type], max_length=8, **built).layer(0)
         assert type(quantized) is quantizable
 
 
