@@ -94,8 +94,10 @@ class LayerSpec:
     # MLA's latent (and DSA's indexer) per token, for latent_attention and indexed_attention (jaxkv.mla).
     latent: LatentSpec | None = None
     num_layers: int = 1  # the model's layers (PyramidKV spreads its budget over them)
-    # What reads static full-attention layers' decode tokens (jaxkv.kernels; resolved: not 'auto').
+    # What reads static full-attention layers' queries (jaxkv.kernels; resolved: not 'auto'), and
+    # the mesh and rules the cache is sharded by, over which those kernels run per device.
     attention_backend: str = XLA
+    sharding: Layout | None = None
 
     def __post_init__(self):
         if self.full_attention not in FULL_ATTENTION_KINDS:
@@ -169,7 +171,8 @@ def _full_attention_storage(spec: LayerSpec) -> CacheLayer:
     if spec.max_length is None:
         raise ValueError("a static full-attention cache needs max_length; pass it, or use full_attention='dynamic'")
     return StaticLayer.create(
-        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.dtype, spec.attention_backend
+        spec.batch_size, spec.num_kv_heads, spec.head_dim, spec.max_length, spec.dtype, spec.attention_backend,
+        spec.sharding,
     )
 
 
@@ -703,6 +706,8 @@ class Cache:
         layout = None if mesh is None else Layout.create(mesh, rules)
         if layout is not None and spec.paging is not None:  # a kernel reading the pages is split by hand
             spec = dataclasses.replace(spec, paging=dataclasses.replace(spec.paging, sharding=layout))
+        if layout is not None and spec.attention_backend != XLA:  # and so are the static layers' kernels
+            spec = dataclasses.replace(spec, sharding=layout)
 
         def build() -> Cache:
             groups = build_groups(layer_types, spec, period, layer_builder, stored, kv_shapes)

@@ -72,7 +72,7 @@ from flax import struct
 
 from jaxkv.kernels.backends import XLA
 from jaxkv.kernels.dense import dense_decode, dense_prefill, dense_route
-from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
+from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes, Layout
 from jaxkv.softmax import attention_mask, dense_attention
 
 
@@ -207,10 +207,12 @@ class PositionalView(KVView):
     attention ``backend`` (``jaxkv.kernels``): its decode tokens go to the backend's dense decode
     kernel, its prefills to cuDNN, when ``jaxkv.kernels.dense.dense_route`` finds nothing they
     lack; everything else to XLA.
-    ``lengths`` ``[B]``: the tokens each row holds (slots ``0 .. lengths - 1``)."""
+    ``lengths`` ``[B]``: the tokens each row holds (slots ``0 .. lengths - 1``); ``sharding``: the
+    mesh and rules the buffer is sharded by (the kernels run per device: ``jaxkv.kernels.dense``)."""
 
     lengths: jax.Array | None = None
     backend: str = struct.field(pytree_node=False, default=XLA)
+    sharding: Layout | None = struct.field(pytree_node=False, default=None)
 
     def route(self, queries: jax.Array, logit_softcap, query_weights) -> str | None:
         """Why ``queries`` ``[B, H_q, T, D]`` are read by XLA (``dense_route``); None: by the kernel."""
@@ -228,9 +230,11 @@ class PositionalView(KVView):
             return super().attend(queries, q_positions, scale=scale, **options)
         if queries.shape[2] > 1:
             mask = attention_mask(q_positions, self.mask_info)  # [B, T, S]
-            return dense_prefill(queries, self.keys, self.values, mask, scale=scale).astype(queries.dtype)
+            out = dense_prefill(queries, self.keys, self.values, mask, scale=scale, sharding=self.sharding)
+            return out.astype(queries.dtype)
         visible = jnp.minimum(self.lengths, jnp.maximum(q_positions[:, 0] + 1, 0))
-        out = dense_decode(self.backend, queries[:, :, 0], self.keys, self.values, visible, scale=scale)
+        decoded = (self.backend, queries[:, :, 0], self.keys, self.values, visible)
+        out = dense_decode(*decoded, scale=scale, sharding=self.sharding)
         return out[:, :, None].astype(queries.dtype)
 
 
@@ -527,9 +531,11 @@ KV_AXES = Axes(BATCH, KV_HEADS, KV_SLOTS, HEAD_DIM)  # [B, H_kv, S, D]
 class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
     """Layers whose slot ``p`` holds position ``p`` (static and dynamic full attention, and the like).
     ``attention_backend``: what reads the queries (``jaxkv.kernels``; a layer that takes it as a
-    field, ``StaticLayer``, hands it to a ``PositionalView``)."""
+    field, ``StaticLayer``, hands it to a ``PositionalView``, with the mesh and rules the layer is
+    sharded by, ``sharding``)."""
 
     attention_backend = XLA
+    sharding = None
 
     @property
     def capacity(self) -> int:
@@ -562,7 +568,9 @@ class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
         mask_info = MaskInfo(kv_positions, slots_used=used)
         if self.attention_backend == XLA:
             return new, KVView(new.keys, new.values, index, mask_info)
-        return new, PositionalView(new.keys, new.values, index, mask_info, lengths, self.attention_backend)
+        return new, PositionalView(
+            new.keys, new.values, index, mask_info, lengths, self.attention_backend, self.sharding
+        )  # fmt: skip
 
     @property
     def overflowed(self) -> jax.Array:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxkv.kernels import XLA
+from jaxkv.sharding import Layout
 from jaxkv.protocol import PositionalLayer, Refill, Rollback, check_capacity, check_update_inputs, pytree_class
 
 
@@ -29,21 +30,23 @@ class StaticLayer(PositionalLayer, Rollback, Refill):
     lengths: jax.Array  # [B] int32
     # See PositionalLayer; keyword-only, so that subclasses may add fields without defaults.
     attention_backend: str = struct.field(pytree_node=False, default=XLA, kw_only=True)
+    sharding: Layout | None = struct.field(pytree_node=False, default=None, kw_only=True)
 
     MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + 4·B"
 
     @classmethod
     def create(
         cls, batch_size: int, num_kv_heads: int, head_dim: int, max_length: int, dtype=jnp.float32,
-        attention_backend: str = XLA,
+        attention_backend: str = XLA, sharding: Layout | None = None,
     ):  # fmt: skip
-        """``attention_backend``: a concrete one (``jaxkv.kernels.resolve_backend`` resolves 'auto')."""
+        """``attention_backend``: a concrete one (``jaxkv.kernels.resolve_backend`` resolves 'auto');
+        ``sharding``: the mesh and rules the cache is sharded by (its kernels run per device)."""
         if max_length <= 0:
             raise ValueError(f"StaticLayer: max_length must be positive, got {max_length}")
         shape = (batch_size, num_kv_heads, max_length, head_dim)
         return cls(
             jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch_size,), jnp.int32),
-            attention_backend=attention_backend,
+            attention_backend=attention_backend, sharding=sharding,
         )
 
     @staticmethod

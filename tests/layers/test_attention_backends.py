@@ -407,3 +407,20 @@ def test_generate_with_each_backend(monkeypatch, caplog):
         generate(model, prompts, max_new_tokens=2, attention_backend="cudnn")
     config = resolve_config(build_parser().parse_args(["generate", "--attention-backend", "pallas_gpu"]))
     assert cache_options(config)["attention_backend"] == PALLAS_GPU
+
+
+@pytest.mark.filterwarnings("ignore:.*is not divisible by mesh axis:UserWarning")
+def test_generate_under_a_mesh_with_the_gpu_kernels(monkeypatch):
+    """Tiny Llama (8 K/V heads) on a 2x4 mesh: ``generate`` with ``pallas_gpu`` runs the dense
+    kernels per device (rows over ``data``, heads over ``model``) and gives one device's tokens."""
+    config = LlamaConfig(**TINY_LLAMA | {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8})
+    traced = []
+    for name in ("dense_prefill", "dense_decode"):
+        kernel = getattr(protocol, name)
+        monkeypatch.setattr(protocol, name, lambda *a, kernel=kernel, **kw: traced.append(kw["sharding"]) or kernel(
+            *a, **kw))  # fmt: skip
+    prompts = [[3, 14, 15, 9, 26, 5], [35, 8, 9]]
+    mesh = make_mesh({"data": 2, "model": 4}, jax.devices()[:8])
+    sharded = generate(Llama(config, mesh=mesh), prompts, max_new_tokens=4, attention_backend=PALLAS_GPU)
+    assert len(traced) == 2 and all(layout.mesh == mesh for layout in traced)
+    assert sharded.tokens.tolist() == generate(Llama(config), prompts, max_new_tokens=4).tokens.tolist()
