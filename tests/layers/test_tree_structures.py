@@ -31,6 +31,7 @@ SPAN, HEAD_DIM = 4, 4
 LINEAR = {"conv_width": 2, "conv_channels": 3, "state_shapes": ((3,),)}
 PAGING = Paging(page_size=4, num_pages=8, max_length=16)
 LATENT = {"latent": LatentSpec(rank=2, rope_dim=2, index_dim=HEAD_DIM, index_topk=4)}
+LATENT_QUANTIZATION = QuantSpec(nbits=8, q_group_size=2, residual_length=0)
 # One layer type and its options -> the layer class it builds (every registered class once).
 BUILDS = {
     "static": (["full_attention"], {}),
@@ -50,10 +51,11 @@ BUILDS = {
     "clustered_retrieval": (["full_attention"], {"retrieval": RetrievalSpec(budget=8, page_size=4, pages="clustered")}),
     "latent": (["latent_attention"], LATENT),
     "dynamic_latent": (["latent_attention"], {**LATENT, "full_attention": "dynamic"}),
-    "packed_latent": (["latent_attention"], {**LATENT, "paging": PAGING}),
+    "paged_latent": (["latent_attention"], {**LATENT, "paging": PAGING}),
+    "quantized_latent": (["latent_attention"], {**LATENT, "quantization": LATENT_QUANTIZATION}),
     "indexed": (["indexed_attention"], LATENT),
     "dynamic_indexed": (["indexed_attention"], {**LATENT, "full_attention": "dynamic"}),
-    "packed_indexed": (["indexed_attention"], {**LATENT, "paging": PAGING}),
+    "paged_indexed": (["indexed_attention"], {**LATENT, "paging": PAGING}),
 }
 
 
