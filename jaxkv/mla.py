@@ -349,10 +349,11 @@ class LatentPages(CacheLayer, PackedAttention, PagedStorage):
     row's logical page ``j`` holds position ``j * page_size + s``; the null page reads as empty.
 
     A step writes its packed tokens through the table (``page_slots``), lays the queries out per
-    row (``RowPacking``) and reads each row's table whole: entries ``[R, 1, W * page_size, R + P]``
-    gathered at once and handed to ``_read_rows``. That read is ``W * page_size`` (the engine's
-    ``max_model_len``) slots a row and step, not the filled length (``PagedKVView`` reads page
-    blocks up to the furthest query; doing the same here is left). Compacted rows (shifted
+    row (``RowPacking``) and reads (``_read_rows``) each row's table whole: entries ``[R, 1, W *
+    page_size, R + P]`` gathered at once (DSA past ``index_topk`` slots: the indexer keys, then the
+    chosen entries only). That read is ``W * page_size`` (the engine's ``max_model_len``) slots a
+    row and step, not the filled length (``PagedKVView`` reads page blocks up to the furthest
+    query; doing the same here is left). Compacted rows (shifted
     slots) are refused; the Pallas kernels do not read these pages.
     """
 
@@ -457,11 +458,15 @@ class LatentPages(CacheLayer, PackedAttention, PagedStorage):
     def rows_view(self, index, table) -> LatentView:
         """Each row's whole table: entries ``[1, R, 1, W * page_size, R + P]`` (entry 0) and their positions."""
         rows, width = table.shape
-        size = self.page_size
-        entries = self.latent_pages[index, table].reshape(1, rows, 1, width * size, -1)
+        entries = self.latent_pages[index, table].reshape(1, rows, 1, width * self.page_size, -1)
+        return LatentView(entries, entries, 0, self.rows_mask(table))
+
+    def rows_mask(self, table) -> MaskInfo:
+        """The positions ``[R, W * page_size]`` the rows' table slots hold (-1 on the null page)."""
+        width, size = table.shape[1], self.page_size
         held = jnp.repeat(table != NULL_PAGE, size, axis=1)
         kv_positions = jnp.where(held, jnp.arange(width * size, dtype=jnp.int32)[None], -1)
-        return LatentView(entries, entries, 0, MaskInfo(kv_positions, slots_used=width * size))
+        return MaskInfo(kv_positions, slots_used=width * size)
 
     def _read_rows(self, index, table, queries, row_positions, read) -> jax.Array:
         """``[R, H, T, v]``: ``read`` of the per-row ``queries`` at ``row_positions`` ``[R, T]``."""

@@ -93,9 +93,7 @@ class SelectedView:
     def attend(self, queries: jax.Array, q_positions, *, scale: float) -> jax.Array:
         """Softmax attention of ``queries`` ``[B, H, T, R + P]`` over each query's own K gathered
         entries (keys and values both): ``[B, H, T, R + P]``. ``q_positions`` are already in ``chosen``."""
-        rows = jnp.arange(self.slots.shape[0])[:, None, None]
-        # One gather from the stack ([B, T, K, R + P]): slicing the entry out first would copy all S slots.
-        gathered = self.latent_stack[self.index, rows, 0, self.slots]
+        gathered = self.gathered()
         logits = jnp.einsum("bhtw,btkw->bhtk", queries, gathered, preferred_element_type=jnp.float32)
         probs = masked_softmax(logits * scale, self.chosen[:, None])
         return jnp.einsum("bhtk,btkw->bhtw", probs.astype(gathered.dtype), gathered)
@@ -104,6 +102,27 @@ class SelectedView:
         """``[B, H, T, v]``: the absorbed form over the chosen entries (expanding each query's own K
         entries per head would cost more than the gather saves)."""
         return absorbed_attention(queries, self, q_positions, weights, scale)
+
+    def gathered(self) -> jax.Array:
+        """The chosen entries ``[B, T, K, R + P]``, in one gather from the stack (slicing the entry
+        out first would copy all S slots)."""
+        rows = jnp.arange(self.slots.shape[0])[:, None, None]
+        return self.latent_stack[self.index, rows, 0, self.slots]
+
+
+@pytree_class
+class PagedSelectedView(SelectedView):
+    """``SelectedView`` of the engine's pages: ``latent_stack`` the pool ``[L, P, page_size, 1, R + P]``,
+    ``slots`` ``[R, T, K]`` the rows' table slots, read through ``block_table`` ``[R, W]``: only the
+    chosen entries are read from the pool."""
+
+    block_table: jax.Array
+
+    def gathered(self) -> jax.Array:
+        size = self.latent_stack.shape[-3]
+        rows = jnp.arange(self.slots.shape[0])[:, None, None]
+        pages = self.block_table[rows, self.slots // size]  # [R, T, K]
+        return self.latent_stack[self.index, pages, self.slots % size, 0]
 
 
 def indexed_view(view: LatentView, index_keys, indexer: IndexerQueries, q_positions, topk: int):
@@ -216,8 +235,15 @@ class PagedIndexedLayer(LatentPages):
         )
 
     def _read_rows(self, index, table, queries: IndexedQueries, row_positions, read) -> jax.Array:
+        """While the table holds at most ``index_topk`` slots, the whole-table view; past that the
+        indexer scores every slot and only the chosen entries are read from the pool."""
         rows, width = table.shape
-        index_keys = self.index_pages[index, table].reshape(rows, width * self.page_size, -1)  # [R, S, D_I]
-        view = indexed_view(self.rows_view(index, table), index_keys, queries.indexer, row_positions, self.index_topk)
+        if width * self.page_size <= self.index_topk:
+            view = self.rows_view(index, table)
+        else:
+            index_keys = self.index_pages[index, table].reshape(rows, width * self.page_size, -1)  # [R, S, D_I]
+            mask_info = self.rows_mask(table)
+            slots, chosen = select_slots(queries.indexer, index_keys, row_positions, mask_info, self.index_topk)
+            view = PagedSelectedView(self.latent_pages, index, slots, chosen, table)
         out, _ = read(queries.latent, view, row_positions, None)
         return out
