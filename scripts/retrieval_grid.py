@@ -86,10 +86,11 @@ def plot(table: list[dict], path: Path) -> None:
     panels = sorted({(r["task"], r["context"]) for r in table})
     figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     markers = {"full": "D", "retrieval": "*", "eviction": "o", "quantized": "s"}
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["cache"] for r in table))}  # one per cache
     for axis, (task, context) in zip(axes[0], panels):
         for r in (r for r in table if (r["task"], r["context"]) == (task, context)):
             axis.scatter(r["device_mib"], r["accuracy"], marker=markers[r["kind"]], s=120 if r["kind"] == "retrieval" else 50,
-                         label=r["cache"], zorder=3)  # fmt: skip
+                         color=colors[r["cache"]], label=r["cache"], zorder=3)  # fmt: skip
         axis.set(xscale="log", title=f"SmolLM2-135M {task}, {context} tokens", xlabel="device K/V MiB per row",
                  ylabel="accuracy", ylim=(-0.05, 1.05))  # fmt: skip
         axis.grid(alpha=0.3)
