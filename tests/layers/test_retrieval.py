@@ -16,9 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxkv.models.gemma3 import Gemma3, Gemma3Config
-from jaxkv.models.llama import Llama, LlamaConfig
-from jaxkv.models.load import load_pretrained
 
 from jaxkv import Cache, SlidingWindowLayer
 from jaxkv.attention import cached_attention
@@ -27,6 +24,9 @@ from jaxkv.decoding.generate import generate
 from jaxkv.eviction import EvictionSpec
 from jaxkv.layers.retrieval import ClusteredRetrievalLayer, RetrievalLayer, RetrievalSpec
 from jaxkv.memory import storage_rows
+from jaxkv.models.gemma3 import Gemma3, Gemma3Config
+from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.load import load_pretrained
 from jaxkv.protocol import Refill, Rollback, RowSelection, has
 from jaxkv.quantization import QuantSpec
 from jaxkv.research.corpus import corpus_text
