@@ -66,6 +66,8 @@ def _describe(node, name: str, tensors: dict) -> dict:
         return {"none": True}
     if isinstance(node, tuple | list):
         return {"tuple": [_describe(child, f"{name}.{i}", tensors) for i, child in enumerate(node)]}
+    if isinstance(node, dict):  # keyed children (a container's shared views: empty between forwards)
+        return {"dict": {str(key): _describe(child, f"{name}.{key}", tensors) for key, child in node.items()}}
     if dataclasses.is_dataclass(node):
         static, children = {}, {}
         for field in dataclasses.fields(node):
@@ -77,6 +79,11 @@ def _describe(node, name: str, tensors: dict) -> dict:
         return {"class": _class_name(type(node)), "static": static, "children": children}
     tensors[name] = np.asarray(node)
     return {"tensor": name}
+
+
+def _dict_key(key: str):
+    """A dict child's key as saved (JSON keys are strings): integer keys come back as ints."""
+    return int(key) if key.lstrip("-").isdigit() else key
 
 
 def _class_name(cls: type) -> str:
@@ -123,6 +130,8 @@ def _build(description: dict, tensors, path: Path):
         return None
     if "tuple" in description:
         return tuple(_build(child, tensors, path) for child in description["tuple"])
+    if "dict" in description:
+        return {_dict_key(key): _build(child, tensors, path) for key, child in description["dict"].items()}
     if "tensor" in description:
         return jnp.asarray(tensors.get_tensor(description["tensor"]))
     children = {key: _build(child, tensors, path) for key, child in description["children"].items()}
