@@ -25,7 +25,9 @@ a running mean (``observe``), and so is the number of drafts each sequence's ver
 step makes (a decode's, a finished prompt's) and ``G`` the kept drafts expected, the step
 verifies when ``(T + G) * t_plain >= T * t_wide`` (``t_wide``: the verifying shape's time, each
 of its decode slots ``1 + k`` tokens wide). A shape not timed yet is tried (the verifying one
-first, then the plain one), and a verifying shape that lost ``RETRY_AFTER`` times in a row is
+first, then the plain one), except a verifying shape whose plain shape plus the mean time of
+proposals already loses (``_wide_bound``: a draft model's catch-up would be paid to learn
+nothing), and a verifying shape that lost ``RETRY_AFTER`` times in a row is
 tried again (after twice as many losses each time it is retried and loses again). So speculation
 turns itself off where drafts are rarely kept or where a wide step costs more than it brings
 (many rows on a busy CPU), and on where they pay. Greedy output never depends on it; a seeded
@@ -175,6 +177,7 @@ class Speculation:
         self.losses: dict[Shape, int] = {}  # decisions a verifying shape lost since it last won or was tried
         self.patience: dict[Shape, int] = {}  # losses before it is tried again (doubling per retry)
         self.proposing_seconds = 0.0  # the wall time of this step's proposals (part of a verifying step's cost)
+        self.proposing_mean: float | None = None  # running mean of proposing_seconds over steps that proposed
 
     def plan(self, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` with drafts for the decoding sequences that get them, or unchanged when
@@ -187,6 +190,7 @@ class Speculation:
         start = time.perf_counter()
         proposals = self.proposer.propose([chunks[i].seq for i in limits], list(limits.values()))
         self.proposing_seconds = time.perf_counter() - start
+        self.proposing_mean = _smoothed(self.proposing_mean, self.proposing_seconds)
         drafts = {
             i: tuple(draft[:limit])
             for (i, limit), draft in zip(limits.items(), proposals, strict=True)
@@ -210,13 +214,15 @@ class Speculation:
         """Would chunk i bringing ``drafts[i]`` drafts make more tokens a second than the plain
         step (the module's rule)?"""
         plain, wide = self.step_shape(chunks, 1), self.step_shape(chunks, 1 + self.config.num_tokens)
-        if self.config.always_verify or wide not in self.step_seconds:
+        plain_seconds = self.step_seconds.get(plain)
+        wide_seconds = self.step_seconds.get(wide, self._wide_bound(plain_seconds))
+        if self.config.always_verify or wide_seconds is None:
             return True  # verifying times the wide shape
-        if plain not in self.step_seconds:
+        if plain_seconds is None:
             return False  # a plain step times the plain shape
         tokens = sum(chunk.draws_next for chunk in chunks)
         gain = sum(min(self.expected.get(chunks[i].seq.key, self.prior), n) for i, n in drafts.items())
-        if (tokens + gain) * self.step_seconds[plain] >= tokens * self.step_seconds[wide]:
+        if (tokens + gain) * plain_seconds >= tokens * wide_seconds:
             self.losses[wide], self.patience[wide] = 0, RETRY_AFTER
             return True
         self.losses[wide] = self.losses.get(wide, 0) + 1
@@ -224,6 +230,15 @@ class Speculation:
             return False
         self.losses[wide], self.patience[wide] = 0, 2 * self.patience.get(wide, RETRY_AFTER)
         return True
+
+    def _wide_bound(self, plain_seconds: float | None) -> float | None:
+        """What an untimed verifying shape costs at least: its plain shape's time plus the mean
+        time proposals took (None until both are known: the shape is then tried). A draft model's
+        proposals cost a forward pass or more, so once they are known not to pay, each new
+        verifying shape is not tried at a full catch-up's cost but waits like a losing one."""
+        if plain_seconds is None or self.proposing_mean is None:
+            return None
+        return plain_seconds + self.proposing_mean
 
     def observe(self, chunks: list[Chunk], seconds: float) -> None:
         """A step ran ``chunks`` in ``seconds`` (wall time): update its shape's running mean (a

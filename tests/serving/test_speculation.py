@@ -410,3 +410,20 @@ def test_a_losing_verifying_shape_is_retried_ever_more_rarely():
     chunks = [Chunk(SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0), 2, 1)]
     tried = [n for n in range(1, 500) if speculation._pays(chunks, {0: 3})]
     assert tried == [64, 64 + 128, 64 + 128 + 256]
+
+
+def test_an_untimed_verifying_shape_is_not_tried_when_proposals_alone_lose():
+    """Once proposals are timed (a draft model's: 1 s a step) an untimed verifying shape is bounded
+    below by its plain shape's time plus theirs: one sequence expecting one kept draft does not
+    pay 1.1 s for 2 tokens against 0.1 s a token, so the shape waits like a losing one (tried
+    after 64 losses) instead of paying a catch-up to be timed; cheap proposals (prompt lookup's)
+    leave it tried at once."""
+    speculation = Speculation(
+        SpeculativeConfig(), NgramProposer(4, 2), kv=None, max_model_len=64, step_shape=lambda chunks, w: (1, 0, w)
+    )
+    chunks = [Chunk(SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0), 2, 1)]
+    speculation.step_seconds = {(1, 0, 1): 0.1}
+    speculation.proposing_mean = 1.0
+    assert [n for n in range(1, 100) if speculation._pays(chunks, {0: 3})] == [64]
+    speculation.proposing_mean, speculation.losses = 1e-4, {}
+    assert speculation._pays(chunks, {0: 3})
