@@ -31,12 +31,18 @@ Rows that do not propose are left as they were. A row never holds more than ``ma
 positions: drafts stop at the model's length. Drafts are greedy, so the engine's verification
 treats each as a one-hot proposal (exact for sampled requests too, see
 ``jaxkv.serving.speculation``).
+
+What a call costs (``cost``, for the engine's rule): ``warmup`` times one row's full chunk (the
+seconds a fed token takes) and one row's drafting call; a call's prediction is linear in the slots
+it runs (``rows * width``, plus ``rows`` per draft after the first), scaled by the running ratio
+of measured to predicted calls.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -49,7 +55,7 @@ from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE, Paging, table_width
 from jaxkv.protocol import has
 from jaxkv.serving.requests import SequenceState
-from jaxkv.serving.speculation import MAX_NUM_TOKENS, Proposer
+from jaxkv.serving.speculation import MAX_NUM_TOKENS, ProposalCost, Proposer, running_mean
 
 # The narrowest catch-up bucket: after a row kept all its drafts, the last draft (drawn, never
 # fed) and the target's token.
@@ -146,6 +152,9 @@ class DraftProposer(Proposer):
         self.executables: dict[tuple[str, int, int], Callable] = {}
         self.fed = [np.zeros(0, np.int32) for _ in range(num_rows)]  # tokens row r's pages hold, in order
         self.holders: list[tuple[int, int] | None] = [None] * num_rows  # the key of the sequence on each row
+        self.token_seconds: float | None = None  # a fed token's time (warmup); None: calls not predicted
+        self.drafting_seconds: float | None = None  # one row's drafting call at the narrowest width (warmup)
+        self.calibration: float | None = None  # running mean of measured / predicted call times
 
     @property
     def num_compiled(self) -> int:
@@ -160,12 +169,31 @@ class DraftProposer(Proposer):
         if len(set(rows)) < len(rows):
             raise ValueError(f"DraftProposer.propose: seqs share rows {sorted(rows)}; each row holds one sequence")
         tokens = [np.asarray(seq.tokens, np.int32) for seq, _ in drafting]
-        drafts = self._drafted(rows, tokens, [limit for _, limit in drafting])
+        pieces = self._pieces(rows, tokens)
+        start = time.perf_counter()
+        drafts = self._drafted(rows, pieces, [limit for _, limit in drafting])
+        if self.token_seconds is not None:
+            ratio = (time.perf_counter() - start) / self._predicted(self._calls(pieces))
+            self.calibration = running_mean(self.calibration, ratio)
         for (seq, limit), held, found in zip(drafting, tokens, drafts):
             self.fed[seq.row] = np.concatenate([held, found[: limit - 1]])
             self.holders[seq.row] = seq.key
         found = iter(drafts)
         return [next(found)[:limit].tolist() if limit else [] for limit in limits]
+
+    def cost(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> ProposalCost | None:
+        """The predicted time of ``propose(seqs, limits)`` (the module's cost model; None before
+        ``warmup``): its catch-up and drafting calls now, and its one drafting call once caught up."""
+        if self.token_seconds is None:
+            return None
+        limits = [self._limit(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
+        drafting = [seq for seq, limit in zip(seqs, limits) if limit]
+        if not drafting:
+            return ProposalCost(0.0, 0.0)
+        pieces = self._pieces([seq.row for seq in drafting], [np.asarray(seq.tokens, np.int32) for seq in drafting])
+        steady = [("propose", self._row_bucket(len(drafting)), MIN_WIDTH)]
+        scale = self.calibration or 1.0
+        return ProposalCost(scale * self._predicted(self._calls(pieces)), scale * self._predicted(steady))
 
     def release(self, seq: SequenceState) -> None:
         for row, key in enumerate(self.holders):
@@ -174,11 +202,38 @@ class DraftProposer(Proposer):
 
     def warmup(self) -> None:
         """Compile every call (per row bucket: the full-chunk feed and each catch-up width), so no
-        step waits for one."""
+        step waits for one; time one row's full chunk and drafting call (``cost``)."""
         for rows in self.row_buckets:
             self._executable("feed", rows, self.chunk_size)
             for width in self.widths:
                 self._executable("propose", rows, width)
+        self.token_seconds = self._timed("feed", 1, self.chunk_size) / self.chunk_size
+        self.drafting_seconds = self._timed("propose", 1, MIN_WIDTH)
+
+    def _timed(self, kind: str, rows: int, width: int) -> float:
+        """The wall time of the compiled ``kind`` call on ``rows`` padding slots (which write
+        nothing), the faster of two runs."""
+        inputs = self._inputs([], rows, width)
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            if kind == "feed":
+                self.cache = self._executable(kind, rows, width)(self.state, self.cache, *inputs)
+            else:
+                _, self.cache = self._executable(kind, rows, width)(
+                    self.state, self.cache, *inputs, np.zeros(rows, np.int32)
+                )
+            jax.block_until_ready(self.cache)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    def _predicted(self, calls: list[tuple[str, int, int]]) -> float:
+        """The uncalibrated time of ``calls`` (``(kind, rows, width)``): linear in the slots each runs."""
+        seconds = 0.0
+        for kind, rows, width in calls:
+            slots = rows * width if kind == "feed" else rows * (width + self.num_tokens - 1)
+            seconds += self.token_seconds * slots + (self.drafting_seconds if kind == "propose" else 0.0)
+        return seconds
 
     def _limit(self, seq: SequenceState, limit: int) -> int:
         """``limit`` checked against ``seq`` (on a row of this proposer, within the model's length),
@@ -197,23 +252,37 @@ class DraftProposer(Proposer):
             )
         return min(int(limit), self.max_model_len - seq.num_tokens)
 
-    def _drafted(self, rows: list[int], tokens: list[np.ndarray], limits: list[int]) -> np.ndarray:
-        """Drafts ``[n, k]`` of the n proposing ``rows`` (row i's first ``limits[i]`` are its): each
-        row fed ``tokens[i]`` (its sequence's tokens) from the longest prefix it holds (less the
-        last token, whose logits give the first draft): full chunks first, then the last piece
-        and the drafts in one call."""
-        pieces = [
+    def _pieces(self, rows: list[int], tokens: list[np.ndarray]) -> list[list[tuple[int, np.ndarray]]]:
+        """Each proposing row's catch-up ``(start, tokens)`` pieces: ``tokens[i]`` (its sequence's)
+        from the longest prefix the row holds (less the last token, whose logits give the first
+        draft), full chunks first, then the last piece."""
+        return [
             catch_up_pieces(held, min(common_prefix(self.fed[row], held), len(held) - 1), self.chunk_size)
             for row, held in zip(rows, tokens)
         ]
-        size = next(bucket for bucket in self.row_buckets if bucket >= len(rows))
-        for j in range(max(len(found) for found in pieces) - 1):
+
+    def _row_bucket(self, count: int) -> int:
+        return next(bucket for bucket in self.row_buckets if bucket >= count)
+
+    def _calls(self, pieces: list[list[tuple[int, np.ndarray]]]) -> list[tuple[str, int, int]]:
+        """The compiled calls ``(kind, rows, width)`` that feed ``pieces`` (``_pieces``) and draft."""
+        feeds = [
+            ("feed", self._row_bucket(sum(j < len(found) - 1 for found in pieces)), self.chunk_size)
+            for j in range(max(len(found) for found in pieces) - 1)
+        ]
+        width = next(w for w in self.widths if w >= max(len(found[-1][1]) for found in pieces))
+        return [*feeds, ("propose", self._row_bucket(len(pieces)), width)]
+
+    def _drafted(self, rows: list[int], pieces: list[list[tuple[int, np.ndarray]]], limits: list[int]) -> np.ndarray:
+        """Drafts ``[n, k]`` of the n proposing ``rows`` (row i's first ``limits[i]`` are its): each
+        row fed its catch-up ``pieces[i]`` (``_pieces``), full chunks in calls of their own, then the
+        last pieces and the drafts in one call (``_calls``)."""
+        *feeds, (_, size, width) = self._calls(pieces)
+        for j, (_, chunk_rows, _) in enumerate(feeds):
             chunks = [(row, found[j]) for row, found in zip(rows, pieces) if j < len(found) - 1]
-            chunk_rows = next(bucket for bucket in self.row_buckets if bucket >= len(chunks))
             inputs = self._inputs(chunks, chunk_rows, self.chunk_size)
             self.cache = self._executable("feed", chunk_rows, self.chunk_size)(self.state, self.cache, *inputs)
         last = [(row, found[-1]) for row, found in zip(rows, pieces)]
-        width = next(w for w in self.widths if w >= max(len(piece) for _, (_, piece) in last))
         num_drafts = np.zeros(size, np.int32)
         num_drafts[: len(rows)] = limits
         drafts, self.cache = self._executable("propose", size, width)(

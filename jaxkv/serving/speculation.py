@@ -19,21 +19,27 @@ When speculation pays (``Speculation.plan``, the documented rule): a sequence br
 when its proposer finds some, it may still make more than one token (``max_tokens``, the model's
 length), its request did not opt out, and the drafts' pages fit without preempting anyone. A
 step then verifies them only when that makes more tokens a second than the plain step, measured:
-every compiled shape's wall time (a verifying one's with the time its drafts took to propose) is
-a running mean (``observe``), and so is the number of drafts each sequence's verifications kept
-(a sequence not verified yet expects the running mean over all). With ``T`` tokens the plain
-step makes (a decode's, a finished prompt's) and ``G`` the kept drafts expected, the step
-verifies when ``(T + G) * t_plain >= T * t_wide`` (``t_wide``: the verifying shape's time, each
-of its decode slots ``1 + k`` tokens wide). A shape not timed yet is tried (the verifying one
-first, then the plain one), except a verifying shape whose plain shape plus the mean time of
-proposals already loses (``_wide_bound``: a draft model's catch-up would be paid to learn
-nothing), and a verifying shape that lost ``RETRY_AFTER`` times in a row is
-tried again (after twice as many losses each time it is retried and loses again). So speculation
-turns itself off where drafts are rarely kept or where a wide step costs more than it brings
-(many rows on a busy CPU), and on where they pay. Greedy output never depends on it; a seeded
-sampled request's tokens do (a verified draft is kept with probability p(d), a plain step draws
-from p: the same distribution, different draws), so for reproducible seeded sampling set
-``always_verify``.
+every compiled shape's wall time is a running mean (``observe``), and so is the number of drafts
+each sequence's verifications kept (a sequence not verified yet expects the running mean over
+all). Proposals cost ``P`` seconds: a proposer that predicts its calls (``Proposer.cost``: the
+draft model, from its timed calls) is charged what the step's proposals would take once every row
+has caught up, plus the catch-up it would feed now (a new prompt, the tokens since its row last
+proposed) spread over the steps its sequences have left at best; other proposers (prompt lookup)
+are charged the running mean of their measured proposing time. With ``T`` tokens the plain step
+makes (a decode's, a finished prompt's), ``G`` the kept drafts expected and ``t_wide`` the
+verifying shape's time (each of its decode slots ``1 + k`` tokens wide; not timed yet: the plain
+shape's time, a lower bound), the step verifies when ``(T + G) * t_plain >= T * (t_wide + P)``.
+Exploration: a verifying shape not timed yet is tried when that bound wins (the plain shape is
+timed first once proposals have a cost); a verifying shape that lost ``RETRY_AFTER`` times in a
+row is tried again (after twice as many losses each time it is retried and loses again), unless
+it cannot win at all: when even every draft kept, in a step as fast as the plain one,
+``(T + D) * t_plain < T * (t_plain + P)`` with ``D`` the drafts brought, the step runs plain and
+nothing is retried (a model drafting for itself costs more than the tokens it saves). So
+speculation turns itself off where drafts are rarely kept or where a wide step or the proposals
+cost more than they bring (many rows on a busy CPU, a draft model as large as its target), and on
+where they pay. Greedy output never depends on it; a seeded sampled request's tokens do (a
+verified draft is kept with probability p(d), a plain step draws from p: the same distribution,
+different draws), so for reproducible seeded sampling set ``always_verify``.
 """
 
 from __future__ import annotations
@@ -105,6 +111,20 @@ class Proposer(abc.ABC):
     def warmup(self) -> None:  # noqa: B027 - optional: proposers that compile nothing
         """Compile what ``propose`` runs, so no step waits for a compile."""
 
+    def cost(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> ProposalCost | None:
+        """What ``propose(seqs, limits)`` would take; None: not predicted (the rule then charges
+        the running mean of the measured proposing time)."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposalCost:
+    """A ``propose`` call's predicted wall time: ``seconds`` now, and ``steady_seconds`` once every
+    proposing row has caught up (the same call after a verification: what recurs each step)."""
+
+    seconds: float
+    steady_seconds: float
+
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer(Proposer):
@@ -140,6 +160,7 @@ SMOOTHING = 0.3
 # A verifying shape that lost this many decisions in a row is tried once more (its time may have
 # been measured on a busy machine); each retry that loses again doubles the wait.
 RETRY_AFTER = 64
+VERIFY, PLAIN, RETRY, WAIT = "verify", "plain", "retry", "wait"  # the rule's outcomes (WAIT: a loss counted)
 
 Shape = tuple[int, int, int]  # a compiled step's (decode slots, prefill size, decode width)
 
@@ -176,28 +197,27 @@ class Speculation:
         self.prior = 1.0  # the same over every sequence: what a sequence not verified yet expects
         self.losses: dict[Shape, int] = {}  # decisions a verifying shape lost since it last won or was tried
         self.patience: dict[Shape, int] = {}  # losses before it is tried again (doubling per retry)
-        self.proposing_seconds = 0.0  # the wall time of this step's proposals (part of a verifying step's cost)
-        self.proposing_mean: float | None = None  # running mean of proposing_seconds over steps that proposed
+        self.proposing_mean: float | None = None  # running mean of the proposals' wall time over steps that proposed
 
     def plan(self, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` with drafts for the decoding sequences that get them, or unchanged when
         verifying them would not pay."""
-        self.proposing_seconds = 0.0
         limits = {i: self._limit(chunk.seq) for i, chunk in enumerate(chunks) if self._decodes(chunk)}
         limits = {i: limit for i, limit in limits.items() if limit > 0}
-        if not limits or not self._pays(chunks, limits):
+        decision = self._decide(chunks, limits, self._proposal_cost(chunks, limits)) if limits else PLAIN
+        if decision == PLAIN:
             return chunks
         start = time.perf_counter()
         proposals = self.proposer.propose([chunks[i].seq for i in limits], list(limits.values()))
-        self.proposing_seconds = time.perf_counter() - start
-        self.proposing_mean = _smoothed(self.proposing_mean, self.proposing_seconds)
+        self.proposing_mean = running_mean(self.proposing_mean, time.perf_counter() - start)
         drafts = {
             i: tuple(draft[:limit])
             for (i, limit), draft in zip(limits.items(), proposals, strict=True)
             if draft and self.kv.allocate(chunks[i].seq, 1 + len(draft[:limit])) is not None
         }  # a draft's pages are granted without preempting anyone (and kept when the step does not verify)
-        if not drafts or not self._pays(chunks, {i: len(draft) for i, draft in drafts.items()}):
-            return chunks
+        found = {i: len(draft) for i, draft in drafts.items()}
+        if not drafts or (decision == VERIFY and self._outlook(chunks, found, 0.0) != VERIFY):
+            return chunks  # the drafts found (their cost spent) do not pay; a retry verifies what it found
         return [dataclasses.replace(chunk, draft=drafts[i]) if i in drafts else chunk for i, chunk in enumerate(chunks)]
 
     @staticmethod
@@ -205,48 +225,67 @@ class Speculation:
         """Is ``chunk`` a decode of a sequence that takes drafts?"""
         return chunk.count == 1 and chunk.draws_next and chunk.seq.options.speculative
 
+    def _left(self, seq: SequenceState) -> int:
+        """Tokens ``seq`` may still make (``max_tokens``, the model's length)."""
+        return min(seq.options.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens)
+
     def _limit(self, seq: SequenceState) -> int:
         """Drafts ``seq`` may bring: ``num_tokens``, less than the tokens it may still make."""
-        left = min(seq.options.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens)
-        return min(self.config.num_tokens, left - 1)
+        return min(self.config.num_tokens, self._left(seq) - 1)
 
-    def _pays(self, chunks: list[Chunk], drafts: dict[int, int]) -> bool:
-        """Would chunk i bringing ``drafts[i]`` drafts make more tokens a second than the plain
-        step (the module's rule)?"""
-        plain, wide = self.step_shape(chunks, 1), self.step_shape(chunks, 1 + self.config.num_tokens)
-        plain_seconds = self.step_seconds.get(plain)
-        wide_seconds = self.step_seconds.get(wide, self._wide_bound(plain_seconds))
-        if self.config.always_verify or wide_seconds is None:
-            return True  # verifying times the wide shape
-        if plain_seconds is None:
-            return False  # a plain step times the plain shape
-        tokens = sum(chunk.draws_next for chunk in chunks)
-        gain = sum(min(self.expected.get(chunks[i].seq.key, self.prior), n) for i, n in drafts.items())
-        if (tokens + gain) * plain_seconds >= tokens * wide_seconds:
+    def _proposal_cost(self, chunks: list[Chunk], limits: dict[int, int]) -> float | None:
+        """``P`` of the module's rule for chunk i proposing up to ``limits[i]`` drafts: the
+        proposer's steady cost plus its catch-up spread over the steps the sequences have left at
+        best (``1 + k`` tokens each), or the running mean of the measured proposals (None: none
+        yet) when the proposer predicts nothing."""
+        seqs = [chunks[i].seq for i in limits]
+        predicted = self.proposer.cost(seqs, list(limits.values()))
+        if predicted is None:
+            return self.proposing_mean
+        steps = max(1.0, float(np.mean([self._left(seq) for seq in seqs])) / (1 + self.config.num_tokens))
+        return predicted.steady_seconds + (predicted.seconds - predicted.steady_seconds) / steps
+
+    def _decide(self, chunks: list[Chunk], drafts: dict[int, int], proposing: float | None) -> str:
+        """VERIFY, PLAIN or RETRY (verify what the proposer finds: a losing shape's retry) for a
+        step whose chunk i may bring ``drafts[i]`` drafts, proposals costing ``proposing``
+        seconds: the module's rule, with its count of each verifying shape's losses."""
+        wide = self.step_shape(chunks, 1 + self.config.num_tokens)
+        outlook = self._outlook(chunks, drafts, proposing)
+        if outlook == VERIFY:
             self.losses[wide], self.patience[wide] = 0, RETRY_AFTER
-            return True
+        if outlook != WAIT:
+            return outlook
         self.losses[wide] = self.losses.get(wide, 0) + 1
         if self.losses[wide] < self.patience.get(wide, RETRY_AFTER):
-            return False
+            return PLAIN
         self.losses[wide], self.patience[wide] = 0, 2 * self.patience.get(wide, RETRY_AFTER)
-        return True
+        return RETRY
 
-    def _wide_bound(self, plain_seconds: float | None) -> float | None:
-        """What an untimed verifying shape costs at least: its plain shape's time plus the mean
-        time proposals took (None until both are known: the shape is then tried). A draft model's
-        proposals cost a forward pass or more, so once they are known not to pay, each new
-        verifying shape is not tried at a full catch-up's cost but waits like a losing one."""
-        if plain_seconds is None or self.proposing_mean is None:
-            return None
-        return plain_seconds + self.proposing_mean
+    def _outlook(self, chunks: list[Chunk], drafts: dict[int, int], proposing: float | None) -> str:
+        """The module's rule for a step whose chunk i brings ``drafts[i]`` drafts, proposals
+        costing ``proposing`` seconds (None: not known yet): VERIFY (it makes more tokens a second
+        than the plain step, or it is to be timed), WAIT (its measured or bounded time loses) or
+        PLAIN (it cannot win, or the plain shape is timed first); always VERIFY with ``always_verify``."""
+        if self.config.always_verify:
+            return VERIFY
+        plain = self.step_seconds.get(self.step_shape(chunks, 1))
+        wide = self.step_seconds.get(self.step_shape(chunks, 1 + self.config.num_tokens))
+        if plain is None:
+            return VERIFY if wide is None and not proposing else PLAIN
+        proposing = proposing or 0.0
+        tokens = sum(chunk.draws_next for chunk in chunks)
+        if (tokens + sum(drafts.values())) * plain < tokens * (plain + proposing):
+            return PLAIN
+        gain = sum(min(self.expected.get(chunks[i].seq.key, self.prior), n) for i, n in drafts.items())
+        wins = (tokens + gain) * plain >= tokens * ((plain if wide is None else wide) + proposing)
+        return VERIFY if wins else WAIT
 
     def observe(self, chunks: list[Chunk], seconds: float) -> None:
-        """A step ran ``chunks`` in ``seconds`` (wall time): update its shape's running mean (a
-        verifying step's with the time its drafts took to propose: a draft model's passes)."""
+        """A step ran ``chunks`` in ``seconds`` (wall time, proposals not included): update its
+        shape's running mean."""
         verifying = any(chunk.draft for chunk in chunks)
         shape = self.step_shape(chunks, 1 + self.config.num_tokens if verifying else 1)
-        seconds += self.proposing_seconds if verifying else 0.0
-        self.step_seconds[shape] = _smoothed(self.step_seconds.get(shape), seconds)
+        self.step_seconds[shape] = running_mean(self.step_seconds.get(shape), seconds)
 
     def verified(self, chunk: Chunk, accepted: int) -> None:
         """The step kept ``accepted`` of ``chunk``'s drafts: count them and update the sequence's
@@ -260,8 +299,8 @@ class Speculation:
         self.stats.proposed += len(chunk.draft)
         self.stats.accepted += accepted
         self.stats.steps += 1
-        self.expected[seq.key] = _smoothed(self.expected.get(seq.key), accepted)
-        self.prior = _smoothed(self.prior, accepted)
+        self.expected[seq.key] = running_mean(self.expected.get(seq.key), accepted)
+        self.prior = running_mean(self.prior, accepted)
 
     def release(self, seq: SequenceState) -> None:
         """``seq`` finished or was aborted: forget its running mean and the proposer's record of it."""
@@ -269,6 +308,6 @@ class Speculation:
         self.proposer.release(seq)
 
 
-def _smoothed(mean: float | None, value: float) -> float:
+def running_mean(mean: float | None, value: float) -> float:
     """The running mean ``mean`` (None: none yet) after ``value``."""
     return value if mean is None else (1 - SMOOTHING) * mean + SMOOTHING * value

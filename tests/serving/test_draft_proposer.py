@@ -155,3 +155,22 @@ def test_bad_arguments_are_refused_by_name(draft):
         proposer.propose([running(0, [1, 2], 0), running(1, [3], 0)], [1, 1])
     assert proposer.propose([running(0, [1] * MAX_LEN, 0)], [K]) == [[]]  # no room for a draft: nothing runs
     assert proposer.num_compiled == 0
+
+
+def test_cost_predicts_the_catch_up_and_the_steady_call(draft):
+    """Before ``warmup`` nothing is predicted; after it a new sequence's prediction includes its
+    whole prompt's catch-up (more than the steady call), and once its drafts were all kept and a
+    token of the target's followed, the next call is the steady one (a catch-up of two tokens)."""
+    proposer = DraftProposer(draft, num_rows=ROWS, max_model_len=MAX_LEN, num_tokens=K, chunk_size=CHUNK)
+    seq = running(0, np.arange(11).tolist(), 1)
+    assert proposer.cost([seq], [K]) is None
+    proposer.warmup()
+    assert proposer.token_seconds > 0 and proposer.drafting_seconds > 0
+    new = proposer.cost([seq], [K])
+    assert new.seconds > new.steady_seconds > 0 and proposer.cost([seq], [0]).seconds == 0.0
+    drafts = proposer.propose([seq], [K])[0]
+    assert proposer.calibration > 0
+    seq.output += drafts + [5]
+    seq.num_computed = seq.num_tokens - 1
+    caught_up = proposer.cost([seq], [K])
+    assert caught_up.seconds == caught_up.steady_seconds > 0

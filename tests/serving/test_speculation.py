@@ -17,7 +17,17 @@ from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.requests import RequestOptions, SequenceState
 from jaxkv.serving.scheduler import Chunk
-from jaxkv.serving.speculation import NgramProposer, Proposer, Speculation, SpeculativeConfig, ngram_drafts
+from jaxkv.serving.speculation import (
+    PLAIN,
+    RETRY,
+    VERIFY,
+    NgramProposer,
+    ProposalCost,
+    Proposer,
+    Speculation,
+    SpeculativeConfig,
+    ngram_drafts,
+)
 from jaxkv.serving.step import verify_rows
 from tests.cases import VOCAB, greedy_reference, run_arrivals
 from tests.serving.conftest import LLAMA
@@ -383,47 +393,89 @@ def test_sampled_tokens_follow_the_target_distribution(llama):
         assert stats.chi2_contingency(counts).pvalue > 1e-3
 
 
+def one_decoding_sequence(proposer: Proposer | None = None, max_tokens: int = 8):
+    """A ``Speculation`` (prompt lookup, unless ``proposer``) whose steps all have one shape per
+    width, and a step of one decoding sequence that may make ``max_tokens`` tokens."""
+    speculation = Speculation(
+        SpeculativeConfig(), proposer or NgramProposer(4, 2), kv=None, max_model_len=1024,
+        step_shape=lambda chunks, w: (1, 0, w),
+    )  # fmt: skip
+    return speculation, [Chunk(SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=max_tokens), 0.0), 2, 1)]
+
+
 def test_untimed_shapes_are_tried_verifying_first():
     """The rule's exploration: a verifying shape not timed yet is tried, then the plain one (run
     plain to time it), then the measured rule decides: one decoding sequence expecting one kept
     draft pays for a verifying step up to twice the plain one's time."""
-    speculation = Speculation(
-        SpeculativeConfig(), NgramProposer(4, 2), kv=None, max_model_len=64, step_shape=lambda chunks, w: (1, 0, w)
-    )
-    seq = SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0)
-    chunks = [Chunk(seq, 2, 1)]
-    assert speculation._pays(chunks, {0: 3})
+    speculation, chunks = one_decoding_sequence()
+    assert speculation._decide(chunks, {0: 3}, None) == VERIFY
     speculation.step_seconds[(1, 0, 5)] = 1.0
-    assert not speculation._pays(chunks, {0: 3})
+    assert speculation._decide(chunks, {0: 3}, None) == PLAIN
     speculation.step_seconds[(1, 0, 1)] = 0.5
-    assert speculation._pays(chunks, {0: 3})
+    assert speculation._decide(chunks, {0: 3}, None) == VERIFY
     speculation.step_seconds[(1, 0, 1)] = 0.4
-    assert not speculation._pays(chunks, {0: 3})
+    assert speculation._decide(chunks, {0: 3}, None) == PLAIN
 
 
 def test_a_losing_verifying_shape_is_retried_ever_more_rarely():
     """A verifying shape that always loses is tried again after 64 losses, then 128, then 256."""
-    speculation = Speculation(
-        SpeculativeConfig(), NgramProposer(4, 2), kv=None, max_model_len=64, step_shape=lambda chunks, w: (1, 0, w)
-    )
+    speculation, chunks = one_decoding_sequence()
     speculation.step_seconds = {(1, 0, 1): 0.1, (1, 0, 5): 1.0}
-    chunks = [Chunk(SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0), 2, 1)]
-    tried = [n for n in range(1, 500) if speculation._pays(chunks, {0: 3})]
-    assert tried == [64, 64 + 128, 64 + 128 + 256]
+    decisions = [speculation._decide(chunks, {0: 3}, None) for _ in range(500)]
+    assert [n + 1 for n, decision in enumerate(decisions) if decision != PLAIN] == [64, 64 + 128, 64 + 128 + 256]
+    assert {decisions[63], decisions[191], decisions[447]} == {RETRY}
 
 
-def test_an_untimed_verifying_shape_is_not_tried_when_proposals_alone_lose():
-    """Once proposals are timed (a draft model's: 1 s a step) an untimed verifying shape is bounded
-    below by its plain shape's time plus theirs: one sequence expecting one kept draft does not
-    pay 1.1 s for 2 tokens against 0.1 s a token, so the shape waits like a losing one (tried
-    after 64 losses) instead of paying a catch-up to be timed; cheap proposals (prompt lookup's)
-    leave it tried at once."""
-    speculation = Speculation(
-        SpeculativeConfig(), NgramProposer(4, 2), kv=None, max_model_len=64, step_shape=lambda chunks, w: (1, 0, w)
-    )
-    chunks = [Chunk(SequenceState(0, 0, [1, 2, 3], RequestOptions(max_tokens=8), 0.0), 2, 1)]
+def test_costly_proposals_are_charged_and_never_retried_when_they_cannot_win():
+    """Proposals are charged to the step: at 0.1 s a plain step, one sequence bringing 3 drafts
+    (expecting 1 kept) verifies with cheap proposals (prompt lookup's), waits as a losing shape
+    (retried after 64 losses) with proposals of 0.15 s, and with proposals of 1 s (a model drafting
+    for itself) never verifies, not even a retry: 4 tokens in 1.1 s lose to 0.1 s a token."""
+    speculation, chunks = one_decoding_sequence()
     speculation.step_seconds = {(1, 0, 1): 0.1}
-    speculation.proposing_mean = 1.0
-    assert [n for n in range(1, 100) if speculation._pays(chunks, {0: 3})] == [64]
-    speculation.proposing_mean, speculation.losses = 1e-4, {}
-    assert speculation._pays(chunks, {0: 3})
+    assert speculation._decide(chunks, {0: 3}, 1e-4) == VERIFY
+    for proposing, retried in ((0.15, [64]), (1.0, [])):
+        speculation.losses, speculation.patience = {}, {}
+        decisions = [speculation._decide(chunks, {0: 3}, proposing) for _ in range(100)]
+        assert [n + 1 for n, decision in enumerate(decisions) if decision != PLAIN] == retried
+
+
+@dataclasses.dataclass
+class Priced(Proposer):
+    """Predicts ``seconds`` (``steady`` once caught up) for any call; proposes nothing."""
+
+    seconds: float
+    steady: float
+
+    def propose(self, seqs, limits):
+        return [[] for _ in seqs]
+
+    def cost(self, seqs, limits):
+        return ProposalCost(self.seconds, self.steady)
+
+
+def test_a_catch_up_is_spread_over_the_steps_left():
+    """A predicted catch-up (10 s now, 0.01 s a step once caught up) is charged spread over the
+    steps the sequence has left at best (1 + k = 5 tokens each): a long request pays it, a short one
+    does not; with a predicted cost the plain shape is timed first."""
+    speculation, chunks = one_decoding_sequence(Priced(10.0, 0.01), max_tokens=1000)
+    assert speculation._decide(chunks, {0: 3}, speculation._proposal_cost(chunks, {0: 3})) == PLAIN
+    speculation.step_seconds = {(1, 0, 1): 0.1}
+    assert speculation._proposal_cost(chunks, {0: 3}) == pytest.approx(0.01 + (10.0 - 0.01) / 200)
+    assert speculation._decide(chunks, {0: 3}, speculation._proposal_cost(chunks, {0: 3})) == VERIFY
+    speculation, chunks = one_decoding_sequence(Priced(10.0, 0.01), max_tokens=10)
+    speculation.step_seconds = {(1, 0, 1): 0.1}
+    assert speculation._decide(chunks, {0: 3}, speculation._proposal_cost(chunks, {0: 3})) == PLAIN
+
+
+def test_a_draft_model_that_cannot_pay_never_proposes(llama):
+    """The target drafting for itself under the measured rule, its predicted calls made costly (a
+    fed token 1 s): the engine never runs the draft model and equals plain decoding."""
+    prompts = repeating_prompts(11, 4)
+    config = SpeculativeConfig(method="draft", num_tokens=3, draft_model=llama)
+    engine = Engine(llama, kv_memory=64 * 1024, speculative=config, **SMALL)
+    engine.warmup()
+    engine.speculation.proposer.token_seconds = 1.0
+    got = run_arrivals(engine, prompts, [0, 0, 1, 2], NEW_TOKENS)
+    assert got == greedy_reference(llama, prompts, NEW_TOKENS)
+    assert engine.stats()["speculation"]["proposed"] == 0 and engine.speculation.proposer.calibration is None
