@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 
 from jaxkv.batch import PackedAttention, PackedBatch, PagedStorage
-from jaxkv.page_table import FULL_POOL, NULL_PAGE, page_slots
+from jaxkv.page_table import FULL_POOL, NULL_PAGE, block_pages, page_slots
 from jaxkv.protocol import (
     KV_AXES,
     BatchMajorLayer,
@@ -191,6 +191,51 @@ class LatentView(KVView):
         if prefers_expanded(num_queries, self.shape[2], heads, rank, rope_dim, weights):
             return expanded_attention(queries, self, q_positions, weights, scale)
         return absorbed_attention(queries, self, q_positions, weights, scale)
+
+
+@pytree_class
+class PagedLatentView(LatentView):
+    """``LatentView`` of the rows' pages: ``key_stack`` (= ``value_stack``) the pool ``[L, P,
+    page_size, 1, R + P]`` at entry ``index``, ``block_table`` ``[R, W]``; its slots are the rows'
+    table slots ``[R, 1, W * page_size, R + P]``. ``read`` gathers the pages of one block of slots,
+    so blocked attention (the absorbed form) reads the page blocks up to ``mask_info.slots_used``
+    (the furthest query's) and never the rest of the table; ``keys`` (the plain form's) gathers
+    every slot."""
+
+    block_table: jax.Array
+    computed_reads = True  # a block is gathered from pages
+
+    @property
+    def block_slots(self) -> int:
+        """The slots a block read covers: whole pages (``block_pages``), a divisor of the table's slots."""
+        page_size = self.key_stack.shape[-3]
+        return block_pages(page_size) * page_size
+
+    def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
+        """``SlotView.attend`` in blocks of ``block_slots`` unless ``block_size`` says."""
+        options = dict(logit_softcap=logit_softcap, query_weights=query_weights)
+        return super().attend(queries, q_positions, scale=scale, block_size=block_size or self.block_slots, **options)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        rows, width = self.block_table.shape
+        return rows, 1, width * self.key_stack.shape[-3], self.key_stack.shape[-1]
+
+    @property
+    def keys(self) -> jax.Array:
+        return self._slots(jnp.arange(self.shape[2], dtype=jnp.int32))
+
+    values = keys
+
+    def read(self, start, size: int) -> tuple[jax.Array, jax.Array]:
+        block = self._slots(start + jnp.arange(size, dtype=jnp.int32))
+        return block, block
+
+    def _slots(self, slots: jax.Array) -> jax.Array:
+        """Every row's entries ``[R, 1, n, R + P]`` at table slots ``slots`` ``[n]``."""
+        page_size = self.key_stack.shape[-3]
+        pages = self.block_table[:, slots // page_size]  # [R, n]
+        return self.key_stack[self.index, pages, slots % page_size].swapaxes(1, 2)
 
 
 @pytree_class
@@ -349,12 +394,13 @@ class LatentPages(CacheLayer, PackedAttention, PagedStorage):
     row's logical page ``j`` holds position ``j * page_size + s``; the null page reads as empty.
 
     A step writes its packed tokens through the table (``page_slots``), lays the queries out per
-    row (``RowPacking``) and reads (``_read_rows``) each row's table whole: entries ``[R, 1, W *
-    page_size, R + P]`` gathered at once (DSA past ``index_topk`` slots: the indexer keys, then the
-    chosen entries only). That read is ``W * page_size`` (the engine's ``max_model_len``) slots a
-    row and step, not the filled length (``PagedKVView`` reads page blocks up to the furthest
-    query; doing the same here is left). Compacted rows (shifted
-    slots) are refused; the Pallas kernels do not read these pages.
+    row (``RowPacking``) and reads (``_read_rows``) each row's table slots as a ``PagedLatentView``:
+    the absorbed form reads it block by block, each block's pages gathered from the pool, up to the
+    furthest query's block (as ``PagedKVView``: a decode step's cost follows the filled length,
+    not ``max_model_len``); the plain form (a long prefill) gathers the whole table once. DSA past
+    ``index_topk`` slots scores the indexer keys block by block up to the same block, keeping a
+    running top-k, then reads the chosen entries only. Compacted rows (shifted slots) are refused;
+    the Pallas kernels do not read these pages.
     """
 
     latent_pages: jax.Array  # [P, page_size, 1, R + P]
@@ -455,22 +501,22 @@ class LatentPages(CacheLayer, PackedAttention, PagedStorage):
             )
         return self.replace(latent_pages=write_pages(self.latent_pages, index, page, offset, keys, "keys"))
 
-    def rows_view(self, index, table) -> LatentView:
-        """Each row's whole table: entries ``[1, R, 1, W * page_size, R + P]`` (entry 0) and their positions."""
-        rows, width = table.shape
-        entries = self.latent_pages[index, table].reshape(1, rows, 1, width * self.page_size, -1)
-        return LatentView(entries, entries, 0, self.rows_mask(table))
+    def rows_view(self, index, table, row_positions) -> PagedLatentView:
+        """Each row's table slots read through ``table`` ``[R, W]`` by queries at ``row_positions``
+        ``[R, T]``: entries ``[R, 1, W * page_size, R + P]``, read up to the furthest query's block."""
+        return PagedLatentView(self.latent_pages, self.latent_pages, index, self.rows_mask(table, row_positions), table)
 
-    def rows_mask(self, table) -> MaskInfo:
-        """The positions ``[R, W * page_size]`` the rows' table slots hold (-1 on the null page)."""
+    def rows_mask(self, table, row_positions) -> MaskInfo:
+        """The positions ``[R, W * page_size]`` the rows' table slots hold (-1 on the null page),
+        in use up to the furthest of ``row_positions`` ``[R, T]``."""
         width, size = table.shape[1], self.page_size
         held = jnp.repeat(table != NULL_PAGE, size, axis=1)
         kv_positions = jnp.where(held, jnp.arange(width * size, dtype=jnp.int32)[None], -1)
-        return MaskInfo(kv_positions, slots_used=width * size)
+        return MaskInfo(kv_positions, slots_used=jnp.clip(jnp.max(row_positions) + 1, 0, width * size))
 
     def _read_rows(self, index, table, queries, row_positions, read) -> jax.Array:
         """``[R, H, T, v]``: ``read`` of the per-row ``queries`` at ``row_positions`` ``[R, T]``."""
-        out, _ = read(queries, self.rows_view(index, table), row_positions, None)
+        out, _ = read(queries, self.rows_view(index, table, row_positions), row_positions, None)
         return out
 
 

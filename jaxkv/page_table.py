@@ -1,6 +1,7 @@
 """What every paged layer shares about the engine's block tables (``jaxkv.layers.paged``'s K/V
-pages, ``jaxkv.mla``'s latent pages): the null page, the pool names and where a packed token is
-written."""
+pages, ``jaxkv.mla``'s latent pages): the null page, the pool names, where a packed token is
+written and how many pages attention reads at a time (block tables are as wide as a multiple of
+that)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,14 @@ import jax.numpy as jnp
 
 NULL_PAGE = 0
 FULL_POOL, SLIDING_POOL = "full", "sliding"
+# Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
+# page at a time, while the reads stay proportional to the filled length.
+ATTENTION_BLOCK_SLOTS = 128
+
+
+def block_pages(page_size: int) -> int:
+    """Pages attention reads per loop iteration (``ATTENTION_BLOCK_SLOTS`` slots, at least one page)."""
+    return max(1, ATTENTION_BLOCK_SLOTS // page_size)
 
 
 def page_slots(table, rows, positions, shifts, page_size: int) -> tuple[jax.Array, jax.Array]:

@@ -29,6 +29,7 @@ from jaxkv.mla import (
     LatentStorage,
     LatentView,
     LatentWeights,
+    PagedLatentView,
     absorbed_attention,
     empty_pages,
     masked_softmax,
@@ -235,15 +236,38 @@ class PagedIndexedLayer(LatentPages):
         )
 
     def _read_rows(self, index, table, queries: IndexedQueries, row_positions, read) -> jax.Array:
-        """While the table holds at most ``index_topk`` slots, the whole-table view; past that the
-        indexer scores every slot and only the chosen entries are read from the pool."""
-        rows, width = table.shape
-        if width * self.page_size <= self.index_topk:
-            view = self.rows_view(index, table)
-        else:
-            index_keys = self.index_pages[index, table].reshape(rows, width * self.page_size, -1)  # [R, S, D_I]
-            mask_info = self.rows_mask(table)
-            slots, chosen = select_slots(queries.indexer, index_keys, row_positions, mask_info, self.index_topk)
+        """While the table holds at most ``index_topk`` slots, the rows' view; past that the indexer
+        scores the slots up to the furthest query's block (``paged_select``) and only the chosen
+        entries are read from the pool."""
+        view = self.rows_view(index, table, row_positions)
+        if view.shape[2] > self.index_topk:
+            keys = PagedLatentView(self.index_pages, self.index_pages, index, view.mask_info, table)
+            slots, chosen = paged_select(queries.indexer, keys, row_positions, self.index_topk)
             view = PagedSelectedView(self.latent_pages, index, slots, chosen, table)
         out, _ = read(queries.latent, view, row_positions, None)
         return out
+
+
+def paged_select(indexer: IndexerQueries, keys: PagedLatentView, q_positions, topk: int):
+    """``select_slots`` over the indexer keys of ``keys`` (a view ``[R, 1, S, D_I]`` read block by
+    block up to its ``mask_info.slots_used``), with a running top-k: each block's scores are
+    merged with the best ``topk`` so far. Ties go to the lower slot as in one ``top_k`` over all
+    slots (the kept ones precede a block's, and ``top_k`` keeps the first of equals), so the
+    choice is the same. ``(slots, chosen)`` ``[R, T, topk]``."""
+    mask_info, block = keys.mask_info, keys.block_slots
+    rows, length = q_positions.shape
+
+    def step(start, best):
+        scores, slots = best
+        found, _ = keys.read(start * block, block)  # [R, 1, block, D_I]
+        held = jax.lax.dynamic_slice_in_dim(mask_info.kv_positions, start * block, block, axis=1)
+        visible = attention_mask(q_positions, MaskInfo(held))  # [R, T, block]
+        new = jnp.where(visible, index_scores(indexer, found[:, 0]), -jnp.inf)
+        ids = jnp.broadcast_to(start * block + jnp.arange(block, dtype=jnp.int32), new.shape)
+        scores, at = jax.lax.top_k(jnp.concatenate([scores, new], axis=-1), topk)
+        return scores, jnp.take_along_axis(jnp.concatenate([slots, ids], axis=-1), at, axis=-1)
+
+    init = jnp.full((rows, length, topk), -jnp.inf, jnp.float32), jnp.zeros((rows, length, topk), jnp.int32)
+    num_blocks = (mask_info.slots_used + block - 1) // block
+    scores, slots = jax.lax.fori_loop(0, num_blocks, step, init)
+    return slots, scores > -jnp.inf

@@ -47,15 +47,11 @@ from jaxkv.kernels import (
     slot_and_head_axes,
     split_pool,
 )
-from jaxkv.page_table import FULL_POOL, NULL_PAGE, SLIDING_POOL, page_slots
+from jaxkv.page_table import FULL_POOL, NULL_PAGE, SLIDING_POOL, block_pages, page_slots
 from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes, Layout
 from jaxkv.softmax import attention_mask, softmax_init, softmax_step
-
-# Slots attention reads per loop iteration (a few pages at a time): fewer iterations than one
-# page at a time, while the reads stay proportional to the filled length.
-ATTENTION_BLOCK_SLOTS = 128
 
 
 def pool_name(window: int | None) -> str:
@@ -104,11 +100,6 @@ class Paging:
     def pool_pages(self, window: int | None) -> int:
         """Pages of the pool a layer with this ``window`` (None: full attention) draws from."""
         return self.num_pages if window is None or self.sliding_num_pages is None else self.sliding_num_pages
-
-
-def block_pages(page_size: int) -> int:
-    """Pages attention reads per loop iteration (``ATTENTION_BLOCK_SLOTS`` slots, at least one page)."""
-    return max(1, ATTENTION_BLOCK_SLOTS // page_size)
 
 
 def table_width(max_length: int, page_size: int) -> int:

@@ -2,7 +2,8 @@
 a tiny random DeepSeek-V3.2 (every layer DSA, contexts past ``index_topk``) served with prefix
 caching, staggered arrivals and a pool too small for every admitted request (preemptions, swapped
 to the host tier and back) gives ``generate``'s greedy tokens; the pages' bytes follow the
-formula; what the paged layers refuse is refused by name."""
+formula; a step reads the rows' pages up to the furthest query's page block only; what the paged
+layers refuse is refused by name."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +12,11 @@ from jaxkv.models.deepseek_v32 import DeepseekV32, DeepseekV32Config
 
 from jaxkv.batch import PackedBatch
 from jaxkv.cache import Cache
-from jaxkv.layers.indexed import PagedIndexedLayer
+from jaxkv.layers.indexed import IndexerQueries, PagedIndexedLayer, paged_select, select_slots
 from jaxkv.layers.latent import PagedLatentLayer
-from jaxkv.layers.paged import Paging
-from jaxkv.mla import LatentSpec
+from jaxkv.layers.paged import Paging, block_pages
+from jaxkv.mla import LatentQueries, LatentSpec, LatentView, LatentWeights, absorbed_attention
+from jaxkv.protocol import MaskInfo
 from jaxkv.serving import Engine
 from tests.cases import greedy_reference, run_arrivals
 
@@ -86,3 +88,56 @@ def test_refusals_name_the_cause():
         latent.layer(0).attend_packed_entry(0, None, entries, None, positions, None, shifted)
     with pytest.raises(ValueError, match="compaction does not cover latent pages"):
         latent.layer(0).page_scores(jnp.zeros((1, 1), jnp.int32))
+
+
+def rows_over_two_page_blocks(seed: int, dim: int):
+    """A pool ``[1, P, 4, 1, dim]`` (entry 0) of random entries, two rows whose tables map two page
+    blocks (2 x 32 pages of 4 slots) to pages of their own, the second block's pages all NaN, and
+    queries at positions 5 and 100 (both in the first block)."""
+    rng = np.random.default_rng(seed)
+    pages = block_pages(4)
+    table = jnp.asarray(1 + np.arange(2 * 2 * pages).reshape(2, 2 * pages), jnp.int32)
+    pool = rng.normal(size=(1, 1 + 4 * pages, 4, 1, dim)).astype(np.float32)
+    pool[0, np.asarray(table[:, pages:]).ravel()] = np.nan
+    return jnp.asarray(pool), table, jnp.asarray([[5], [100]], jnp.int32), pages * 4
+
+
+def test_latent_rows_are_read_up_to_the_furthest_querys_page_block():
+    """``PagedLatentView``: the absorbed form over the rows' pages equals it over the first block's
+    slots gathered by hand, and never reads the second block (its pages hold NaN)."""
+    rank, rope, heads, nope, value = 6, 2, 3, 4, 5
+    pool, table, q_positions, span = rows_over_two_page_blocks(0, rank + rope)
+    layer = PagedLatentLayer(latent_pages=pool)
+    view = layer.rows_view(0, table, q_positions)
+    assert view.shape == (2, 1, 2 * span, rank + rope) and int(view.mask_info.slots_used) == 101
+    rng = np.random.default_rng(1)
+    weights = LatentWeights(jnp.asarray(rng.normal(size=(heads, nope + value, rank)), jnp.float32), nope)
+    queries = LatentQueries(*(jnp.asarray(rng.normal(size=(2, heads, 1, d)), jnp.float32) for d in (nope, rope)))
+    got = absorbed_attention(queries, view, q_positions, weights, 0.5)
+    entries = pool[0, table[:, : span // 4]].reshape(2, 1, span, rank + rope)
+    dense = LatentView(entries[None], entries[None], 0, MaskInfo(jnp.broadcast_to(jnp.arange(span), (2, span))))
+    assert bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(got, absorbed_attention(queries, dense, q_positions, weights, 0.5), rtol=1e-5)
+
+
+def test_dsa_selects_over_filled_page_blocks_as_over_every_slot():
+    """``paged_select`` (a running top-k over page blocks up to the furthest query's) chooses what one
+    ``top_k`` over the visible slots chooses, ties included (a row scoring every slot 0), and never
+    reads the second block (its indexer keys are NaN)."""
+    index_dim, heads, topk = 4, 2, 8
+    pool, table, q_positions, span = rows_over_two_page_blocks(2, index_dim)
+    keys = PagedLatentLayer(latent_pages=pool).rows_view(0, table, q_positions)
+    rng = np.random.default_rng(3)
+    # row 1 scores every slot 0: all ties, the lowest slots chosen
+    indexer = IndexerQueries(
+        jnp.asarray(rng.normal(size=(2, 1, heads, index_dim)), jnp.float32),
+        jnp.asarray(np.abs(rng.normal(size=(2, 1, heads))) * [[[1.0]], [[0.0]]], jnp.float32),
+    )  # fmt: skip
+    slots, chosen = paged_select(indexer, keys, q_positions, topk)
+    first = pool[0, table[:, : span // 4]].reshape(2, span, index_dim)
+    mask_info = MaskInfo(jnp.broadcast_to(jnp.arange(span), (2, span)))
+    want, want_chosen = select_slots(indexer, first, q_positions, mask_info, topk)
+    np.testing.assert_array_equal(chosen.sum(-1), [[6], [topk]])  # the row at position 5 sees 6 slots
+    for row in range(2):
+        assert set(np.asarray(slots[row, 0])[chosen[row, 0]]) == set(np.asarray(want[row, 0])[want_chosen[row, 0]])
+    assert set(np.asarray(slots[1, 0]).tolist()) == set(range(topk))
