@@ -55,7 +55,7 @@ from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE, Paging, table_width
 from jaxkv.protocol import has
 from jaxkv.serving.requests import SequenceState
-from jaxkv.serving.speculation import MAX_NUM_TOKENS, ProposalCost, Proposer, running_mean
+from jaxkv.serving.speculation import MAX_NUM_TOKENS, Proposer, running_mean
 
 # The narrowest catch-up bucket: after a row kept all its drafts, the last draft (drawn, never
 # fed) and the target's token.
@@ -181,19 +181,17 @@ class DraftProposer(Proposer):
         found = iter(drafts)
         return [next(found)[:limit].tolist() if limit else [] for limit in limits]
 
-    def cost(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> ProposalCost | None:
-        """The predicted time of ``propose(seqs, limits)`` (the module's cost model; None before
-        ``warmup``): its catch-up and drafting calls now, and its one drafting call once caught up."""
+    def cost(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> float | None:
+        """The predicted seconds of ``propose(seqs, limits)``, its catch-up and drafting calls (the
+        module's cost model; None before ``warmup``)."""
         if self.token_seconds is None:
             return None
         limits = [self._limit(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
         drafting = [seq for seq, limit in zip(seqs, limits) if limit]
         if not drafting:
-            return ProposalCost(0.0, 0.0)
+            return 0.0
         pieces = self._pieces([seq.row for seq in drafting], [np.asarray(seq.tokens, np.int32) for seq in drafting])
-        steady = [("propose", self._row_bucket(len(drafting)), MIN_WIDTH)]
-        scale = self.calibration or 1.0
-        return ProposalCost(scale * self._predicted(self._calls(pieces)), scale * self._predicted(steady))
+        return (self.calibration or 1.0) * self._predicted(self._calls(pieces))
 
     def release(self, seq: SequenceState) -> None:
         for row, key in enumerate(self.holders):

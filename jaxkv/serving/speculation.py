@@ -22,10 +22,12 @@ step then verifies them only when that makes more tokens a second than the plain
 every compiled shape's wall time is a running mean (``observe``), and so is the number of drafts
 each sequence's verifications kept (a sequence not verified yet expects the running mean over
 all). Proposals cost ``P`` seconds: a proposer that predicts its calls (``Proposer.cost``: the
-draft model, from its timed calls) is charged what the step's proposals would take once every row
-has caught up, plus the catch-up it would feed now (a new prompt, the tokens since its row last
-proposed) spread over the steps its sequences have left at best; other proposers (prompt lookup)
-are charged the running mean of their measured proposing time. With ``T`` tokens the plain step
+draft model, from its timed calls) is charged what the step's proposals would take, the catch-up
+it feeds first included whole (a new prompt, the tokens since a row last proposed: paid in this
+step, so charged to it; spread over later steps, a catch-up was paid where the step's gain came
+from the rows already caught up, and lost); other proposers (prompt lookup) are charged the
+running mean of their measured proposing time. Every verifying step is so expected to make more
+tokens a second than the plain step it replaces. With ``T`` tokens the plain step
 makes (a decode's, a finished prompt's), ``G`` the kept drafts expected and ``t_wide`` the
 verifying shape's time (each of its decode slots ``1 + k`` tokens wide; not timed yet: the plain
 shape's time, a lower bound), the step verifies when ``(T + G) * t_plain >= T * (t_wide + P)``.
@@ -111,19 +113,10 @@ class Proposer(abc.ABC):
     def warmup(self) -> None:  # noqa: B027 - optional: proposers that compile nothing
         """Compile what ``propose`` runs, so no step waits for a compile."""
 
-    def cost(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> ProposalCost | None:
-        """What ``propose(seqs, limits)`` would take; None: not predicted (the rule then charges
-        the running mean of the measured proposing time)."""
+    def cost(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> float | None:
+        """The seconds ``propose(seqs, limits)`` would take; None: not predicted (the rule then
+        charges the running mean of the measured proposing time)."""
         return None
-
-
-@dataclasses.dataclass(frozen=True)
-class ProposalCost:
-    """A ``propose`` call's predicted wall time: ``seconds`` now, and ``steady_seconds`` once every
-    proposing row has caught up (the same call after a verification: what recurs each step)."""
-
-    seconds: float
-    steady_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,25 +218,17 @@ class Speculation:
         """Is ``chunk`` a decode of a sequence that takes drafts?"""
         return chunk.count == 1 and chunk.draws_next and chunk.seq.options.speculative
 
-    def _left(self, seq: SequenceState) -> int:
-        """Tokens ``seq`` may still make (``max_tokens``, the model's length)."""
-        return min(seq.options.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens)
-
     def _limit(self, seq: SequenceState) -> int:
         """Drafts ``seq`` may bring: ``num_tokens``, less than the tokens it may still make."""
-        return min(self.config.num_tokens, self._left(seq) - 1)
+        left = min(seq.options.max_tokens - len(seq.output), self.max_model_len - seq.num_tokens)
+        return min(self.config.num_tokens, left - 1)
 
     def _proposal_cost(self, chunks: list[Chunk], limits: dict[int, int]) -> float | None:
         """``P`` of the module's rule for chunk i proposing up to ``limits[i]`` drafts: the
-        proposer's steady cost plus its catch-up spread over the steps the sequences have left at
-        best (``1 + k`` tokens each), or the running mean of the measured proposals (None: none
-        yet) when the proposer predicts nothing."""
-        seqs = [chunks[i].seq for i in limits]
-        predicted = self.proposer.cost(seqs, list(limits.values()))
-        if predicted is None:
-            return self.proposing_mean
-        steps = max(1.0, float(np.mean([self._left(seq) for seq in seqs])) / (1 + self.config.num_tokens))
-        return predicted.steady_seconds + (predicted.seconds - predicted.steady_seconds) / steps
+        proposer's prediction (a draft model's catch-up included, whole), or the running mean of
+        the measured proposals (None: none yet) when the proposer predicts nothing."""
+        predicted = self.proposer.cost([chunks[i].seq for i in limits], list(limits.values()))
+        return self.proposing_mean if predicted is None else predicted
 
     def _decide(self, chunks: list[Chunk], drafts: dict[int, int], proposing: float | None) -> str:
         """VERIFY, PLAIN or RETRY (verify what the proposer finds: a losing shape's retry) for a

@@ -8,7 +8,14 @@ import pytest
 from jaxkv.models.llama import Llama, LlamaConfig
 
 from jaxkv.decoding.generate import generate
-from jaxkv.serving.draft_proposer import DraftProposer, catch_up_pieces, catch_up_widths, common_prefix, row_buckets
+from jaxkv.serving.draft_proposer import (
+    MIN_WIDTH,
+    DraftProposer,
+    catch_up_pieces,
+    catch_up_widths,
+    common_prefix,
+    row_buckets,
+)
 from jaxkv.serving.requests import RequestOptions, SequenceState, Status
 from tests.cases import TINY_LLAMA, VOCAB, greedy_reference
 
@@ -159,18 +166,18 @@ def test_bad_arguments_are_refused_by_name(draft):
 
 def test_cost_predicts_the_catch_up_and_the_steady_call(draft):
     """Before ``warmup`` nothing is predicted; after it a new sequence's prediction includes its
-    whole prompt's catch-up (more than the steady call), and once its drafts were all kept and a
-    token of the target's followed, the next call is the steady one (a catch-up of two tokens)."""
+    whole prompt's catch-up, and once its drafts were all kept and a token of the target's
+    followed, the next call is the steady one: a catch-up of two tokens and the drafts, in one call."""
     proposer = DraftProposer(draft, num_rows=ROWS, max_model_len=MAX_LEN, num_tokens=K, chunk_size=CHUNK)
     seq = running(0, np.arange(11).tolist(), 1)
     assert proposer.cost([seq], [K]) is None
     proposer.warmup()
     assert proposer.token_seconds > 0 and proposer.drafting_seconds > 0
     new = proposer.cost([seq], [K])
-    assert new.seconds > new.steady_seconds > 0 and proposer.cost([seq], [0]).seconds == 0.0
+    assert proposer.cost([seq], [0]) == 0.0
     drafts = proposer.propose([seq], [K])[0]
     assert proposer.calibration > 0
     seq.output += drafts + [5]
     seq.num_computed = seq.num_tokens - 1
-    caught_up = proposer.cost([seq], [K])
-    assert caught_up.seconds == caught_up.steady_seconds > 0
+    steady = proposer.calibration * proposer._predicted([("propose", 1, MIN_WIDTH)])
+    assert proposer.cost([seq], [K]) == pytest.approx(steady) and new > steady / proposer.calibration > 0

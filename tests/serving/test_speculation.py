@@ -22,7 +22,6 @@ from jaxkv.serving.speculation import (
     RETRY,
     VERIFY,
     NgramProposer,
-    ProposalCost,
     Proposer,
     Speculation,
     SpeculativeConfig,
@@ -442,30 +441,27 @@ def test_costly_proposals_are_charged_and_never_retried_when_they_cannot_win():
 
 @dataclasses.dataclass
 class Priced(Proposer):
-    """Predicts ``seconds`` (``steady`` once caught up) for any call; proposes nothing."""
+    """Predicts ``seconds`` for any call; proposes nothing."""
 
     seconds: float
-    steady: float
 
     def propose(self, seqs, limits):
         return [[] for _ in seqs]
 
     def cost(self, seqs, limits):
-        return ProposalCost(self.seconds, self.steady)
+        return self.seconds
 
 
-def test_a_catch_up_is_spread_over_the_steps_left():
-    """A predicted catch-up (10 s now, 0.01 s a step once caught up) is charged spread over the
-    steps the sequence has left at best (1 + k = 5 tokens each): a long request pays it, a short one
-    does not; with a predicted cost the plain shape is timed first."""
-    speculation, chunks = one_decoding_sequence(Priced(10.0, 0.01), max_tokens=1000)
-    assert speculation._decide(chunks, {0: 3}, speculation._proposal_cost(chunks, {0: 3})) == PLAIN
+def test_a_predicted_cost_is_charged_whole_and_times_the_plain_shape_first():
+    """A proposer's predicted cost (a draft's catch-up) is charged whole to the step, however many
+    tokens the sequence has left: 10 s never verifies, 0.01 s does; with a predicted cost and the
+    plain shape untimed, the step runs plain first."""
+    speculation, chunks = one_decoding_sequence(Priced(10.0), max_tokens=1000)
+    assert speculation._proposal_cost(chunks, {0: 3}) == 10.0
+    assert speculation._decide(chunks, {0: 3}, 10.0) == PLAIN  # plain shape untimed
     speculation.step_seconds = {(1, 0, 1): 0.1}
-    assert speculation._proposal_cost(chunks, {0: 3}) == pytest.approx(0.01 + (10.0 - 0.01) / 200)
-    assert speculation._decide(chunks, {0: 3}, speculation._proposal_cost(chunks, {0: 3})) == VERIFY
-    speculation, chunks = one_decoding_sequence(Priced(10.0, 0.01), max_tokens=10)
-    speculation.step_seconds = {(1, 0, 1): 0.1}
-    assert speculation._decide(chunks, {0: 3}, speculation._proposal_cost(chunks, {0: 3})) == PLAIN
+    assert [speculation._decide(chunks, {0: 3}, 10.0) for _ in range(200)] == [PLAIN] * 200
+    assert speculation._decide(chunks, {0: 3}, 0.01) == VERIFY
 
 
 def test_a_draft_model_that_cannot_pay_never_proposes(llama):
