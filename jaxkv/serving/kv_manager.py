@@ -34,15 +34,12 @@ With a page budget (``max_pages_per_request``, ``jaxkv.serving.compaction``) a s
 next tokens would need one page more than its budget in the full-attention pool is compacted
 first (``allocate`` plans it, the step's moves make it, between the reads and the writes).
 ``room`` caps a chunk so that it fits, and says 0 when the step's compactions are used up (the
-sequence waits a step). Compactions happen only to running sequences: a prefix hit is used up to
-``max_pages - 1`` pages, and a sequence swapped out at its budget resumes with no tokens (``room``
-0): its pages come back in that step's writes, after the step's compactions, and it compacts in
-the next step as a running sequence. A swap carries everything a compacted row holds: its pages
-(K/V and slot scores) and its ``Compacted`` state, which stays here while it is out. A row's
-compactions then happen at the same lengths, on the same bytes, however it is batched, preempted
-(swap or recompute) or resumed. A compacted sequence's pages are never registered in the prefix
-cache (their contents are no longer their hash's tokens), and it is never forked (its children are
-computed like new requests).
+sequence waits a step). Compactions happen only to running sequences, so an admitted sequence is
+below its budget: a prefix hit is used up to ``max_pages - 1`` pages, and a sequence at its
+budget (or compacted in this step) is preempted by recompute, not swapped. A row's compactions
+then happen at the same lengths however it is batched, preempted or resumed. A compacted
+sequence's pages are never registered in the prefix cache (their contents are no longer their
+hash's tokens), and it is never forked (its children are computed like new requests).
 """
 
 from __future__ import annotations
@@ -333,18 +330,16 @@ class KVCacheManager:
 
     def room(self, seq: SequenceState, count: int, hit: PrefixHit | None = None) -> int:
         """How many of ``count`` next tokens ``seq`` may compute this step under the page budget
-        (being admitted on ``hit``, or running): up to its budget; at its budget a running
-        sequence compacts first (a chunk then fits the page the compaction leaves), or waits (0)
-        when the step's compactions are used up; a swapped-out sequence resuming at its budget
-        computes nothing (0) in the step its pages come back (they are written after the step's
-        compactions), and compacts in the next."""
+        (being admitted on ``hit``, always below its budget, or running): up to its budget; at its
+        budget a running sequence compacts first (a chunk then fits the page the compaction
+        leaves), or waits (0) when the step's compactions are used up."""
         if self.budget is None:
             return count
         start = seq.num_computed if hit is None else hit.num_tokens
         slots = start - (self._shift(seq) if hit is None or hit.resumes else 0)
         if slots < self.budget.limit:
             return min(count, self.budget.limit - slots)
-        if hit is not None or len(self._moves.compactions) >= MAX_COMPACTIONS:
+        if len(self._moves.compactions) >= MAX_COMPACTIONS:
             return 0
         return min(count, self.budget.limit - self.budget.keep_slots)
 
@@ -371,15 +366,12 @@ class KVCacheManager:
     def swap_out(self, seq: SequenceState) -> bool:
         """Preempt a running ``seq`` by swap if that pays (``swap_pays``, unless ``preemption`` says)
         and the host tier has room: its pages the prefix cache does not hold are copied to the host
-        tier (pinned) before the next step, and all its device pages are freed; a compacted
-        sequence keeps its ``Compacted`` state (at its budget too: it compacts once resumed).
-        False, and nothing changed but pages a window had left, when it is to be recomputed
-        instead, or when it was compacted in this step (its pages are read before the step's
-        compactions are made; the scheduler only preempts sequences it has not yet scheduled)."""
+        tier (pinned) before the next step, and all its device pages are freed. False, and nothing
+        changed but pages a window had left, when it is to be recomputed instead."""
         if self.preemption == "recompute" or not seq.num_computed or not self.host.capacity:
             return False
-        if self._compacting(seq):
-            return False
+        if self._at_budget(seq):
+            return False  # admitted again, it could not compact before its next token
         for pool in self.pools:
             pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
         registered = seq.num_registered
@@ -442,9 +434,13 @@ class KVCacheManager:
         state = self.compacted.get(seq.key)
         return 0 if state is None else state.shift
 
-    def _compacting(self, seq: SequenceState) -> bool:
-        """Was ``seq`` compacted in this step (planned, made before the step runs)?"""
-        return any(compaction.owner == seq.key for compaction in self._moves.compactions)
+    def _at_budget(self, seq: SequenceState) -> bool:
+        """Does ``seq`` fill its budget, or was it compacted in this step (its pages are read before
+        the step's compactions are made)?"""
+        if self.budget is None:
+            return False
+        compacting = any(compaction.owner == seq.key for compaction in self._moves.compactions)
+        return compacting or seq.num_computed - self._shift(seq) >= self.budget.limit
 
     def _pages_needed(self, pool: PagePool, seq: SequenceState, end: int) -> int:
         """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
@@ -516,8 +512,7 @@ class KVCacheManager:
         if not hit.resumes:
             self._count_hit(hit, len(from_disk))
         self._forget_swap(seq)  # promoted, or (a hit that does not resume) of no use any more
-        registers = self.prefix_caching and seq.key not in self.compacted  # a resumed compacted row never does
-        seq.num_registered = hit.num_tokens // self.page_size if registers else 0
+        seq.num_registered = hit.num_tokens // self.page_size if self.prefix_caching else 0
         return Allocation(new, hit.num_tokens)
 
     def _promote(

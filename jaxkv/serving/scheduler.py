@@ -12,9 +12,7 @@ that beats recomputing them (``KVCacheManager.swap_out``, a documented cost rule
 resumes from them; else they are freed and it is computed again later, so nothing is
 dropped (with prefix caching the pages it filled stay cached and usually make its
 recomputation a cache hit). Under a page budget (``max_pages_per_request``) the KV manager's
-``room`` caps each chunk, and a sequence waiting for a compaction skips the step; so does a
-sequence swapped out at its budget in the step it resumes (admitted with no chunk: it compacts
-in the next).
+``room`` caps each chunk, and a sequence waiting for a compaction skips the step.
 """
 
 from __future__ import annotations
@@ -97,9 +95,8 @@ class Scheduler:
             if chunk is None:
                 break
             self.waiting.popleft()
-            if chunk.count:
-                chunks.append(chunk)
-                budget -= chunk_cost(chunk.count)
+            chunks.append(chunk)
+            budget -= chunk_cost(chunk.count)
         return chunks
 
     def _reserve_or_preempt(self, seq: SequenceState, count: int) -> bool:
@@ -114,13 +111,12 @@ class Scheduler:
 
     def _admit(self, seq: SequenceState, budget: int) -> Chunk | None:
         """Start (or resume) a waiting sequence from its longest cached prefix (or, swapped out,
-        from its own pages) with a row and the pages of its first chunk (none for a swap-in the
-        KV manager gives no ``room``: at its page budget). None (and nothing changed) when its
-        pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the hit rate
-        nor the sequence's cached tokens."""
+        from its own pages) with a row and the pages of its first chunk. None (and nothing changed)
+        when its pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
+        hit rate nor the sequence's cached tokens."""
         hit = self.kv.lookup(seq)
         count = self.kv.room(seq, chunk_length(seq.num_tokens - hit.num_tokens, budget), hit)
-        allocation = self.kv.allocate(seq, count, hit) if count or hit.resumes else None
+        allocation = self.kv.allocate(seq, count, hit) if count else None
         if allocation is None:
             return None
         seq.num_computed = allocation.num_cached_tokens

@@ -1,8 +1,8 @@
 """Compressed pages (``max_pages_per_request``, ``jaxkv.serving.compaction``): a budget that
 covers every token changes nothing; a compacted row keeps what ``EvictingLayer`` keeps for the
 same tokens and budget and draws ``generate``'s tokens under that policy; shared prefix pages
-are never written; no page leaks through compactions, aborts, preemptions and swaps; a row
-swapped out at its budget goes on as if never preempted; freed pages may hold NaN."""
+are never written; no page leaks through compactions, aborts, preemptions and swaps; freed
+pages may hold NaN."""
 
 import jax
 import jax.numpy as jnp
@@ -191,54 +191,6 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
             assert engine.sequences[request_id][0].output == expected[i], f"request {i}"
     pool = engine.kv.pools[0].manager
     assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
-
-
-# Swap preemptions of rows at their budget: (policy, prefix caching, steps at which a request is aborted).
-AT_BUDGET = {
-    "streaming_llm": ("streaming_llm", True, ()),
-    "h2o": ("h2o", False, ()),
-    "h2o-aborts": ("h2o", False, (9, 20, 31)),
-}
-
-
-@pytest.mark.parametrize("load", AT_BUDGET)
-def test_rows_at_their_budget_are_swapped_and_go_on_as_if_never_preempted(llama, load):
-    """Four rows of 4 pages do not fit a pool of fewer: compacted rows at their budget are
-    swapped to the host tier (pages, slot scores and compaction state) and resume with no tokens,
-    compacting in the next step; each request draws exactly the tokens it draws in a pool where
-    nothing is preempted (some aborted, one while swapped out), and every page comes back."""
-    policy, prefix_caching, aborts = AT_BUDGET[load]
-    prompts = prompts_of(8, [10, 3, 7, 5, 12])
-    options = SMALL | {"prefix_caching": prefix_caching, "max_pages_per_request": 4, "compaction_policy": policy}
-    roomy = Engine(llama, **options)
-    expected = [c.token_ids for c in roomy.generate_many(prompts, max_tokens=36, ignore_eos=True)]
-    assert roomy.stats()["preemptions"] == 0 and roomy.stats()["compactions"] > 0
-    engine = Engine(llama, **options | {"kv_memory": 14 * 1024, "preemption": "swap", "host_kv_memory": 64 * 1024})
-    assert engine.kv.pools[0].manager.num_usable < 4 * 4
-    ids = [engine.add_request(prompt, max_tokens=36, ignore_eos=True) for prompt in prompts]
-    swapped_at_budget, aborted, aborted_out = set(), set(), 0
-    for step in range(600):
-        if not engine.has_unfinished():
-            break
-        if step in aborts:  # a swapped-out request if there is one
-            out = [seq.request_id for seq in engine.scheduler.waiting if seq.key in engine.kv.swapped]
-            aborted_out += bool(out)
-            aborted.add(out[0] if out else ids[step % len(ids)])
-            engine.abort(out[0] if out else ids[step % len(ids)])
-        engine.step()
-        engine.kv.check()
-        for key, swapped in engine.kv.swapped.items():
-            state = engine.kv.compacted.get(key)
-            if state is not None and swapped.num_tokens - state.shift >= engine.kv.budget.limit:
-                swapped_at_budget.add(key)
-    assert swapped_at_budget and engine.stats()["recomputes"] == 0
-    assert aborted_out or not aborts
-    for i, request_id in enumerate(ids):
-        if request_id not in aborted:
-            assert engine.sequences[request_id][0].output == expected[i], f"request {i}"
-    pool = engine.kv.pools[0].manager
-    assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
-    assert engine.kv.host.pinned_bytes == 0
 
 
 def test_zipage_redundancy_is_a_softmax_over_the_filled_slots():
