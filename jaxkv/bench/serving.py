@@ -574,7 +574,9 @@ def speculative_config(spec: dict, model):
     draft = None
     if method == "draft":
         draft = model if spec["draft_model"] == spec["model"] else jaxkv_model(spec | dict(model=spec["draft_model"]))
-    return SpeculativeConfig(method, num_tokens=spec["speculative_tokens"], draft_model=draft)
+    return SpeculativeConfig(
+        method, num_tokens=spec["speculative_tokens"], draft_model=draft, always_verify=spec["always_verify"]
+    )
 
 
 class Capped:
@@ -874,7 +876,7 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
         compaction_policy=args.compaction_policy,
         max_output=args.max_output, host_kv_memory_mib=args.host_kv_memory_mib if system in TIER_SYSTEMS else None,
         preemption=args.preemption, max_concurrency=concurrency, speculative_tokens=args.speculative_tokens,
-        attention_backend=args.attention_backend,
+        always_verify=args.always_verify, attention_backend=args.attention_backend,
         draft_model=args.draft_model or model,
         requests=[dataclasses.asdict(r) for r in requests],
         device=args.device if base_system(system) in ON_GPU else "cpu",
@@ -1412,6 +1414,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--speculative-tokens", type=int, default=4,
                         help="engine-ngram and engine-draft: draft tokens verified per step (1 to 15)")  # fmt: skip
     parser.add_argument("--draft-model", help="engine-draft: the draft model (default: --model, drafting for itself)")
+    parser.add_argument("--always-verify", action="store_true",
+                        help="engine-ngram and engine-draft: verify every draft (no measured rule)")  # fmt: skip
     parser.add_argument("--kv-memory-mib", type=int, default=1024, help="K/V pool of the engine and transformers")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per K/V page (engine and transformers)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step (engine and transformers)")

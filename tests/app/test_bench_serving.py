@@ -396,12 +396,14 @@ def test_engine_systems_on_a_tiny_llama(tmp_path):
 
 def test_speculating_engines_on_a_tiny_llama(tmp_path):
     """engine, engine-ngram and engine-draft (the model drafting for itself) on the copy-heavy
-    workload at concurrency 2: the same greedy tokens as the engine, drafts proposed and accepted
+    workload at concurrency 2, every draft verified (``--always-verify``: whether the measured rule
+    verifies depends on timing): the same greedy tokens as the engine, drafts proposed and accepted
     (the draft model's all but never rejected), the speculation table printed."""
     out = tmp_path / "serving.json"
     args = ["--model", "tiny-random", "--quick", "--requests", "4", "--workload", "copy-heavy", "--rate", "inf",
             "--systems", "engine", "engine-ngram", "engine-draft", "--max-concurrency", "2", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "64", "--kv-memory-mib", "16", "--out", str(out)]  # fmt: skip
+            "--max-num-batched-tokens", "64", "--kv-memory-mib", "16", "--always-verify",
+            "--out", str(out)]  # fmt: skip
     cli = Path(sys.executable).with_name("jaxkv")
     proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
