@@ -161,14 +161,12 @@ class DraftProposer(Proposer):
         return len(self.executables)
 
     def propose(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> list[list[int]]:
-        limits = [self._limit(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
-        drafting = [(seq, limit) for seq, limit in zip(seqs, limits) if limit]
+        limits, drafting, tokens = self._drafting(seqs, limits)
         if not drafting:
             return [[] for _ in seqs]
         rows = [seq.row for seq, _ in drafting]
         if len(set(rows)) < len(rows):
             raise ValueError(f"DraftProposer.propose: seqs share rows {sorted(rows)}; each row holds one sequence")
-        tokens = [np.asarray(seq.tokens, np.int32) for seq, _ in drafting]
         pieces = self._pieces(rows, tokens)
         start = time.perf_counter()
         drafts = self._drafted(rows, pieces, [limit for _, limit in drafting])
@@ -186,11 +184,10 @@ class DraftProposer(Proposer):
         module's cost model; None before ``warmup``)."""
         if self.token_seconds is None:
             return None
-        limits = [self._limit(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
-        drafting = [seq for seq, limit in zip(seqs, limits) if limit]
+        _, drafting, tokens = self._drafting(seqs, limits)
         if not drafting:
             return 0.0
-        pieces = self._pieces([seq.row for seq in drafting], [np.asarray(seq.tokens, np.int32) for seq in drafting])
+        pieces = self._pieces([seq.row for seq, _ in drafting], tokens)
         return (self.calibration or 1.0) * self._predicted(self._calls(pieces))
 
     def release(self, seq: SequenceState) -> None:
@@ -232,6 +229,13 @@ class DraftProposer(Proposer):
             slots = rows * width if kind == "feed" else rows * (width + self.num_tokens - 1)
             seconds += self.token_seconds * slots + (self.drafting_seconds if kind == "propose" else 0.0)
         return seconds
+
+    def _drafting(self, seqs: Sequence[SequenceState], limits: Sequence[int]) -> tuple[list, list, list]:
+        """``limits`` checked and cut (``_limit``), the ``(seq, limit)`` pairs with a positive limit,
+        and those sequences' tokens."""
+        limits = [self._limit(seq, limit) for seq, limit in zip(seqs, limits, strict=True)]
+        drafting = [(seq, limit) for seq, limit in zip(seqs, limits) if limit]
+        return limits, drafting, [np.asarray(seq.tokens, np.int32) for seq, _ in drafting]
 
     def _limit(self, seq: SequenceState, limit: int) -> int:
         """``limit`` checked against ``seq`` (on a row of this proposer, within the model's length),
