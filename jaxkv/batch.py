@@ -42,6 +42,9 @@ class PackedBatch:
     with ``max_pages_per_request``; empty: none), ``[R]`` int32 each row's shift (a token at
     position p is written to slot ``p - shift`` of its row) and ``[R, W * page_size]`` int32 the
     absolute position each slot of the row holds (or will hold once written).
+    ``score_weights``: ``[N]`` float32 what each packed token's attention probabilities add to the
+    slot scores of the pages it reads (``Paging.scored``; the compaction policy's,
+    ``PageBudget.score_weights``); None: 1 for every real token.
     """
 
     token_rows: jax.Array
@@ -51,6 +54,7 @@ class PackedBatch:
     decode_width: int = struct.field(pytree_node=False, default=1)
     shifts: dict = struct.field(default_factory=dict)
     slot_positions: dict = struct.field(default_factory=dict)
+    score_weights: jax.Array | None = None
 
 
 class PackedAttention(Capability):

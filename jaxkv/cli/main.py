@@ -536,7 +536,7 @@ class ServeConfig(Strict):
     mesh: MeshConfig | None = None  # shard the model and the page pools over the devices (this process's)
     speculative: ServeSpeculativeConfig | None = None  # draft tokens verified in the engine's steps
     max_pages_per_request: PositiveInt | None = None  # compressed pages: full-attention pages per request
-    compaction_policy: str = "streaming_llm"  # what a compaction keeps: streaming_llm or key_norm
+    compaction_policy: str = "streaming_llm"  # what a compaction keeps (jaxkv.serving.compaction.COMPACTION_POLICIES)
     attention_backend: Literal[BACKENDS] = "xla"  # reads decodes (docs/kernels.md)
     pool_layout: Literal["tokens", "heads"] = "tokens"  # pages [P, page, H_kv, D] or [P, H_kv, page, D]
 
@@ -593,8 +593,9 @@ def _serve_parser(sub) -> None:
         "request, its tokens compacted into one page fewer when it needs more (default: unbounded)"
     )
     parser.add_argument(
-        "--compaction-policy", help="what a compaction keeps: streaming_llm (sinks and recent tokens, the default) "
-        "or key_norm (low-norm keys)"
+        "--compaction-policy", help="what a compaction keeps: streaming_llm (sinks and recent tokens, the default), "
+        "key_norm (low-norm keys), h2o, zipage (attention received) or snapkv (a long prompt prefilled whole, then "
+        "compacted by the attention of its last queries)"
     )
     parser.add_argument(
         "--attention-backend", choices=BACKENDS, help="what reads the paged "

@@ -503,7 +503,10 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         if self.slot_scores is None:
             out, _ = read(queries, view, positions, None)
             return new, out
-        out, mass = read(queries, view, positions, (positions >= 0).astype(jnp.float32))
+        weights = (positions >= 0).astype(jnp.float32)
+        if packed.score_weights is not None:
+            weights = packed.score_weights.reshape(positions.shape)
+        out, mass = read(queries, view, positions, weights)
         return new.replace(slot_scores=self._scored(index, table, view, page, offset, mass)), out
 
     def _scored(self, index, table, view: PagedKVView, page, offset, mass) -> jax.Array:

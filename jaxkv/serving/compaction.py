@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxkv.batch import PagedStorage
 from jaxkv.cache import Cache
-from jaxkv.eviction import EvictionSpec
+from jaxkv.eviction import EvictionSpec, pooled_window_mass
 from jaxkv.layers.evicting import kept_order
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE
 from jaxkv.protocol import has
@@ -35,9 +35,13 @@ from jaxkv.protocol import has
 # Policies a compaction ranks by: the position, the key, or the attention each slot received
 # (``PagedLayer.slot_scores``, kept by the step: H2O's sum over every query since the token was
 # written; Zipage's since the row's last compaction plus a decayed share of the earlier ones,
-# less a redundancy penalty).
-COMPACTION_POLICIES = ("streaming_llm", "key_norm", "h2o", "zipage")
-ATTENTION_POLICIES = ("h2o", "zipage")
+# less a redundancy penalty; SnapKV's from its observation window, the prompt's last queries,
+# and every query after them, pooled along the slots).
+COMPACTION_POLICIES = ("streaming_llm", "key_norm", "h2o", "zipage", "snapkv")
+ATTENTION_POLICIES = ("h2o", "zipage", "snapkv")
+# Policies whose prompt is prefilled whole and compacted once after it, from the attention its
+# last queries (the question, in a question-answering prompt) give each token, as SnapKV does.
+WINDOW_POLICIES = ("snapkv",)
 MAX_COMPACTIONS = 4  # rows compacted per step; a row needing one more waits a step
 ZIPAGE_DECAY = 0.8  # a kept slot's score is multiplied by this at each compaction (Zipage's decay_factor)
 REDUNDANCY_WEIGHT = 0.2  # Zipage's redudancy_lambda
@@ -47,17 +51,25 @@ REDUNDANCY_TEMPERATURE = 0.4  # Zipage's redudancy_temperature
 @dataclasses.dataclass(frozen=True)
 class PageBudget:
     """At most ``max_pages`` pages of ``page_size`` tokens per request in the full-attention
-    pool; a compaction keeps ``keep_slots`` tokens, ranked by ``policy``."""
+    pool; a compaction keeps ``keep_slots`` tokens, ranked by ``policy``. A ``WINDOW_POLICIES``
+    policy lets a prompt longer than the budget be prefilled whole first (up to
+    ``max_model_len``, the engine's: the pages a compaction may read, ``source_pages``)."""
 
     max_pages: int
     page_size: int
     policy: str = "streaming_llm"
+    max_model_len: int | None = None
 
     def __post_init__(self):
         if isinstance(self.max_pages, bool) or not isinstance(self.max_pages, int) or self.max_pages < 2:
             raise ValueError(
                 f"max_pages_per_request must be an int of at least 2 (a compaction keeps max_pages_per_request - 1 "
                 f"pages and writes on in the last), got {self.max_pages!r}"
+            )
+        if self.policy == "pyramidkv":
+            raise ValueError(
+                "compaction_policy 'pyramidkv' gives each layer its own budget, but a pool's layers share one block "
+                "table (one choice of tokens for every layer): use 'snapkv', its scores at one budget"
             )
         if self.policy not in COMPACTION_POLICIES:
             raise ValueError(
@@ -78,6 +90,43 @@ class PageBudget:
     def limit(self) -> int:
         """Slots a request may hold: ``max_pages`` pages."""
         return self.max_pages * self.page_size
+
+    @property
+    def prefills_whole(self) -> bool:
+        """Is a prompt longer than the budget prefilled whole, then compacted once (SnapKV), rather
+        than compacted chunk by chunk as it is prefilled?"""
+        return self.policy in WINDOW_POLICIES
+
+    @property
+    def source_pages(self) -> int:
+        """The most pages a compaction reads from one row (``max_pages``, or the pages of a
+        ``max_model_len`` prompt when prompts are prefilled whole)."""
+        if not self.prefills_whole:
+            return self.max_pages
+        if self.max_model_len is None:
+            raise ValueError(
+                f"PageBudget: compaction_policy {self.policy!r} prefills prompts whole: give max_model_len"
+            )
+        return max(self.max_pages, -(-self.max_model_len // self.page_size))
+
+    def limit_for(self, prompt_length: int, compacted: bool) -> int:
+        """Slots a sequence with a prompt of ``prompt_length`` tokens may hold before its next
+        compaction: ``limit``, or its whole prompt until it is first compacted (``prefills_whole``)."""
+        if self.prefills_whole and not compacted:
+            return max(self.limit, prompt_length)
+        return self.limit
+
+    def score_weights(self, positions: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
+        """``[N]`` float32 what each packed token's attention adds to the slots it reads
+        (``PackedBatch.score_weights``) at ``positions`` ``[N]`` (negative: padding) of sequences
+        with ``prompt_lengths`` ``[N]``: 1 per real token, or for SnapKV ``1 / window`` from the
+        prompt's last ``window`` tokens on (its observation window's mean attention, then each
+        later query's share) and 0 before them."""
+        if not self.prefills_whole:
+            return (positions >= 0).astype(np.float32)
+        window = self.spec.observation_window
+        observing = (positions >= 0) & (positions >= prompt_lengths - window)
+        return observing.astype(np.float32) / window
 
     @property
     def spec(self) -> EvictionSpec:
@@ -114,14 +163,14 @@ class Compaction:
 
 def compaction_inputs(compactions: list[Compaction], budget: PageBudget) -> tuple[np.ndarray, ...]:
     """``compact_pages``' inputs for ``compactions``, padded to ``MAX_COMPACTIONS`` rows: sources
-    ``[M, max_pages]`` and destinations ``[M, max_pages - 1]`` (the null page as padding),
-    source positions ``[M, max_pages * page_size]`` (-1: empty) and lengths ``[M]``."""
+    ``[M, S]`` (``S = budget.source_pages``) and destinations ``[M, max_pages - 1]`` (the null page
+    as padding), source positions ``[M, S * page_size]`` (-1: empty) and lengths ``[M]``."""
     if len(compactions) > MAX_COMPACTIONS:
         raise ValueError(f"{len(compactions)} compactions in one step; at most {MAX_COMPACTIONS}")
     rows = MAX_COMPACTIONS
-    sources = np.full((rows, budget.max_pages), NULL_PAGE, np.int32)
+    sources = np.full((rows, budget.source_pages), NULL_PAGE, np.int32)
     destinations = np.full((rows, budget.max_pages - 1), NULL_PAGE, np.int32)
-    positions = np.full((rows, budget.limit), -1, np.int32)
+    positions = np.full((rows, budget.source_pages * budget.page_size), -1, np.int32)
     lengths = np.zeros(rows, np.int32)
     for row, compaction in enumerate(compactions):
         sources[row, : len(compaction.sources)] = compaction.sources
@@ -136,23 +185,37 @@ def _full_groups(cache: Cache) -> list[int]:
     return [index for index, group in enumerate(cache.groups) if has(group, PagedStorage) and group.pool == FULL_POOL]
 
 
-def _scores(cache: Cache, policy: str, sources: jax.Array, positions: jax.Array) -> jax.Array:
+def _scores(
+    cache: Cache, budget: PageBudget, sources: jax.Array, positions: jax.Array, lengths: jax.Array
+) -> jax.Array:
     """``[M, S * page_size]`` float32 score of each source slot (higher is kept), averaged over
     every layer and K/V head of the pool: its position (StreamingLLM), its key's ``-||k||``, the
-    attention it received (H2O), or that as a share of the row's total less
-    ``REDUNDANCY_WEIGHT`` times its redundancy (Zipage)."""
-    if policy == "streaming_llm":
+    attention it received (H2O; SnapKV's ``_window_scores`` of it), or that as a share of the
+    row's total less ``REDUNDANCY_WEIGHT`` times its redundancy (Zipage)."""
+    if budget.policy == "streaming_llm":
         return positions.astype(jnp.float32)
     groups = [cache.groups[index] for index in _full_groups(cache)]
-    if policy == "key_norm":
+    if budget.policy == "key_norm":
         return -_pool_mean([jnp.linalg.norm(group.page_keys(sources), axis=-1) for group in groups], positions)
-    attention = _pool_mean([group.page_scores(sources) for group in groups], positions)
-    if policy == "h2o":
-        return attention
     filled = positions >= 0
-    share = attention / jnp.maximum(jnp.sum(jnp.where(filled, attention, 0.0), axis=1, keepdims=True), 1e-30)
+    attention = jnp.where(filled, _pool_mean([group.page_scores(sources) for group in groups], positions), 0.0)
+    if budget.policy == "h2o":
+        return attention
+    if budget.policy == "snapkv":
+        return _window_scores(attention, positions, lengths, budget.spec)
+    share = attention / jnp.maximum(jnp.sum(attention, axis=1, keepdims=True), 1e-30)
     redundancy = _pool_mean([_redundancy(group.page_keys(sources), filled) for group in groups], positions)
     return share - REDUNDANCY_WEIGHT * redundancy
+
+
+def _window_scores(attention: jax.Array, positions: jax.Array, lengths: jax.Array, spec: EvictionSpec) -> jax.Array:
+    """SnapKV's scores ``[M, S']`` of slots at ``positions`` ``[M, S']`` (position order) in rows of
+    ``lengths`` ``[M]`` tokens from the ``attention`` they received: the window's own slots
+    unscored (they are kept), then an average pool of ``kernel_size`` along the slots, as
+    ``EvictingLayer`` scores a prefill (``jaxkv.eviction.window_scores``)."""
+    in_window = positions >= (lengths - spec.observation_window)[:, None]
+    mass = jnp.where(in_window, 0.0, attention)[:, None]  # [M, 1, S']
+    return pooled_window_mass(mass, spec.kernel_size, 1)[:, 0]
 
 
 def _pool_mean(per_group: list[jax.Array], positions: jax.Array) -> jax.Array:
@@ -191,7 +254,7 @@ def _compact(
     rows, num_slots = positions.shape
     page_size = num_slots // sources.shape[1]
     keep, spec = destinations.shape[1] * page_size, budget.spec
-    scores = _scores(cache, budget.policy, sources, positions)
+    scores = _scores(cache, budget, sources, positions, lengths)
     kept_budget = jnp.full((rows,), keep, jnp.int32)
     order, held = kept_order(
         spec, spec.window_for(keep), positions[:, None], scores[:, None], lengths, kept_budget, keep

@@ -88,8 +88,10 @@ class EngineConfig:
     ``max_pages_per_request``: at most this many pages of the full-attention pool per sequence
     (None: unbounded; at least 2): a sequence that needs one more is compacted first, keeping
     the best ``(max_pages_per_request - 1) * page_size`` tokens by ``compaction_policy``
-    (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o' or 'zipage'; the first
-    three with ``EvictionSpec``'s defaults; the last two keep each slot's attention mass in the pages).
+    (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o', 'zipage' or 'snapkv'; all
+    but 'zipage' with ``EvictionSpec``'s defaults; the last three keep each slot's attention mass in
+    the pages; 'snapkv' prefills a prompt longer than the budget whole, then compacts it once by
+    the attention its last 64 queries give each token).
     ``attention_backend``: what reads the paged decode tokens: 'xla' (jaxkv's own reads),
     'pallas_gpu' / 'pallas_tpu' (JAX's Pallas paged-attention kernels; interpreted off their
     platform) or 'auto' (the platform's kernel, else 'xla'); what a kernel lacks (prefill chunks,
@@ -169,11 +171,12 @@ class EngineConfig:
         budget = self.page_budget()
         return budget is not None and budget.scored
 
-    def page_budget(self) -> PageBudget | None:
-        """The page budget of ``max_pages_per_request`` (None: none)."""
+    def page_budget(self, max_model_len: int | None = None) -> PageBudget | None:
+        """The page budget of ``max_pages_per_request`` (None: none) for sequences of up to
+        ``max_model_len`` tokens (the engine's; a prompt prefilled whole may hold that many)."""
         if self.max_pages_per_request is None:
             return None
-        return PageBudget(self.max_pages_per_request, self.page_size, self.compaction_policy)
+        return PageBudget(self.max_pages_per_request, self.page_size, self.compaction_policy, max_model_len)
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
@@ -201,7 +204,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = self.config.max_model_len or model.config.max_position_embeddings
         self.sizes = pool_sizes(model, self.config, self.max_model_len)
-        budget = self.config.page_budget()
+        budget = self.config.page_budget(self.max_model_len)
         if budget is not None and not self.sizes.full_pages:
             raise ValueError("EngineConfig.max_pages_per_request bounds the full-attention pool: this model has none")
         # A recurrent state or an evicted row cannot be rebuilt from cached pages or forked from a longer one.

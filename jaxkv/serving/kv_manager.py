@@ -269,8 +269,9 @@ class KVCacheManager:
         ``chunk_tokens`` tokens of it."""
         for pool in self.pools:
             pages = -(-num_tokens // pool.page_size)
-            if pool.window is None and self.budget is not None:  # its budget, and fresh pages to compact into
-                pages = min(pages, 2 * self.budget.max_pages)
+            if pool.window is None and self.budget is not None:  # its most, and fresh pages to compact into
+                held = -(-self.budget.limit_for(num_prompt, compacted=False) // pool.page_size)
+                pages = min(pages, held + self.budget.max_pages)
             if pool.window is not None:  # what one step reads and writes: the window and a chunk
                 pages = min(pages, -(-(pool.window - 1 + chunk_tokens) // pool.page_size) + 1)
             needed = pages + (n - 1) * max(pages - (num_prompt - 1) // pool.page_size, 1)
@@ -294,7 +295,7 @@ class KVCacheManager:
             return NO_HIT
         num_pages = (seq.num_tokens - 1) // self.page_size
         if self.budget is not None:  # admitted below its budget (compactions are the running sequences')
-            num_pages = min(num_pages, self.budget.max_pages - 1)
+            num_pages = min(num_pages, (self._limit(seq) - 1) // self.page_size)
         hashes = self._chain(seq, num_pages)
         held = [pool.held_pages(hashes, self._below) for pool in self.pools]  # one question per page and pool
         missing = [list(itertools.accumulate((source is None for source in sources), initial=0)) for sources in held]
@@ -318,7 +319,7 @@ class KVCacheManager:
         for pool in self.pools:  # pages a window has left go first: they may be what the others need
             pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
         end = seq.num_computed + num_new_tokens
-        if self.budget is not None and end - self._shift(seq) > self.budget.limit:
+        if self.budget is not None and end - self._shift(seq) > self._limit(seq):
             return self._compact(seq, num_new_tokens)
         needed = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools}
         if not all(pool.manager.can_allocate(needed[pool.name]) for pool in self.pools):
@@ -337,8 +338,8 @@ class KVCacheManager:
             return count
         start = seq.num_computed if hit is None else hit.num_tokens
         slots = start - (self._shift(seq) if hit is None or hit.resumes else 0)
-        if slots < self.budget.limit:
-            return min(count, self.budget.limit - slots)
+        if slots < self._limit(seq):
+            return min(count, self._limit(seq) - slots)
         if len(self._moves.compactions) >= MAX_COMPACTIONS:
             return 0
         return min(count, self.budget.limit - self.budget.keep_slots)
@@ -440,7 +441,11 @@ class KVCacheManager:
         if self.budget is None:
             return False
         compacting = any(compaction.owner == seq.key for compaction in self._moves.compactions)
-        return compacting or seq.num_computed - self._shift(seq) >= self.budget.limit
+        return compacting or seq.num_computed - self._shift(seq) >= self._limit(seq)
+
+    def _limit(self, seq: SequenceState) -> int:
+        """Full-pool slots ``seq`` may hold before its next compaction (``PageBudget.limit_for``)."""
+        return self.budget.limit_for(len(seq.prompt), seq.key in self.compacted)
 
     def _pages_needed(self, pool: PagePool, seq: SequenceState, end: int) -> int:
         """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
@@ -648,11 +653,18 @@ class KVCacheManager:
             self._check_budget()
 
     def _check_budget(self) -> None:
-        """Every owner within its full-pool budget; no compacted owner's page registered."""
+        """Every owner within its full-pool budget (a compacted one) or what a compaction reads (a
+        prompt prefilled whole); no compacted owner's page registered."""
         manager = self._pool(FULL_POOL).manager
-        over = [owner for owner in manager.owners() if len(manager.pages(owner)) > self.budget.max_pages]
+        most = {
+            owner: self.budget.max_pages if owner in self.compacted else self.budget.source_pages
+            for owner in manager.owners()
+        }
+        over = [owner for owner in manager.owners() if len(manager.pages(owner)) > most[owner]]
         if over:
-            raise AssertionError(f"owners {over} hold more than max_pages_per_request={self.budget.max_pages} pages")
+            raise AssertionError(
+                f"owners {over} hold more pages than their budget (max_pages_per_request={self.budget.max_pages})"
+            )
         cached = [owner for owner in self.compacted if any(manager.page_hash(p) for p in manager.pages(owner))]
         if cached:
             raise AssertionError(f"compacted owners {cached} hold pages registered in the prefix cache")
@@ -672,9 +684,10 @@ class KVCacheManager:
         return tables
 
     def _table_width(self, pool: PagePool, max_model_len: int) -> int:
-        """Block-table columns of ``pool``: a budgeted full pool's rows hold at most its budget."""
+        """Block-table columns of ``pool``: a budgeted full pool's rows hold at most what a
+        compaction reads."""
         if pool.window is None and self.budget is not None:
-            max_model_len = min(max_model_len, self.budget.limit)
+            max_model_len = min(max_model_len, self.budget.source_pages * pool.page_size)
         return table_width(max_model_len, pool.page_size)
 
     def row_positions(

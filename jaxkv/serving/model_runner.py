@@ -231,6 +231,13 @@ class ModelRunner:
             self.num_rows if prefill_size else next(size for size in self.decodes[width] if size >= num_chunks)
         ), prefill_size
 
+    def _score_weights(self, positions: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray | None:
+        """``PackedBatch.score_weights`` of packed tokens at ``positions`` of sequences with
+        ``prompt_lengths`` (both ``[N]``): the page budget's, None when no slot scores are kept."""
+        if self.budget is None or not self.budget.scored:
+            return None
+        return self.budget.score_weights(positions, prompt_lengths)
+
     def _executable(self, inputs: StepInputs) -> Callable:
         """The compiled step for this shape (compiled on first use, or by ``warmup``)."""
         slots, width = inputs.sample_index.shape
@@ -249,6 +256,7 @@ class ModelRunner:
         sampling, at its last token and its drafts."""
         size = slots * width + prefill_size
         tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
+        prompt_lengths = np.zeros(size, np.int32)
         sample_index, num_logprobs = np.zeros((slots, width), np.int32), np.zeros(slots, np.int32)
         drafts, num_drafts = np.zeros((slots, width - 1), np.int32), np.zeros(slots, np.int32)
         seeds, numbers, counters = np.zeros(slots, np.uint32), np.zeros(slots, np.int32), np.zeros(slots, np.int32)
@@ -265,6 +273,7 @@ class ModelRunner:
             end = start + length
             tokens[start:end] = [*seq.tokens[chunk.start : chunk.start + chunk.count], *chunk.draft]
             positions[start:end] = np.arange(chunk.start, chunk.start + length)
+            prompt_lengths[start:end] = len(seq.prompt)
             sample_index[slot] = end - 1 - len(chunk.draft) + np.minimum(np.arange(width), len(chunk.draft))
             drafts[slot, : len(chunk.draft)], num_drafts[slot] = chunk.draft, len(chunk.draft)
             num_logprobs[slot] = seq.options.logprobs
@@ -275,6 +284,7 @@ class ModelRunner:
         packed = PackedBatch(
             token_rows, block_tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
             decode_width=width, shifts=shifts, slot_positions=slot_positions,
+            score_weights=self._score_weights(positions, prompt_lengths),
         )  # fmt: skip
         return StepInputs(
             tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, drafts=drafts,

@@ -48,7 +48,11 @@ def test_options_are_checked_with_named_errors():
     with pytest.raises(ValueError, match="max_pages_per_request must be an int of at least 2"):
         EngineConfig(max_pages_per_request=1)
     with pytest.raises(ValueError, match="compaction_policy must be one of"):
-        EngineConfig(max_pages_per_request=4, compaction_policy="snapkv")
+        EngineConfig(max_pages_per_request=4, compaction_policy="tova")
+    with pytest.raises(ValueError, match="'pyramidkv' gives each layer its own budget"):
+        EngineConfig(max_pages_per_request=8, compaction_policy="pyramidkv")
+    with pytest.raises(ValueError, match="max_pages_per_request=4: .*window"):
+        EngineConfig(max_pages_per_request=4, compaction_policy="snapkv")  # 48 slots cannot hold its 64-token window
     with pytest.raises(ValueError, match="pass one of the two"):
         EngineConfig(max_pages_per_request=4, eviction=EvictionSpec("streaming_llm", budget=8))
     assert EngineConfig().page_budget() is None
@@ -59,7 +63,7 @@ def test_serve_flags_reach_the_engine():
     args = build_parser().parse_args(["serve", "--max-pages-per-request", "6", "--compaction-policy", "key_norm"])
     served = resolve_serve_config(args)
     engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**LLAMA)))
-    assert engine.kv.budget == PageBudget(6, 16, "key_norm")
+    assert engine.kv.budget == PageBudget(6, 16, "key_norm", LLAMA["max_position_embeddings"])
 
 
 def test_a_budget_covering_every_token_gives_generates_tokens(model):
@@ -98,6 +102,42 @@ def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
         for length, positions in by_length.items():
             assert positions.tolist() == held[length], f"request {i} after {length} tokens"
     assert engine.stats()["compactions"] >= sum(len(by_length) for by_length in kept.values())
+
+
+SNAPKV_PAGES = 25  # pages of 4: a compaction keeps 96 tokens, SnapKV's window of 64 and 32 by score
+
+
+def test_snapkv_prefills_a_long_prompt_whole_and_keeps_what_an_evicting_layer_keeps(one_head):
+    """``snapkv``: a prompt of 150 tokens over a budget of 100 slots is prefilled whole, in chunks of
+    16 (its row holds 38 pages meanwhile), then compacted once at its first decode: the row keeps
+    the positions an ``EvictingLayer`` of 96 slots keeps after prefilling the prompt in one update
+    (the window's 64 and the 32 with the most of its mean attention, pooled), and draws its first
+    two tokens with them."""
+    spec = EvictionSpec("snapkv", budget=(SNAPKV_PAGES - 1) * 4)
+    prompt = prompts_of(4, [150])[0]
+    engine = Engine(
+        one_head, max_pages_per_request=SNAPKV_PAGES, compaction_policy="snapkv", **SMALL | {"kv_memory": 128 * 1024}
+    )
+    request = engine.add_request(prompt, max_tokens=3, ignore_eos=True)
+    held, first = 0, None
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check()
+        seq = engine.sequences[request][0]
+        held = max(held, len(engine.kv.pools[0].manager.pages(seq.key)))
+        state = engine.kv.compacted.get(seq.key)
+        if first is None and state is not None and state.positions is not None:
+            first = state.positions.tolist()
+    assert held == -(-len(prompt) // 4) and engine.stats()["compactions"] == 1
+    graphdef, state = nnx.split(one_head)
+    _, cache = nnx.merge(graphdef, state)(
+        jnp.asarray([prompt]), jnp.arange(len(prompt))[None], one_head.init_cache(1, eviction=spec)
+    )
+    assert min(first) < len(prompt) - 64 and first == sorted(
+        int(p) for p in np.asarray(cache.groups[0].slot_positions[0, 0, 0]) if p >= 0
+    )
+    result = generate(one_head, [prompt], max_new_tokens=2, stop_tokens=(), eviction=spec)
+    assert engine.sequences[request][0].output[:2] == result.row(0)
 
 
 def evicting_positions(model, spec: EvictionSpec, tokens: list[int], longest: int) -> dict[int, list[int]]:
@@ -147,18 +187,21 @@ def test_a_shared_prefix_page_is_never_written_by_a_compaction(llama):
     assert engine.sequences[first][0].output == greedy_reference(llama, [a], 7)[0]
 
 
-def budgeted_tokens(model, prompts, policy: str = "streaming_llm", **options) -> list[list[int]]:
-    engine = Engine(model, max_pages_per_request=4, compaction_policy=policy, **options)
+def budgeted_tokens(model, prompts, policy: str = "streaming_llm", max_pages: int = 4, **options) -> list[list[int]]:
+    engine = Engine(model, max_pages_per_request=max_pages, compaction_policy=policy, **options)
     return [c.token_ids for c in engine.generate_many(prompts, max_tokens=NEW_TOKENS + 8, ignore_eos=True)]
 
 
 # Attention-ranked policies without prefix caching: a page shared by several sequences sums the
 # attention of all of them, so under prefix caching their choices depend on what else ran.
+# (preemption, policy, prefix caching, max pages, prompt lengths, the tight pool's KiB)
+SHORT, LONG = [30, 9, 22, 14, 3, 18], [130, 9, 110, 40, 3, 120]  # SnapKV's budget holds 64 tokens: longer prompts
 LOADS = {
-    "recompute": ("recompute", "streaming_llm", True),
-    "swap": ("swap", "streaming_llm", True),
-    "recompute-zipage": ("recompute", "zipage", False),
-    "swap-h2o": ("swap", "h2o", False),
+    "recompute": ("recompute", "streaming_llm", True, 4, SHORT, 20),
+    "swap": ("swap", "streaming_llm", True, 4, SHORT, 20),
+    "recompute-zipage": ("recompute", "zipage", False, 4, SHORT, 20),
+    "swap-h2o": ("swap", "h2o", False, 4, SHORT, 20),
+    "recompute-snapkv": ("recompute", "snapkv", False, SNAPKV_PAGES, LONG, 100),
 }
 
 
@@ -168,12 +211,12 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
     host tier, compacted pages and slot scores and all) and some are aborted; the others draw
     what they draw in a roomy pool (a row's compactions depend on its own tokens only), and
     every page comes back."""
-    preemption, policy, prefix_caching = LOADS[load]
-    prompts = prompts_of(3, [30, 9, 22, 14, 3, 18])
-    roomy = SMALL | {"prefix_caching": prefix_caching}
-    expected = budgeted_tokens(llama, prompts, policy, **roomy)
-    tight = roomy | {"kv_memory": 20 * 1024, "preemption": preemption, "host_kv_memory": 64 * 1024}
-    engine = Engine(llama, max_pages_per_request=4, compaction_policy=policy, **tight)
+    preemption, policy, prefix_caching, max_pages, lengths, tight_kib = LOADS[load]
+    prompts = prompts_of(3, lengths)
+    roomy = SMALL | {"prefix_caching": prefix_caching, "kv_memory": 16 * tight_kib * 1024}
+    expected = budgeted_tokens(llama, prompts, policy, max_pages, **roomy)
+    tight = roomy | {"kv_memory": tight_kib * 1024, "preemption": preemption, "host_kv_memory": 64 * 1024}
+    engine = Engine(llama, max_pages_per_request=max_pages, compaction_policy=policy, **tight)
     ids = [engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True) for prompt in prompts]
     for step in range(400):
         if not engine.has_unfinished():
