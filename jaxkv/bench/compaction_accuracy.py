@@ -10,8 +10,11 @@ page_size`` slots, the tokens a compaction keeps.
 The runner prefills the context whole and evicts once (kvpress's protocol), then decodes the
 question; the engine compacts the context chunk by chunk as it prefills, so the tokens after a
 compaction attend to the compacted K/V only: equal choices of positions (``streaming_llm`` keeps
-the same sinks and window either way) need not give equal answers. Prints a markdown table: per
-system and budget, accuracy overall and per depth, of the same prompts.
+the same sinks and window either way) need not give equal answers. ``snapkv`` is the exception on
+both sides: the engine prefills the whole prompt, question included, then compacts it once, and
+the ``EvictingLayer`` row is ``generate`` over the same whole prompts (one prefill, evicted once by
+the question's attention), as SnapKV itself runs. Prints a markdown table: per system and budget,
+accuracy overall and per depth, of the same prompts.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import time
 from collections.abc import Sequence
 
 from jaxkv.config import EvictionConfig
+from jaxkv.eviction import EvictionSpec
 from jaxkv.research.experiment import CacheChoice
 from jaxkv.research.tasks import KVRetrievalTask, PasskeyTask, RetrievalExample, RetrievalTask, parse_number
-from jaxkv.serving.compaction import COMPACTION_POLICIES
+from jaxkv.serving.compaction import COMPACTION_POLICIES, WINDOW_POLICIES
 
 TASKS = {"passkey": PasskeyTask, "kv_retrieval": KVRetrievalTask}
 
@@ -72,6 +76,22 @@ def runner_row(task: RetrievalTask, model, tokenizer, data, context: int, seed: 
     return {key: metrics[key] for key in ("accuracy", "accuracy_by_depth", "num_examples", "outputs")}
 
 
+def whole_prompt_texts(model, tokenizer, examples: Sequence[RetrievalExample], spec: EvictionSpec, *,
+                       max_new_tokens: int, batch_size: int) -> list[str]:  # fmt: skip
+    """Each example's whole prompt (context + question) through ``generate`` with an
+    ``EvictingLayer`` of ``spec`` (one prefill, evicted once), greedy, ``batch_size`` rows at a time:
+    the decoded answers."""
+    from jaxkv.decoding.generate import generate
+
+    texts = []
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        result = generate(model, [e.context + e.question for e in batch], max_new_tokens=max_new_tokens,
+                          stop_tokens=tokenizer.eos_token_ids, eviction=spec)  # fmt: skip
+        texts += [tokenizer.decode(result.row(i)) for i in range(len(batch))]
+    return texts
+
+
 def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
     """Every row of the table: full K/V through the runner and the engine, then per budget the
     runner's ``EvictingLayer`` and the engine's compressed pages."""
@@ -94,13 +114,20 @@ def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
                                                                   None, None)),
         dict(system="full K/V (engine)", pages=None, **engine_row(None)),
     ]  # fmt: skip
+    def evicting_row(slots: int) -> dict:
+        if args.policy not in WINDOW_POLICIES:
+            row = runner_row(task, model, tokenizer, data, args.context, args.seed, args.policy, slots)
+            return dict(system=f"EvictingLayer {args.policy} (runner)", **row)
+        texts = whole_prompt_texts(model, tokenizer, examples, EvictionSpec(args.policy, budget=slots),
+                                   max_new_tokens=task.max_new_tokens, batch_size=args.batch_size)  # fmt: skip
+        return dict(system=f"EvictingLayer {args.policy} (generate, whole prompt)", **scored(examples, texts))
+
     for pages in args.pages:
         slots = (pages - 1) * args.page_size
         rows += [
-            dict(system=f"EvictingLayer {args.policy} (runner)", pages=pages,
-                 **runner_row(task, model, tokenizer, data, args.context, args.seed, args.policy, slots)),
+            dict(pages=pages, **evicting_row(slots)),
             dict(system=f"engine {args.policy}", pages=pages, **engine_row(pages)),
-        ]  # fmt: skip
+        ]
         print(f"[accuracy] {pages} pages done", flush=True)
     return rows
 

@@ -9,17 +9,36 @@ from jaxkv.bench import compaction_accuracy
 from jaxkv.research.tasks import RetrievalExample
 
 
-@pytest.fixture(scope="module")
-def rows():
+def measured(*options: str) -> list[dict]:
     from jaxkv.models.load import Pretrained
 
     tokenizer = Pretrained("smollm2").tokenizer(required=True)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=1024)  # fmt: skip  SmolLM2's vocabulary
-    args = compaction_accuracy.parse_args(["--context", "160", "--depths", "0.5", "--examples", "2", "--pages", "11",
-                                           "3", "--batch-size", "2", "--kv-memory-mib", "4"])  # fmt: skip
+    args = compaction_accuracy.parse_args(["--context", "160", "--depths", "0.5", "--examples", "2", "--batch-size",
+                                           "2", "--kv-memory-mib", "4", *options])  # fmt: skip
     return compaction_accuracy.measure(args, Llama(config, seed=0), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return measured("--pages", "11", "3")
+
+
+def test_snapkv_is_compared_with_generate_over_the_whole_prompts():
+    """``--policy snapkv``: the EvictingLayer row is ``generate`` over context + question; with a
+    budget the prompt fits in, both sides answer as full K/V; at 6 pages (80 tokens of 160) the
+    engine compacts the prompt once and its answers change."""
+    full_runner, full_engine, evicting_11, engine_11, evicting_6, engine_6 = measured(
+        "--pages", "11", "6", "--policy", "snapkv"
+    )
+    assert [r["system"] for r in (evicting_11, engine_11)] == [
+        "EvictingLayer snapkv (generate, whole prompt)",
+        "engine snapkv",
+    ]
+    assert evicting_11["outputs"] == engine_11["outputs"] == full_engine["outputs"] == full_runner["outputs"]
+    assert engine_6["outputs"] != full_engine["outputs"] and evicting_6["outputs"] != full_engine["outputs"]
 
 
 def test_the_engine_answers_as_the_runner_with_full_kv_and_a_budget_the_prompt_fits(rows):
