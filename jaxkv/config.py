@@ -79,7 +79,8 @@ class RetrievalConfig(Strict):
     tokens (a multiple of ``page_size``) of every full-attention layer, the ``sink`` first and
     ``recent`` last pages always, the rest chosen by their ``summary``; ``pages``: 'sequential', or
     'clustered' (a prefill's pages hold similar keys); ``prefill``: 'retrieve', or 'dense' (an update of
-    more than a page per row attends every token, as Quest's prefill)."""
+    more than a page per row attends every token, as Quest's prefill); ``dense_layers``: the model's
+    first N layers read every token."""
 
     budget: PositiveInt
     page_size: PositiveInt = 16
@@ -88,6 +89,7 @@ class RetrievalConfig(Strict):
     summary: Literal[SUMMARIES] = "minmax"
     pages: Literal[PAGE_ORDERS] = "sequential"
     prefill: Literal[PREFILLS] = "retrieve"
+    dense_layers: NonNegativeInt = 0  # the model's first N layers read every token (Quest's first two)
 
     @model_validator(mode="after")
     def _consistent(self):

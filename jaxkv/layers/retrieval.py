@@ -36,6 +36,7 @@ recent pages is folded into the clusters (its tokens join their nearest centroid
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Self
 
 import jax
@@ -44,6 +45,7 @@ from flax import struct
 
 from jaxkv.protocol import (
     KV_AXES,
+    DepthBudgets,
     KVView,
     MaskInfo,
     PositionalLayer,
@@ -74,7 +76,9 @@ class RetrievalSpec:
     'sequential' (page i holds positions ``[i·page_size, (i+1)·page_size)``) or 'clustered'
     (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys). ``prefill``: 'retrieve' (every
     query reads its pages, so any chunking gives token-by-token decoding's outputs) or 'dense' (the
-    queries of an update of more than ``page_size`` tokens per row read every token: Quest's prefill)."""
+    queries of an update of more than ``page_size`` tokens per row read every token: Quest's prefill).
+    ``dense_layers``: the model's first N layers read every token at every query (Quest leaves its first
+    two layers dense: their attention is not sparse); the others retrieve."""
 
     budget: int
     page_size: int = 16
@@ -83,6 +87,7 @@ class RetrievalSpec:
     summary: str = "minmax"
     pages: str = "sequential"
     prefill: str = "retrieve"
+    dense_layers: int = 0
 
     def __post_init__(self):
         if self.page_size < 1:
@@ -102,6 +107,8 @@ class RetrievalSpec:
             raise ValueError(f"RetrievalSpec: pages must be one of {list(PAGE_ORDERS)}, got {self.pages!r}")
         if self.prefill not in PREFILLS:
             raise ValueError(f"RetrievalSpec: prefill must be one of {list(PREFILLS)}, got {self.prefill!r}")
+        if self.dense_layers < 0:
+            raise ValueError(f"RetrievalSpec: dense_layers must be >= 0 layers, got {self.dense_layers}")
         if self.sink + self.recent > self.budget_pages:
             raise ValueError(
                 f"RetrievalSpec: {self.sink} sink + {self.recent} recent pages are always read but the budget is "
@@ -123,18 +130,21 @@ def _whole_pages(max_length: int, page_size: int) -> int:
 
 
 @pytree_class
-class PageRetrieval(PositionalLayer, Refill):
+class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
     """What the retrieval layers share: every token's K/V, page summaries, the update and its view.
     Subclasses say which position each slot holds (``held_positions``) and may rearrange the slots
-    after an update (``arranged``)."""
+    after an update (``arranged``). An entry among the model's first ``spec.dense_layers`` layers
+    (``dense``, set by ``for_layers`` when the container stacks the layers) reads every token: one
+    stacked kind, so a model's scan over its layers stays one scan."""
 
     keys: jax.Array  # [B, H_kv, S_max, D], S_max a multiple of page_size
     values: jax.Array  # [B, H_kv, S_max, D]
     summaries: jax.Array  # [B, H_kv, P, C, D]: per page, min and max (C = 2) or the mean (C = 1) of its keys
     lengths: jax.Array  # [B] int32
+    dense: jax.Array  # [B] bool, equal in every row: this layer reads every token (``RetrievalSpec.dense_layers``)
     spec: RetrievalSpec = struct.field(pytree_node=False)
 
-    MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 4·B; C = 2 (minmax) or 1 (centroid)"
+    MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 5·B; C = 2 (minmax) or 1 (centroid)"
 
     @classmethod
     def create(cls, batch_size, num_kv_heads, head_dim, max_length: int, spec: RetrievalSpec, dtype=jnp.float32):
@@ -146,7 +156,7 @@ class PageRetrieval(PositionalLayer, Refill):
         pages = (batch_size, num_kv_heads, slots // spec.page_size, _SUMMARY_ROWS[spec.summary], head_dim)
         return cls(
             keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), summaries=jnp.zeros(pages, dtype),
-            lengths=jnp.zeros((batch_size,), jnp.int32), spec=spec,
+            lengths=jnp.zeros((batch_size,), jnp.int32), dense=jnp.zeros((batch_size,), bool), spec=spec,
             **cls.empty_order(batch_size, num_kv_heads, slots, head_dim, spec),
         )  # fmt: skip
 
@@ -161,7 +171,18 @@ class PageRetrieval(PositionalLayer, Refill):
         slots = _whole_pages(max_length or seq_len, spec.page_size)
         per_token = num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
         summary = _SUMMARY_ROWS[spec.summary] * (slots // spec.page_size) * per_token
-        return batch_size * (2 * slots * per_token + summary + 4)
+        return batch_size * (2 * slots * per_token + summary + 5)
+
+    def for_layers(self, layer_indices: list[int], num_layers: int) -> Self:
+        """This stack (leaves ``[L, ...]``), entry j model layer ``layer_indices[j]`` of ``num_layers``:
+        ``dense`` where that layer is among the first ``spec.dense_layers``."""
+        if self.spec.dense_layers >= num_layers:
+            raise ValueError(
+                f"RetrievalSpec: dense_layers must be below the model's {num_layers} layers (some must retrieve), "
+                f"got {self.spec.dense_layers}"
+            )
+        dense = jnp.asarray([i < self.spec.dense_layers for i in layer_indices])[:, None]
+        return self.replace(dense=jnp.broadcast_to(dense, self.dense.shape))
 
     @property
     def max_length(self) -> int:
@@ -194,8 +215,9 @@ class PageRetrieval(PositionalLayer, Refill):
 
     def logical_axes(self):
         return self.replace(
-            keys=KV_AXES, values=KV_AXES, summaries=Axes(BATCH, KV_HEADS, None, None, HEAD_DIM), lengths=Axes(BATCH)
-        )
+            keys=KV_AXES, values=KV_AXES, summaries=Axes(BATCH, KV_HEADS, None, None, HEAD_DIM), lengths=Axes(BATCH),
+            dense=Axes(BATCH),
+        )  # fmt: skip
 
     def update_entry(self, index, keys, values, positions):
         """Store ``[B, H_kv, T, D]`` at ``positions`` ``[B, T]`` and summarize the pages written;
@@ -207,7 +229,8 @@ class PageRetrieval(PositionalLayer, Refill):
         new = new.summarized(index, old_lengths, positions.shape[1])
         mask_info = MaskInfo(new.kv_positions(index), slots_used=view.mask_info.slots_used)
         summaries = entry(new.summaries, index)
-        view = RetrievalView(view.key_stack, view.value_stack, index, mask_info, summaries, self.spec)
+        dense = entry(self.dense, index)[0]
+        view = RetrievalView(view.key_stack, view.value_stack, index, mask_info, summaries, dense, self.spec)
         return new.arranged(index, positions.shape[1]), view
 
     def summarized(self, index, old_lengths: jax.Array, num_new: int) -> Self:
@@ -257,7 +280,7 @@ class ClusteredRetrievalLayer(PageRetrieval):
     clustered: jax.Array  # [B] int32: slots below hold the reordered pages (and the sink pages, in order)
 
     MEMORY_FORMULA = (
-        "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 8·B·S_max·H_kv + 4·B·K·H_kv·D + 8·B; "
+        "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 8·B·S_max·H_kv + 4·B·K·H_kv·D + 9·B; "
         "C = 2 (minmax) or 1 (centroid), K = max(1, S_max / page / 2) centroids"
     )
     WHY_NOT = {
@@ -447,6 +470,7 @@ class RetrievalView(KVView):
     differ); ``attend`` reads each query's pages (``attended_pages``)."""
 
     summaries: jax.Array  # [B, H_kv, P, C, D]
+    dense: jax.Array  # [] bool: every query reads every token (a layer among ``spec.dense_layers``)
     spec: RetrievalSpec = struct.field(pytree_node=False)
 
     def pages(self, queries: jax.Array, q_positions: jax.Array) -> jax.Array:
@@ -459,14 +483,23 @@ class RetrievalView(KVView):
         """Softmax attention of ``queries`` ``[B, H_q, T, D]`` over each query's pages: a gather of them
         where it holds fewer slots than the buffer, else a mask of them over the buffer read in blocks
         of ``block_size`` slots (default ``attention_block_size``); over every token for a dense
-        prefill (``RetrievalSpec.prefill``). Returns ``[B, H_q, T, D]``."""
+        prefill (``RetrievalSpec.prefill``) and in a dense layer (``RetrievalSpec.dense_layers``).
+        Returns ``[B, H_q, T, D]``."""
         if query_weights is not None:
             raise ValueError(
                 "a retrieval layer reads a budget of pages per query and reports no slot mass; query_weights "
                 "serve an evicting layer's scores"
             )
+        options = {"q_positions": q_positions, "scale": scale, "logit_softcap": logit_softcap, "block_size": block_size}
+        dense = functools.partial(super().attend, **options)
         if self.spec.prefill == "dense" and queries.shape[2] > self.spec.page_size:
-            return super().attend(queries, q_positions, scale=scale, logit_softcap=logit_softcap, block_size=block_size)
+            return dense(queries)
+        if self.spec.dense_layers == 0:
+            return self.retrieved(queries, **options)
+        return jax.lax.cond(self.dense, dense, functools.partial(self.retrieved, **options), queries)
+
+    def retrieved(self, queries, q_positions, *, scale: float, logit_softcap, block_size) -> jax.Array:
+        """``attend``'s read of each query's pages: ``[B, H_q, T, D]`` of ``queries`` ``[B, H_q, T, D]``."""
         batch, num_heads, length, head_dim = queries.shape
         pages = self.pages(queries, q_positions)
         read = _Read(_grouped(queries, self.shape[1]), q_positions, scale, logit_softcap)

@@ -8,6 +8,7 @@ heads of a K/V head, besides the sink and recent pages), whatever the chunking; 
 refill, or a reorder, give what feeding the final rows directly gives.
 """
 
+import dataclasses
 import functools
 import itertools
 
@@ -203,6 +204,36 @@ def test_a_dense_prefill_reads_every_token_and_decode_steps_retrieve():
     np.testing.assert_allclose(out[:, :, 24:], numpy_retrieval(spec)[:, :, 24:], atol=1e-5, rtol=1e-5)
 
 
+@jax.jit
+def feed_layer(cache, layer, q, k, v, positions):
+    return cached_attention(cache, layer, q, k, v, positions)
+
+
+def test_dense_layers_read_every_token_and_the_others_retrieve():
+    """``dense_layers=2`` over 3 stacked layers: entries 0 and 1 are dense (stacked or not), and under a
+    traced layer index (a model's scan) layer 0 attends like the full cache and layer 2 reads the pages
+    NumPy chooses, in random chunks."""
+    spec = RetrievalSpec(16, PAGE, dense_layers=2)
+    options = {"batch_size": B, "num_kv_heads": H_KV, "head_dim": D, "max_length": CAPACITY, "retrieval": spec}
+    for stacked in (False, True):  # the stacked cache is read below
+        cache = Cache.from_layer_types(["full_attention"] * 3, stacked=stacked, **options)
+        assert [bool(layer.dense.all()) for layer in cache.layers] == [True, True, False]
+    q, k, v, positions = inputs()
+    outs, start = {0: [], 2: []}, 0
+    for size in chunk_sizes(3):
+        part = slice(start, start + size)
+        for layer in outs:
+            cache, out = feed_layer(
+                cache, jnp.int32(layer), q[:, :, part], k[:, :, part], v[:, :, part], positions[:, part]
+            )
+            outs[layer].append(out)
+        start += size
+    padding = np.asarray(positions >= 0)[:, None, :, None]
+    dense, retrieved = (np.where(padding, np.concatenate(outs[layer], axis=2), 0.0) for layer in (0, 2))
+    np.testing.assert_allclose(dense, full_outputs(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(retrieved, numpy_retrieval(spec), atol=1e-5, rtol=1e-5)
+
+
 def test_rollback_then_refill_equals_feeding_the_final_rows():
     """Undo 6 tokens (a page and a half) of 30 and feed 10 others: the last update's outputs equal
     a cache fed the final tokens directly, at a small budget (the refilled pages are summarized again)."""
@@ -260,16 +291,18 @@ def prefill_logits(model, cache, tokens: np.ndarray, sizes: list[int]) -> np.nda
     return np.concatenate(logits, axis=1)
 
 
-@pytest.mark.parametrize("family, pages", [("llama", "sequential"), ("gemma3", "clustered")])
-def test_models_at_a_budget_covering_the_context_equal_the_full_cache(family, pages):
-    """A tiny Llama and Gemma 3 (global layers retrieve from clustered pages, sliding rings
-    unchanged): logits fed in chunks of 5 and 1 equal the full cache's (float32, 1e-4), and greedy
-    tokens are equal."""
+@pytest.mark.parametrize(
+    "family, pages, dense_layers", [("llama", "sequential", 0), ("llama", "sequential", 2), ("gemma3", "clustered", 0)]
+)
+def test_models_at_a_budget_covering_the_context_equal_the_full_cache(family, pages, dense_layers):
+    """A tiny Llama (its first 2 of 3 layers dense, or none) and Gemma 3 (global layers retrieve from
+    clustered pages, sliding rings unchanged): logits fed in chunks of 5 and 1 equal the full cache's
+    (float32, 1e-4), and greedy tokens are equal."""
     if family == "llama":
         model = Llama(LlamaConfig(**TINY_LLAMA), seed=0)
     else:
         model = Gemma3(Gemma3Config(**TINY_GEMMA), seed=0)
-    spec = RetrievalSpec(budget=32, page_size=PAGE, pages=pages)
+    spec = RetrievalSpec(budget=32, page_size=PAGE, pages=pages, dense_layers=dense_layers)
     cache = model.init_cache(1, 32, retrieval=spec)
     assert {type(layer) for layer in cache.layers} == (
         {RetrievalLayer} if family == "llama" else {ClusteredRetrievalLayer, SlidingWindowLayer}
@@ -324,6 +357,7 @@ def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
         ({"budget": 16, "summary": "mean"}, "summary must be one of"),
         ({"budget": 16, "pages": "kmeans"}, "pages must be one of"),
         ({"budget": 16, "prefill": "full"}, "prefill must be one of"),
+        ({"budget": 16, "dense_layers": -1}, "dense_layers must be >= 0"),
         ({"budget": 16, "page_size": 8, "sink": 2}, "2 sink \\+ 1 recent pages are always read but the budget is 2"),
     ],
 )
@@ -343,6 +377,9 @@ def test_build_errors_name_the_fix():
         Cache.from_layer_types(["full_attention"], full_attention="dynamic", **options)
     with pytest.raises(ValueError, match="offload .* does not combine with retrieval"):
         Cache.from_layer_types(["full_attention"], max_length=8, offload=True, **options)
+    with pytest.raises(ValueError, match="dense_layers must be below the model's 2 layers"):
+        dense = dataclasses.replace(spec, dense_layers=2)
+        Cache.from_layer_types(["full_attention"] * 2, max_length=8, **(options | {"retrieval": dense}))
     with pytest.raises(ValueError, match="a hybrid layer .* reads all"):
         linear = {"conv_width": 2, "conv_channels": 4, "state_shapes": ((2, 2),)}
         Cache.from_layer_types(["hybrid"], max_length=8, **linear, **options)
