@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxkv.batch import PagedStorage
 from jaxkv.cache import Cache
-from jaxkv.eviction import EvictionSpec, pooled_window_mass
+from jaxkv.eviction import EvictionSpec, window_scores
 from jaxkv.layers.evicting import kept_order
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE
 from jaxkv.protocol import has
@@ -116,14 +116,14 @@ class PageBudget:
             return max(self.limit, prompt_length)
         return self.limit
 
-    def score_weights(self, positions: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
+    def score_weights(self, positions: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray | None:
         """``[N]`` float32 what each packed token's attention adds to the slots it reads
         (``PackedBatch.score_weights``) at ``positions`` ``[N]`` (negative: padding) of sequences
-        with ``prompt_lengths`` ``[N]``: 1 per real token, or for SnapKV ``1 / window`` from the
-        prompt's last ``window`` tokens on (its observation window's mean attention, then each
-        later query's share) and 0 before them."""
+        with ``prompt_lengths`` ``[N]``: for SnapKV ``1 / window`` from the prompt's last ``window``
+        tokens on (its observation window's mean attention, then each later query's share) and 0
+        before them; None (the layer's default, 1 per real token) for the other policies."""
         if not self.prefills_whole:
-            return (positions >= 0).astype(np.float32)
+            return None
         window = self.spec.observation_window
         observing = (positions >= 0) & (positions >= prompt_lengths - window)
         return observing.astype(np.float32) / window
@@ -190,7 +190,7 @@ def _scores(
 ) -> jax.Array:
     """``[M, S * page_size]`` float32 score of each source slot (higher is kept), averaged over
     every layer and K/V head of the pool: its position (StreamingLLM), its key's ``-||k||``, the
-    attention it received (H2O; SnapKV's ``_window_scores`` of it), or that as a share of the
+    attention it received (H2O; SnapKV's window scores of it), or that as a share of the
     row's total less ``REDUNDANCY_WEIGHT`` times its redundancy (Zipage)."""
     if budget.policy == "streaming_llm":
         return positions.astype(jnp.float32)
@@ -201,21 +201,15 @@ def _scores(
     attention = jnp.where(filled, _pool_mean([group.page_scores(sources) for group in groups], positions), 0.0)
     if budget.policy == "h2o":
         return attention
-    if budget.policy == "snapkv":
-        return _window_scores(attention, positions, lengths, budget.spec)
+    if budget.policy == "snapkv":  # the window's own slots unscored (kept), then pooled, as EvictingLayer's prefill
+        spec, rescored = budget.spec, jnp.ones(lengths.shape, bool)
+        pooled = window_scores(
+            attention[:, None], positions[:, None], lengths, spec.observation_window, rescored, spec.kernel_size, 1
+        )  # fmt: skip
+        return pooled[:, 0]
     share = attention / jnp.maximum(jnp.sum(attention, axis=1, keepdims=True), 1e-30)
     redundancy = _pool_mean([_redundancy(group.page_keys(sources), filled) for group in groups], positions)
     return share - REDUNDANCY_WEIGHT * redundancy
-
-
-def _window_scores(attention: jax.Array, positions: jax.Array, lengths: jax.Array, spec: EvictionSpec) -> jax.Array:
-    """SnapKV's scores ``[M, S']`` of slots at ``positions`` ``[M, S']`` (position order) in rows of
-    ``lengths`` ``[M]`` tokens from the ``attention`` they received: the window's own slots
-    unscored (they are kept), then an average pool of ``kernel_size`` along the slots, as
-    ``EvictingLayer`` scores a prefill (``jaxkv.eviction.window_scores``)."""
-    in_window = positions >= (lengths - spec.observation_window)[:, None]
-    mass = jnp.where(in_window, 0.0, attention)[:, None]  # [M, 1, S']
-    return pooled_window_mass(mass, spec.kernel_size, 1)[:, 0]
 
 
 def _pool_mean(per_group: list[jax.Array], positions: jax.Array) -> jax.Array:

@@ -338,8 +338,9 @@ class KVCacheManager:
             return count
         start = seq.num_computed if hit is None else hit.num_tokens
         slots = start - (self._shift(seq) if hit is None or hit.resumes else 0)
-        if slots < self._limit(seq):
-            return min(count, self._limit(seq) - slots)
+        limit = self._limit(seq)
+        if slots < limit:
+            return min(count, limit - slots)
         if len(self._moves.compactions) >= MAX_COMPACTIONS:
             return 0
         return min(count, self.budget.limit - self.budget.keep_slots)

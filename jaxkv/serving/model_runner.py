@@ -233,8 +233,8 @@ class ModelRunner:
 
     def _score_weights(self, positions: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray | None:
         """``PackedBatch.score_weights`` of packed tokens at ``positions`` of sequences with
-        ``prompt_lengths`` (both ``[N]``): the page budget's, None when no slot scores are kept."""
-        if self.budget is None or not self.budget.scored:
+        ``prompt_lengths`` (both ``[N]``): the page budget's (None: the layer's default)."""
+        if self.budget is None:
             return None
         return self.budget.score_weights(positions, prompt_lengths)
 
