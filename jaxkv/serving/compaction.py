@@ -6,14 +6,16 @@ compaction (``Compaction``): every token the request holds is scored by a policy
 ``keep_slots`` (``(max_pages - 1) * page_size``: sinks and the recent window always, as
 ``EvictingLayer`` keeps them, ``jaxkv.layers.evicting.kept_order``) are copied, in position order,
 into ``max_pages - 1`` pages, and its other pages go back to the pool. One compiled function
-(``compact_pages``) compacts up to ``MAX_COMPACTIONS`` rows between two steps; a row beyond that
-waits a step. The kept keys keep the positions RoPE gave them; the row's slots now hold
-non-contiguous positions, which the host keeps (``KVCacheManager.row_positions``) and the step
-masks by. One choice of tokens holds for every layer and K/V head of the pool (one block table).
+(``compact_pages``) compacts up to ``MAX_COMPACTIONS`` rows between two steps (padded to one of
+``COMPACTION_ROWS``); a row beyond that waits a step. The kept keys keep the positions RoPE gave
+them; the row's slots now hold non-contiguous positions, which the host keeps
+(``KVCacheManager.row_positions``) and the step masks by. One choice of tokens holds for every
+layer and K/V head of the pool (one block table).
 
 Pages others may read are never written: the destinations are the request's own pages that no
-other request and no prefix-cache entry holds, reused in place, else fresh pages; a shared or
-cached page is only read (its tokens are copied, it keeps its other owners or its cache entry).
+other request holds, reused in place (those the prefix cache holds only past its prompt: they
+leave the cache), else fresh pages; a shared page, or a cached page of the prompt, is only read
+(its tokens are copied, it keeps its other owners or its cache entry).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ ATTENTION_POLICIES = ("h2o", "zipage", "snapkv")
 # last queries (the question, in a question-answering prompt) give each token, as SnapKV does.
 WINDOW_POLICIES = ("snapkv",)
 MAX_COMPACTIONS = 4  # rows compacted per step; a row needing one more waits a step
+COMPACTION_ROWS = (1, MAX_COMPACTIONS)  # the compaction's shapes: one row (the usual case), or all
 ZIPAGE_DECAY = 0.8  # a kept slot's score is multiplied by this at each compaction (Zipage's decay_factor)
 REDUNDANCY_WEIGHT = 0.2  # Zipage's redudancy_lambda
 REDUNDANCY_TEMPERATURE = 0.4  # Zipage's redudancy_temperature
@@ -161,13 +164,16 @@ class Compaction:
     length: int
 
 
-def compaction_inputs(compactions: list[Compaction], budget: PageBudget) -> tuple[np.ndarray, ...]:
-    """``compact_pages``' inputs for ``compactions``, padded to ``MAX_COMPACTIONS`` rows: sources
-    ``[M, S]`` (``S = budget.source_pages``) and destinations ``[M, max_pages - 1]`` (the null page
-    as padding), source positions ``[M, S * page_size]`` (-1: empty) and lengths ``[M]``."""
+def compaction_inputs(
+    compactions: list[Compaction], budget: PageBudget, rows: int | None = None
+) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """``compact_pages``' inputs for ``compactions``, padded to ``rows`` (default: the smallest of
+    ``COMPACTION_ROWS`` that holds them): sources ``[M, S]`` (``S = budget.source_pages``) and
+    destinations ``[M, max_pages - 1]`` (the null page as padding), source positions
+    ``[M, S * page_size]`` (-1: empty) and lengths ``[M]``."""
     if len(compactions) > MAX_COMPACTIONS:
         raise ValueError(f"{len(compactions)} compactions in one step; at most {MAX_COMPACTIONS}")
-    rows = MAX_COMPACTIONS
+    rows = rows or next(size for size in COMPACTION_ROWS if size >= len(compactions))
     sources = np.full((rows, budget.source_pages), NULL_PAGE, np.int32)
     destinations = np.full((rows, budget.max_pages - 1), NULL_PAGE, np.int32)
     positions = np.full((rows, budget.source_pages * budget.page_size), -1, np.int32)
@@ -265,4 +271,4 @@ def _compact(
 
 
 compact_pages = jax.jit(_compact, static_argnames=("budget",), donate_argnums=0)
-"""``_compact`` compiled once per engine (its inputs are padded to ``MAX_COMPACTIONS`` rows)."""
+"""``_compact`` compiled once per engine and row count of ``COMPACTION_ROWS`` (``compaction_inputs``)."""

@@ -39,7 +39,9 @@ below its budget: a prefix hit is used up to ``max_pages - 1`` pages, and a sequ
 budget (or compacted in this step) is preempted by recompute, not swapped. A row's compactions
 then happen at the same lengths however it is batched, preempted or resumed. A compacted
 sequence's pages are never registered in the prefix cache (their contents are no longer their
-hash's tokens), and it is never forked (its children are computed like new requests).
+hash's tokens), and it is never forked (its children are computed like new requests). The
+scheduler admits a sequence only while the pool holds every running sequence's budget and its
+own (``holds_budgets``), so rows do not outgrow the pool.
 """
 
 from __future__ import annotations
@@ -345,6 +347,18 @@ class KVCacheManager:
             return 0
         return min(count, self.budget.limit - self.budget.keep_slots)
 
+    def holds_budgets(self, running: Sequence[SequenceState], seq: SequenceState) -> bool:
+        """May ``seq`` join the ``running`` sequences? Under a page budget: only while the full pool
+        holds the most pages each of them may come to hold (``_most_pages``), so no row outgrows
+        the pool (a sequence at its budget is preempted by recompute, which repeats its
+        compactions: admitting more rows than the pool holds budgets thrashes). Always without a
+        budget (rows are admitted on their next chunk and growth preempts, vLLM's rule), and
+        always into an empty engine (``check_fits`` refused what the pool never holds)."""
+        if self.budget is None or not running:
+            return True
+        most = sum(self._most_pages(other) for other in [*running, seq])
+        return most <= self._pool(FULL_POOL).manager.num_usable
+
     def fork(self, parent: SequenceState, child: SequenceState) -> Allocation | None:
         """``child`` starts on ``parent``'s computed prompt: it shares the full pages of all but the
         prompt's last token and gets a copy of the page that token sits in (copy-on-write; it
@@ -448,6 +462,16 @@ class KVCacheManager:
         """Full-pool slots ``seq`` may hold before its next compaction (``PageBudget.limit_for``)."""
         return self.budget.limit_for(len(seq.prompt), seq.key in self.compacted)
 
+    def _most_pages(self, seq: SequenceState) -> int:
+        """Full-pool pages ``seq`` may come to hold: its limit (``_limit``), or all its tokens when
+        its prompt and ``max_tokens`` take fewer; before its first compaction, with the fresh pages
+        that compaction takes for its cached prompt pages (``_compact``)."""
+        slots = min(self._limit(seq), len(seq.prompt) + seq.options.max_tokens)
+        pages = -(-slots // self.page_size)
+        if slots < len(seq.prompt) + seq.options.max_tokens and self.prefix_caching and seq.key not in self.compacted:
+            pages += min(len(seq.prompt) // self.page_size, self.budget.max_pages - 1)
+        return pages
+
     def _pages_needed(self, pool: PagePool, seq: SequenceState, end: int) -> int:
         """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
         return pool.pages_needed(seq, end - (self._shift(seq) if pool.window is None else 0))
@@ -467,7 +491,8 @@ class KVCacheManager:
         budget, full = self.budget, self._pool(FULL_POOL)
         keep_pages = budget.max_pages - 1
         end = seq.num_computed + num_new_tokens
-        fresh = full.manager.compaction_fresh_pages(seq.key, keep_pages)
+        prompt_pages = len(seq.prompt) // self.page_size  # stay cached; its outputs' pages are overwritten
+        fresh = full.manager.compaction_fresh_pages(seq.key, keep_pages, prompt_pages)
         extra = -(-(budget.keep_slots + num_new_tokens) // self.page_size) - keep_pages
         needed = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools if pool is not full}
         needed[full.name] = extra
@@ -477,7 +502,7 @@ class KVCacheManager:
         filled = seq.num_computed - self._shift(seq)
         for pool in self.pools:
             self._demote_evictions(pool, taken[pool.name])
-        sources, destinations = full.manager.compact(seq.key, keep_pages)
+        sources, destinations = full.manager.compact(seq.key, keep_pages, prompt_pages)
         positions = self._slot_positions(seq, len(sources) * self.page_size)
         positions[filled:] = -1
         self._moves.compactions.append(Compaction(seq.key, sources, destinations, positions, seq.num_computed))

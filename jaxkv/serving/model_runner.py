@@ -24,7 +24,7 @@ from flax import nnx
 from jaxkv.batch import QUERY_BLOCK, PackedBatch
 from jaxkv.decoding.sampling import GREEDY, RowSampling
 from jaxkv.layers.paged import NULL_PAGE
-from jaxkv.serving.compaction import Compaction, PageBudget, compact_pages, compaction_inputs
+from jaxkv.serving.compaction import COMPACTION_ROWS, Compaction, PageBudget, compact_pages, compaction_inputs
 from jaxkv.serving.host_tier import HostPage
 from jaxkv.serving.kv_manager import PageMoves
 from jaxkv.serving.scheduler import Chunk, chunk_cost
@@ -144,9 +144,10 @@ class ModelRunner:
             self._write(moves.into)
         return kept
 
-    def _compact(self, compactions: list[Compaction]) -> list[np.ndarray]:
-        """Make ``compactions`` in one call of the compiled compaction; the positions each kept."""
-        inputs = compaction_inputs(compactions, self.budget)
+    def _compact(self, compactions: list[Compaction], rows: int | None = None) -> list[np.ndarray]:
+        """Make ``compactions`` in one call of the compiled compaction (padded to ``rows``, or to
+        the smallest shape that holds them); the positions each kept."""
+        inputs = compaction_inputs(compactions, self.budget, rows)
         self.cache, kept = compact_pages(self.cache, *inputs, budget=self.budget)
         kept = jax.device_get(kept)
         return [kept[row] for row in range(len(compactions))]
@@ -205,8 +206,8 @@ class ModelRunner:
         padding rows, which write the null page only), so no request waits for a compile."""
         for slots, prefill, width in self.shapes:
             self._executable(self._packed([], slots, prefill, width, block_tables, row_positions))
-        if self.budget is not None:
-            self._compact([])
+        for rows in COMPACTION_ROWS if self.budget is not None else ():
+            self._compact([], rows)
 
     def prepare(
         self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})

@@ -227,24 +227,29 @@ class PageManager:
             return []
         return [(parent_pages[num_full], self.allocate(child, 1)[0])]
 
-    def compaction_fresh_pages(self, owner: Owner, num_pages: int) -> int:
-        """Fresh pages ``compact(owner, num_pages)`` takes (what its reusable pages do not cover)."""
-        return max(num_pages - len(self._reusable(owner)), 0)
+    def compaction_fresh_pages(self, owner: Owner, num_pages: int, first_uncached: int = 0) -> int:
+        """Fresh pages ``compact(owner, num_pages, first_uncached)`` takes (what its reusable pages do
+        not cover)."""
+        return max(num_pages - len(self._reusable(owner, first_uncached)), 0)
 
-    def compact(self, owner: Owner, num_pages: int) -> tuple[list[int], list[int]]:
+    def compact(self, owner: Owner, num_pages: int, first_uncached: int = 0) -> tuple[list[int], list[int]]:
         """Give the owner ``num_pages`` pages to compact its tokens into; returns its pages before
         (the compaction's sources) and after (its destinations, now its whole list).
 
-        A destination is one of its pages that nobody else holds and the prefix cache does not
-        hold (reused in place, in logical order), else a fresh page; its other pages are released
-        (a shared page keeps its other owners, a cached one stays findable): a page others may
-        read is never written. Raises ``PoolExhausted``, changing nothing, when too few pages are
-        free."""
+        A destination is one of its pages that nobody else holds (reused in place, in logical order),
+        else a fresh page; its other pages are released (a shared page keeps its other owners, a
+        cached one stays findable): a page others may read is never written. A page the prefix cache
+        holds is reused, leaving the cache, only from logical page ``first_uncached`` on (the engine
+        keeps a prompt's pages cached and lets its outputs' go: copying every cached page first would
+        need ``num_pages`` free pages at once). Raises ``PoolExhausted``, changing nothing, when too
+        few pages are free."""
         if num_pages < 1:
             raise ValueError(f"compact: num_pages must be at least 1, got {num_pages}")
         sources = self.pages(owner)
-        reused = self._reusable(owner)[:num_pages]
+        reused = self._reusable(owner, first_uncached)[:num_pages]
         self._require_free(num_pages - len(reused))
+        for page in reused:
+            self._uncache(page)
         fresh = [self._take_free() for _ in range(num_pages - len(reused))]
         for page in reversed(sources):  # tail first, as in free
             if page not in reused:
@@ -252,11 +257,13 @@ class PageManager:
         self._lists[owner] = reused + fresh
         return sources, reused + fresh
 
-    def _reusable(self, owner: Owner) -> list[int]:
-        """The owner's pages only it holds that hold no cached prefix, in logical order."""
+    def _reusable(self, owner: Owner, first_uncached: int) -> list[int]:
+        """The owner's pages only it holds, in logical order, less the cached ones before logical page
+        ``first_uncached``."""
         return [
-            page for page in self._lists.get(owner, ())
-            if page != NULL_PAGE and self._refcounts[page] == 1 and page not in self._hash_of_page
+            page for index, page in enumerate(self._lists.get(owner, ()))
+            if page != NULL_PAGE and self._refcounts[page] == 1
+            and (index >= first_uncached or page not in self._hash_of_page)
         ]  # fmt: skip
 
     def drop_leading(self, owner: Owner, num_logical_pages: int) -> None:
@@ -301,12 +308,16 @@ class PageManager:
     def _take_free(self) -> int:
         """Pop the least recently freed page, evicting its cached prefix; it enters use at refcount 1."""
         page, _ = self._free.popitem(last=False)
-        evicted = self._hash_of_page.pop(page, None)
-        if evicted is not None:
-            del self._page_of_hash[evicted]
+        self._uncache(page)
         self._refcounts[page] = 1
         self._num_used += 1
         return page
+
+    def _uncache(self, page: int) -> None:
+        """Drop ``page``'s cached prefix, if it holds one (its contents are about to change)."""
+        evicted = self._hash_of_page.pop(page, None)
+        if evicted is not None:
+            del self._page_of_hash[evicted]
 
     def _acquire(self, pages: Iterable[int]) -> None:
         """One more reference to each page; a free (cached) one leaves the free queue."""

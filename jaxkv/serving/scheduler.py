@@ -113,7 +113,10 @@ class Scheduler:
         """Start (or resume) a waiting sequence from its longest cached prefix (or, swapped out,
         from its own pages) with a row and the pages of its first chunk. None (and nothing changed)
         when its pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
-        hit rate nor the sequence's cached tokens."""
+        hit rate nor the sequence's cached tokens. Under a page budget it waits while the pool does
+        not hold every running sequence's budget and its own (``KVCacheManager.holds_budgets``)."""
+        if not self.kv.holds_budgets(self.running, seq):
+            return None
         hit = self.kv.lookup(seq)
         count = self.kv.room(seq, chunk_length(seq.num_tokens - hit.num_tokens, budget), hit)
         allocation = self.kv.allocate(seq, count, hit) if count else None

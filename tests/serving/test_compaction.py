@@ -18,7 +18,7 @@ from jaxkv.eviction import EvictionSpec
 from jaxkv.protocol import has
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
-from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget, _redundancy
+from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget, _redundancy, compact_pages
 from jaxkv.serving.engine import EngineConfig
 from jaxkv.serving.pages import NULL_PAGE
 from jaxkv.sharding import make_mesh
@@ -210,7 +210,8 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
     """A pool too small for every row: rows compact, are preempted (recomputed, or swapped to the
     host tier, compacted pages and slot scores and all) and some are aborted; the others draw
     what they draw in a roomy pool (a row's compactions depend on its own tokens only), and
-    every page comes back."""
+    every page comes back. The engine admits no more rows than the pool holds budgets, so rows
+    outgrow it only through compactions' fresh pages; two preemptions are forced as well."""
     preemption, policy, prefix_caching, max_pages, lengths, tight_kib = LOADS[load]
     prompts = prompts_of(3, lengths)
     roomy = SMALL | {"prefix_caching": prefix_caching, "kv_memory": 16 * tight_kib * 1024}
@@ -223,6 +224,8 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
             break
         if step in (6, 15):
             engine.abort(ids[step % len(ids)])
+        if step in (9, 20) and engine.scheduler.running:
+            engine.scheduler.preempt(engine.scheduler.running[-1])
         engine.step()
         engine.kv.check()
     stats = engine.stats()
@@ -234,6 +237,27 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
             assert engine.sequences[request_id][0].output == expected[i], f"request {i}"
     pool = engine.kv.pools[0].manager
     assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
+
+
+def test_admits_no_more_rows_than_the_pool_holds_budgets(llama):
+    """Long outputs under a budget in a pool of a few budgets: the engine runs as many rows as the
+    pool holds budgets, never more (no preemption, so no compaction is repeated), and draws the
+    tokens a roomy pool draws."""
+    prompts, max_pages = prompts_of(4, [10, 5, 12, 8, 3, 9]), 4
+    expected = budgeted_tokens(llama, prompts, max_pages=max_pages, **SMALL)
+    engine = Engine(llama, max_pages_per_request=max_pages, **SMALL | {"kv_memory": 20 * 1024})
+    budgets = engine.kv.pools[0].manager.num_usable // max_pages
+    assert 2 <= budgets < len(prompts)
+    engine.warmup()
+    compiled = compact_pages._cache_size()  # one compaction per row count, compiled by warmup
+    ids = [engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True) for prompt in prompts]
+    rows = []
+    while engine.has_unfinished():
+        engine.step()
+        rows.append(len(engine.scheduler.running))
+    assert max(rows) == budgets and engine.stats()["preemptions"] == 0
+    assert engine.stats()["compactions"] > len(prompts) and compact_pages._cache_size() == compiled
+    assert [engine.sequences[i][0].output for i in ids] == expected
 
 
 def test_zipage_redundancy_is_a_softmax_over_the_filled_slots():

@@ -376,21 +376,25 @@ class PagePoolMachine(RuleBasedStateMachine):
             self.written[self.pm.pages(owner)[index]] = self.compacted_page(owner, index)
 
     @precondition(lambda self: self.requests)
-    @rule(index=PICK, keep=st.integers(0, 63))
-    def compact(self, index, keep):
+    @rule(index=PICK, keep=st.integers(0, 63), first_uncached=st.integers(0, 6))
+    def compact(self, index, keep, first_uncached):
         """Compact a full-attention request (no window dropped) into fewer pages: the destinations
-        are its own unshared, uncached pages, else fresh ones; its other pages lose its reference."""
+        are its own unshared pages (cached ones only from ``first_uncached`` on, leaving the
+        cache), else fresh ones; its other pages lose its reference."""
         owner = self.pick(index)
         request, before = self.requests[owner], self.pm.pages(owner)
         if request.dropped or not before:
             return
         num_pages = 1 + keep % len(before)
-        reusable = [p for p in before if self.pm.refcount(p) == 1 and self.pm.page_hash(p) is None]
-        fresh = self.pm.compaction_fresh_pages(owner, num_pages)
+        reusable = [
+            p for i, p in enumerate(before)
+            if self.pm.refcount(p) == 1 and (i >= first_uncached or self.pm.page_hash(p) is None)
+        ]  # fmt: skip
+        fresh = self.pm.compaction_fresh_pages(owner, num_pages, first_uncached)
         assert fresh == max(num_pages - len(reusable), 0)
         ledger = snapshot(self.pm)
         try:
-            sources, destinations = self.pm.compact(owner, num_pages)
+            sources, destinations = self.pm.compact(owner, num_pages, first_uncached)
         except PoolExhausted:
             assert fresh > self.pm.num_free and snapshot(self.pm) == ledger
             return
