@@ -3,6 +3,7 @@
 
     python scripts/profile_step.py                          # SmolLM2, 1 / 8 / 32 rows, decode and decode+prefill
     python scripts/profile_step.py --rows 16 --steps 8 --out results/step-profile.json
+    python scripts/profile_step.py --rows 3 --prompt 1000 --max-pages-per-request 80 --compaction-policy snapkv
 
 Each case runs ``Engine.step`` on SmolLM2-135M (float32, greedy, prompts of ``--prompt``
 random tokens, end-of-sequence ignored) with ``rows`` running rows: ``decode``, every row
@@ -279,12 +280,15 @@ def main() -> None:
     parser.add_argument(
         "--unrolled", action="store_true", help="the model with its layers unrolled (scan_layers=False)"
     )
+    parser.add_argument("--max-pages-per-request", type=int, help="a page budget (docs/serving.md 'Compressed pages')")
+    parser.add_argument("--compaction-policy", default="streaming_llm", help="what a compaction keeps")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, _ = load_pretrained("smollm2", **({"scan_layers": False} if args.unrolled else {}))
     engine = Engine(
         model, kv_memory=args.kv_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_pages_per_request=args.max_pages_per_request,
+        compaction_policy=args.compaction_policy,
     )  # fmt: skip
     engine.warmup()
     results = [profile_case(engine, args, rows, prefill) for rows in args.rows for prefill in (False, True)]
