@@ -314,41 +314,57 @@ class PagedKVView:
         ``[M]``, block b of row ``rows[b]``, over their rows' pages page block by page block with an
         online softmax, from the first page block a window reaches to the last filled one.
         Returns ``[M, H_kv, G, D]`` float32; with query ``weights`` ``[M]``, also the slot mass
-        ``[M / query_block, W * page_size, H_kv]`` (a second pass over the same page blocks, each
-        slot's probability from the first pass's max and total). The mask is ``attention_mask``'s,
-        per query: rows never see each other's slots."""
+        ``[M / query_block, W * page_size, H_kv]``: each slot's probability from the softmax's max
+        and total, weighted and summed. Decode blocks (fewer than ``QUERY_BLOCK`` queries) keep
+        their logits as they go (``[b, H_kv, G, Q, W * page_size]``: ``G`` times the mass's bytes)
+        and weigh them once after, instead of gathering and multiplying the pages again; prefill
+        blocks would keep ``QUERY_BLOCK`` times that, so they recompute them in a second pass over
+        the same page blocks. The mask is ``attention_mask``'s, per query: rows never see each
+        other's slots."""
         tokens, num_kv_heads, group, head_dim = grouped.shape
         num_blocks = tokens // query_block
         q = grouped.reshape(num_blocks, query_block, num_kv_heads, group, head_dim)
         q_positions = positions.reshape(num_blocks, query_block)
+        span, width = self.block_pages * self.page_size, self.block_table.shape[1] * self.page_size
+        keep = weights is not None and query_block < QUERY_BLOCK
 
-        def step(block, carry):
+        def fold(block, state):
             logits, values = self._block_logits(block, q, q_positions, rows, scale, logit_softcap)
 
             def weigh(weights):
                 weights = weights.astype(values.dtype)
                 return jnp.einsum("bhgqs,bshd->bhgqd", weights, values, preferred_element_type=jnp.float32)
 
-            return softmax_step(carry, logits, weigh)
+            return logits, softmax_step(state, logits, weigh)
+
+        def kept_step(block, carry):
+            logits, state = fold(block, carry[0])
+            return state, jax.lax.dynamic_update_slice_in_dim(carry[1], logits, block * span, axis=4)
 
         first, end = self.block_range(self.query_slots(q_positions, rows).reshape(-1))
         init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
-        peak, total, out = jax.lax.fori_loop(first, end, step, init)
+        if keep:
+            blank = jnp.full((num_blocks, num_kv_heads, group, query_block, width), -jnp.inf, jnp.float32)
+            (peak, total, out), kept = jax.lax.fori_loop(first, end, kept_step, (init, blank))
+        else:
+            peak, total, out = jax.lax.fori_loop(first, end, lambda block, state: fold(block, state)[1], init)
         total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
         out = (out / total).transpose(0, 3, 1, 2, 4).reshape(tokens, num_kv_heads, group, head_dim)
         if weights is None:
             return out
-        span = self.block_pages * self.page_size
         safe_peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
         query_weights = weights.reshape(num_blocks, query_block)
 
+        def mass_of(logits):  # [b, H_kv, G, Q, S] -> [b, S, H_kv]
+            return jnp.einsum("bhgqs,bq->bsh", jnp.exp(logits - safe_peak) / total, query_weights)
+
+        if keep:
+            return out, mass_of(kept)
+
         def mass_step(block, mass):
             logits, _ = self._block_logits(block, q, q_positions, rows, scale, logit_softcap)
-            probabilities = jnp.exp(logits - safe_peak) / total  # [b, H_kv, G, Q, S]
-            found = jnp.einsum("bhgqs,bq->bsh", probabilities, query_weights)
-            return jax.lax.dynamic_update_slice_in_dim(mass, found, block * span, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(mass, mass_of(logits), block * span, axis=1)
 
-        width = self.block_table.shape[1] * self.page_size
         mass = jax.lax.fori_loop(first, end, mass_step, jnp.zeros((num_blocks, width, num_kv_heads), jnp.float32))
         return out, mass
 
