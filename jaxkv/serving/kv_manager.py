@@ -466,11 +466,17 @@ class KVCacheManager:
         """Full-pool pages ``seq`` may come to hold: its limit (``_limit``), or all its tokens when
         its prompt and ``max_tokens`` take fewer; before its first compaction, with the fresh pages
         that compaction takes for its cached prompt pages (``_compact``)."""
-        slots = min(self._limit(seq), len(seq.prompt) + seq.options.max_tokens)
+        length = len(seq.prompt) + seq.options.max_tokens
+        slots = min(self._limit(seq), length)
         pages = -(-slots // self.page_size)
-        if slots < len(seq.prompt) + seq.options.max_tokens and self.prefix_caching and seq.key not in self.compacted:
-            pages += min(len(seq.prompt) // self.page_size, self.budget.max_pages - 1)
+        if slots < length and self.prefix_caching and seq.key not in self.compacted:
+            pages += min(self._prompt_pages(seq), self.budget.max_pages - 1)
         return pages
+
+    def _prompt_pages(self, seq: SequenceState) -> int:
+        """Full pages of ``seq``'s prompt: a compaction copies them when cached (they stay in the
+        prefix cache) and overwrites its later pages in place."""
+        return len(seq.prompt) // self.page_size
 
     def _pages_needed(self, pool: PagePool, seq: SequenceState, end: int) -> int:
         """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
@@ -491,7 +497,7 @@ class KVCacheManager:
         budget, full = self.budget, self._pool(FULL_POOL)
         keep_pages = budget.max_pages - 1
         end = seq.num_computed + num_new_tokens
-        prompt_pages = len(seq.prompt) // self.page_size  # stay cached; its outputs' pages are overwritten
+        prompt_pages = self._prompt_pages(seq)
         fresh = full.manager.compaction_fresh_pages(seq.key, keep_pages, prompt_pages)
         extra = -(-(budget.keep_slots + num_new_tokens) // self.page_size) - keep_pages
         needed = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools if pool is not full}
