@@ -933,15 +933,16 @@ BUSY_LOOP = "while True: pass"
 
 @contextlib.contextmanager
 def competing_process(cpu: int | None):
-    """A busy loop pinned to CPU ``cpu`` while the block runs (nothing for None): the rows
-    "under a competing process on one core", started and stopped around every worker."""
+    """A busy loop pinned to CPU ``cpu`` while the block runs, yielded as its ``Popen`` (None
+    and nothing started for None): the rows "under a competing process on one core", started
+    and stopped around every worker."""
     if cpu is None:
-        yield
+        yield None
         return
     busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
     try:
         os.sched_setaffinity(busy.pid, {cpu})  # after the start: a preexec_fn would fork this threaded process
-        yield
+        yield busy
     finally:
         busy.kill()
         busy.wait()
