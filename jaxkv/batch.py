@@ -45,6 +45,10 @@ class PackedBatch:
     ``score_weights``: ``[N]`` float32 what each packed token's attention probabilities add to the
     slot scores of the pages it reads (``Paging.scored``; the compaction policy's,
     ``PageBudget.score_weights``); None: 1 for every real token.
+    ``decode_pages`` (static): the most pages a decoding row holds in the pools named in
+    ``shifts`` (the page budget's ``max_pages_per_request``: a row compacts before it would hold
+    more), so their decode blocks read and score only the block table's columns up to it, not
+    its whole width (a prompt prefilled whole may use that); None: the whole width.
     """
 
     token_rows: jax.Array
@@ -55,6 +59,7 @@ class PackedBatch:
     shifts: dict = struct.field(default_factory=dict)
     slot_positions: dict = struct.field(default_factory=dict)
     score_weights: jax.Array | None = None
+    decode_pages: int | None = struct.field(pytree_node=False, default=None)
 
 
 class PackedAttention(Capability):

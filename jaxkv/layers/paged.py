@@ -168,6 +168,7 @@ class PagedKVView:
     backend: str = struct.field(pytree_node=False, default=XLA)  # reads the decode tokens (jaxkv.kernels)
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
     sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
+    decode_pages: int | None = struct.field(pytree_node=False, default=None)  # see PackedBatch
 
     @property
     def page_size(self) -> int:
@@ -180,6 +181,15 @@ class PagedKVView:
     @property
     def num_kv_heads(self) -> int:
         return pool_shape(self.key_stack)[slot_and_head_axes(self.layout)[1]]
+
+    @property
+    def decode_columns(self) -> int:
+        """Block-table columns a decode block reads and scores: those holding ``decode_pages``
+        pages (all of them when None)."""
+        columns = self.block_table.shape[1]
+        if self.decode_pages is None:
+            return columns
+        return min(columns, table_width(self.decode_pages * self.page_size, self.page_size))
 
     def gather(self, stack: PageArray, pages: jax.Array) -> jax.Array:
         """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized).
@@ -228,9 +238,11 @@ class PagedKVView:
     def attend(self, queries, q_positions, *, scale: float, logit_softcap=None, block_size=None, query_weights=None):
         """Attention of the packed queries ``[B, H_q, T, D]`` at ``q_positions`` ``[B, T]`` over their
         rows' pages. Returns ``[B, H_q, T, D]``; with ``query_weights`` ``[B, T]``, also the slot
-        mass ``[Z, W * page_size, H_kv]``: for each query block (``query_block_rows``) the
-        attention probability each slot of its row's block table received, summed over the query
-        heads of its K/V head and over the block's queries, query t weighted by ``query_weights``.
+        mass, one ``[Z, C * page_size, H_kv]`` per part of ``query_block_rows`` (the decode blocks
+        over ``decode_columns``, the prefill blocks over all ``W`` columns): for each query block
+        the attention probability each slot of its row's first ``C`` table columns received,
+        summed over the query heads of its K/V head and over the block's queries, query t weighted
+        by ``query_weights``.
 
         The ``B * T`` query tokens (row-major) come from many rows. The first ``decode_tokens``
         come in blocks of ``decode_width`` tokens of one row (single decodes, or a row's token and
@@ -245,25 +257,26 @@ class PagedKVView:
         weights = None if query_weights is None else query_weights.reshape(tokens).astype(jnp.float32)
         single = self.decode_tokens
 
-        def read(start, end, query_block):
+        def read(start, end, query_block, columns):
             rows = self.token_rows[start:end:query_block]
             block_weights = None if weights is None else weights[start:end]
             return self._read_blocks(
-                grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap, block_weights
+                grouped[start:end], positions[start:end], rows, query_block, columns, scale, logit_softcap,
+                block_weights,
             )  # fmt: skip
 
         if single and self.kernel_route(head_dim, slot_mass=weights is not None) is None:
             parts = [self._kernel_decode(grouped[:single], positions[:single], scale, logit_softcap)]
         else:
-            parts = [read(0, single, self.decode_width)] if single else []
+            parts = [read(0, single, self.decode_width, self.decode_columns)] if single else []
         if single < tokens:
-            parts.append(read(single, tokens, QUERY_BLOCK))
+            parts.append(read(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
         outs = [part if weights is None else part[0] for part in parts]
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, H_kv, G, D]
         out = out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)
         if weights is None:
             return out
-        return out, jnp.concatenate([part[1] for part in parts])
+        return out, tuple(part[1] for part in parts)
 
     def kernel_route(self, head_dim: int, slot_mass: bool) -> str | None:
         """Why the decode tokens are read by XLA (``jaxkv.kernels.kernel_route``); None: by the
@@ -286,12 +299,13 @@ class PagedKVView:
         )  # fmt: skip
         return out.reshape(grouped.shape)
 
-    def query_block_rows(self, num_tokens: int) -> jax.Array:
-        """``[Z]``: the row of each query block of ``num_tokens`` packed tokens, in ``attend``'s order."""
+    def query_block_rows(self, num_tokens: int) -> tuple[jax.Array, ...]:
+        """The row of each query block of ``num_tokens`` packed tokens, in ``attend``'s order and
+        parts: ``[Z_decode]`` (if any decode) then ``[Z_prefill]`` (if any prefill)."""
         single = self.decode_tokens
         decodes = [self.token_rows[:single : self.decode_width]] if single else []
         prefills = [self.token_rows[single:num_tokens:QUERY_BLOCK]] if single < num_tokens else []
-        return jnp.concatenate(decodes + prefills)
+        return tuple(decodes + prefills)
 
     def _block_logits(self, block, q, q_positions, rows, scale, logit_softcap):
         """Page block ``block`` of ``rows`` ``[b]`` for query blocks ``q`` ``[b, Q, H_kv, G, D]`` at
@@ -307,16 +321,18 @@ class PagedKVView:
         return logits, jnp.where(jnp.any(mask, axis=1)[:, :, None, None], values, 0)
 
     def _read_blocks(
-        self, grouped: jax.Array, positions: jax.Array, rows: jax.Array, query_block: int, scale: float,
-        logit_softcap: float | None, weights: jax.Array | None = None,
+        self, grouped: jax.Array, positions: jax.Array, rows: jax.Array, query_block: int, columns: int,
+        scale: float, logit_softcap: float | None, weights: jax.Array | None = None,
     ):  # fmt: skip
         """Blocks of ``query_block`` query tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions``
         ``[M]``, block b of row ``rows[b]``, over their rows' pages page block by page block with an
-        online softmax, from the first page block a window reaches to the last filled one.
-        Returns ``[M, H_kv, G, D]`` float32; with query ``weights`` ``[M]``, also the slot mass
-        ``[M / query_block, W * page_size, H_kv]``: each slot's probability from the softmax's max
-        and total, weighted and summed. Decode blocks (fewer than ``QUERY_BLOCK`` queries) keep
-        their logits as they go (``[b, H_kv, G, Q, W * page_size]``: ``G`` times the mass's bytes)
+        online softmax, from the first page block a window reaches to the last filled one, within
+        the table's first ``columns`` (a multiple of ``block_pages``; the caller's promise that
+        the rows' queries see nothing past them). Returns ``[M, H_kv, G, D]`` float32; with query
+        ``weights`` ``[M]``, also the slot mass ``[M / query_block, columns * page_size, H_kv]``:
+        each slot's probability from the softmax's max and total, weighted and summed. Decode
+        blocks (fewer than ``QUERY_BLOCK`` queries) keep their logits as they go
+        (``[b, H_kv, G, Q, columns * page_size]``: ``G`` times the mass's bytes)
         and weigh them once after, instead of gathering and multiplying the pages again; prefill
         blocks would keep ``QUERY_BLOCK`` times that, so they recompute them in a second pass over
         the same page blocks. The mask is ``attention_mask``'s, per query: rows never see each
@@ -325,7 +341,7 @@ class PagedKVView:
         num_blocks = tokens // query_block
         q = grouped.reshape(num_blocks, query_block, num_kv_heads, group, head_dim)
         q_positions = positions.reshape(num_blocks, query_block)
-        span, width = self.block_pages * self.page_size, self.block_table.shape[1] * self.page_size
+        span, width = self.block_pages * self.page_size, columns * self.page_size
         keep = weights is not None and query_block < QUERY_BLOCK
 
         def fold(block, state):
@@ -342,6 +358,7 @@ class PagedKVView:
             return state, jax.lax.dynamic_update_slice_in_dim(carry[1], logits, block * span, axis=4)
 
         first, end = self.block_range(self.query_slots(q_positions, rows).reshape(-1))
+        end = jnp.minimum(end, columns // self.block_pages)
         init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
         if keep:
             blank = jnp.full((num_blocks, num_kv_heads, group, query_block, width), -jnp.inf, jnp.float32)
@@ -515,6 +532,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
             self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
             self.attention_backend, self.layout, self.sharding,
+            packed.decode_pages if self.pool in packed.shifts else None,
         )  # fmt: skip
         if self.slot_scores is None:
             out, _ = read(queries, view, positions, None)
@@ -525,14 +543,17 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         out, mass = read(queries, view, positions, weights)
         return new.replace(slot_scores=self._scored(index, table, view, page, offset, mass)), out
 
-    def _scored(self, index, table, view: PagedKVView, page, offset, mass) -> jax.Array:
-        """``slot_scores`` after a step: the slots written now reset, then each query block's
-        ``mass`` ``[Z, W * page_size, H_kv]`` added at its row's pages."""
+    def _scored(self, index, table, view: PagedKVView, page, offset, masses) -> jax.Array:
+        """``slot_scores`` after a step: the slots written now reset, then each query block's mass
+        (``masses``: per part of ``query_block_rows``, ``[Z, C * page_size, H_kv]``) added at its
+        row's first ``C`` pages."""
         scores = self.slot_scores.at[index, page, offset].set(0.0)
-        rows = view.query_block_rows(page.shape[0])
-        pages = jnp.repeat(table[rows], self.page_size, axis=1)  # [Z, W * page_size]
-        offsets = jnp.broadcast_to(jnp.arange(pages.shape[1]) % self.page_size, pages.shape)
-        return scores.at[index, pages, offsets].add(mass)
+        for rows, mass in zip(view.query_block_rows(page.shape[0]), masses, strict=True):
+            columns = mass.shape[1] // self.page_size
+            pages = jnp.repeat(table[rows, :columns], self.page_size, axis=1)  # [Z, C * page_size]
+            offsets = jnp.broadcast_to(jnp.arange(pages.shape[1]) % self.page_size, pages.shape)
+            scores = scores.at[index, pages, offsets].add(mass)
+        return scores
 
     def _slots(self, table, rows, keys, values, positions, shifts) -> tuple[jax.Array, jax.Array]:
         """Checked inputs: the page and offset each packed token is written to ``[N]`` (slot

@@ -286,6 +286,7 @@ class ModelRunner:
             token_rows, block_tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
             decode_width=width, shifts=shifts, slot_positions=slot_positions,
             score_weights=self._score_weights(positions, prompt_lengths),
+            decode_pages=None if self.budget is None else self.budget.max_pages,
         )  # fmt: skip
         return StepInputs(
             tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, drafts=drafts,

@@ -201,6 +201,36 @@ def test_ragged_reference_reads_a_mixed_step(pools):
     np.testing.assert_allclose(got[:2], expected[chunk:], atol=1e-5, rtol=1e-5)
 
 
+def test_decode_blocks_read_and_score_only_the_budgets_columns():
+    """``decode_pages`` (a page budget): the decode blocks of a mixed step read and weigh only
+    the table's first columns holding that many pages, while a prefill chunk reads the whole
+    width; outputs and slot masses equal the whole-width read's (which holds nothing past them)."""
+    page, num_pages = 16, 48
+    keys, values = jax.random.normal(jax.random.key(3), (2, 1, num_pages, page, HKV, D))
+    tables = np.full((3, table_width(512, page)), NULL_PAGE, np.int32)  # 32 columns: 4 page blocks of 8
+    order = np.random.default_rng(0).permutation(np.arange(1, num_pages))
+    tables[0, :8], tables[1, :5], tables[2, :30] = order[:8], order[8:13], order[13:43]
+    block = 16  # jaxkv.batch.QUERY_BLOCK: row 2's chunk, positions 460..475
+    positions = np.concatenate([[127, 70], np.arange(460, 460 + block)]).astype(np.int32)
+    rows = np.array([0, 1] + [2] * block, np.int32)
+    q = jax.random.normal(jax.random.key(4), (1, HQ, len(rows), D))
+    weights = jax.random.uniform(jax.random.key(5), (1, len(rows)))
+
+    def read(decode_pages):
+        view = PagedKVView(
+            keys, values, 0, jnp.asarray(tables), jnp.asarray(rows), decode_tokens=2, decode_pages=decode_pages
+        )
+        return view.attend(q, jnp.asarray(positions)[None], scale=D**-0.5, query_weights=weights)
+
+    (narrow, (decodes, prefill)), (whole, (decodes_whole, prefill_whole)) = read(8), read(None)
+    assert decodes.shape == (2, 8 * page, HKV) and decodes_whole.shape == (2, 32 * page, HKV)
+    assert prefill.shape == (1, 32 * page, HKV)
+    np.testing.assert_allclose(narrow, whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(decodes, decodes_whole[:, : 8 * page], rtol=1e-6, atol=1e-7)
+    assert not np.any(decodes_whole[:, 8 * page :]) and np.all(np.asarray(decodes).sum(axis=1) > 0)
+    np.testing.assert_array_equal(prefill, prefill_whole)
+
+
 def test_the_kernels_layouts(pools):
     """``heads_major``: a layer's pool as ``[H_kv, P, page, D]``; ``flat_tables``: each (row, K/V head,
     slot) as its row of a flattened 'tokens' stack ``[L * P * page * H_kv, D]``, each (row, K/V head,
