@@ -45,6 +45,7 @@ from jaxkv.protocol import (
     ChunkLimit,
     Eviction,
     Growth,
+    HostMemory,
     KVView,
     LinearState,
     Overflow,
@@ -538,11 +539,8 @@ _PAGED_FIX = "build the cache with paging= (the serving engine's layers)"
 
 
 def _check_offload(spec: LayerSpec, mesh, kv_sources: Sequence[int]) -> None:
-    """``offload`` covers a one-device cache of plain or quantized layers, each storing its own K/V."""
-    other = {
-        "paging": spec.paging, "eviction": spec.eviction, "retrieval": spec.retrieval, "mesh": mesh,
-        "kv_sources": kv_sources or None,
-    }  # fmt: skip
+    """``offload`` covers a one-device cache of plain, quantized or retrieval layers, each storing its own K/V."""
+    other = {"paging": spec.paging, "eviction": spec.eviction, "mesh": mesh, "kv_sources": kv_sources or None}
     given = [name for name, value in other.items() if value is not None]
     if given:
         raise ValueError(
@@ -567,12 +565,22 @@ def _replaced(items: tuple, i: int, item) -> tuple:
     return items[:i] + (item,) + items[i + 1 :]
 
 
+def _in_host_memory(stack: CacheLayer) -> CacheLayer:
+    """An offloaded group's stack with its host leaves (``_host_leaves``) moved there."""
+    if has(stack, HostMemory):
+        return stack.in_host_memory()
+    return moved(stack, _host_leaves(stack), jax.memory.Space.Host)
+
+
 def _shapes(tree) -> list[tuple[int, ...]]:
     return [leaf.shape for leaf in jax.tree.leaves(tree)]
 
 
 def _host_leaves(stack: CacheLayer) -> CacheLayer:
-    """Per leaf of a group: whether it holds K/V, which an offloaded group keeps on the host."""
+    """Per leaf of a group: whether an offloaded group keeps it on the host (its K/V, or what a
+    ``HostMemory`` layer says)."""
+    if has(stack, HostMemory):
+        return stack.host_leaves()
     return kv_leaves(first_entry_shapes(stack).logical_axes())
 
 
@@ -676,7 +684,8 @@ class Cache:
         zeros whose ``out_shardings`` put each device's share there directly.
         ``offload``: keep the K/V of these layers in host memory and bring one layer at a time to
         the device (``jaxkv.offload``): True (full-attention layers), ``"all"``, a layer type, or a
-        list of layer types and indices; not with ``paging``, ``eviction`` or ``mesh``.
+        list of layer types and indices; not with ``paging``, ``eviction`` or ``mesh``. A retrieval
+        layer keeps its K/V there and brings only the pages a query reads (``HostMemory``).
         ``kv_sources``: per layer, the layer whose K/V it attends over (``kv_sources_of``): its own
         index, or an earlier storing layer of its type, whose K/V it reuses with no storage of its
         own; empty: every layer stores its own. ``kv_shapes``: per layer type, its
@@ -944,7 +953,7 @@ class Cache:
         makes XLA copy the whole stack). The last update's fetch wraps to entry 0 and is dropped
         by ``without_prefetch``, which writes its entry back."""
         stack = self.groups[group]
-        if group not in self.offloaded:
+        if group not in self.offloaded or has(stack, HostMemory):  # the latter reads its host memory itself
             stack, result = step(stack, index)
             return self.with_group(group, stack), result
         host = _host_leaves(stack)
@@ -967,7 +976,8 @@ class Cache:
             return self
 
         def first(group: int) -> Prefetch | None:
-            if group not in self.offloaded or len(self.group_layers(group)) == 1:
+            stack = self.groups[group]
+            if group not in self.offloaded or len(self.group_layers(group)) == 1 or has(stack, HostMemory):
                 return None
             window = fetch(self.groups[group], 0, _host_leaves(self.groups[group]))
             return Prefetch(window, window, jnp.int32(0))  # entry 0 "written back" unchanged by the first update
@@ -996,8 +1006,7 @@ class Cache:
             names = sorted({self.layer_types[g] for g in kv_free})
             raise ValueError(f"offload names {names} layers, which hold no K/V to offload (a state stays on device)")
         groups = tuple(g for g in groups if g not in kv_free)
-        host = jax.memory.Space.Host
-        placed = tuple(moved(g, _host_leaves(g), host) if i in groups else g for i, g in enumerate(self.groups))
+        placed = tuple(_in_host_memory(g) if i in groups else g for i, g in enumerate(self.groups))
         return self.replace(groups=placed, offloaded=groups)
 
     def with_page_copies(self, copies: dict) -> Cache:

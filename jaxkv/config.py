@@ -109,8 +109,9 @@ class CacheConfig(Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     quantization: QuantizationConfig | None = None
     retrieval: RetrievalConfig | None = None  # full-attention layers read a budget of pages per query
-    # K/V of these layers in host memory, one layer at a time on the device (jaxkv.offload): true
-    # (full-attention layers), "all", a layer type, or a list of layer types and layer indices.
+    # K/V of these layers in host memory, one layer at a time on the device (jaxkv.offload; retrieval
+    # layers: the pages a query reads): true (full-attention layers), "all", a layer type, or a
+    # list of layer types and layer indices.
     offload: bool | str | list[str | int] | None = None
 
     def quantization_spec(self) -> QuantSpec | None:

@@ -31,11 +31,13 @@ what the copies cost needs an accelerator (``scripts/bench_offload.py``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 
 from jaxkv.protocol import CacheLayer, pytree_class
 from jaxkv.sharding import KV_HEADS, Axes
@@ -152,6 +154,39 @@ def map_entries(fn: Callable[[CacheLayer], CacheLayer], stack: CacheLayer, host:
         return store(out, i, jax.tree.map(lambda leaf: leaf[None], on_device(i, stack)), host)
 
     return jax.lax.fori_loop(0, count, one, empty)
+
+
+def host_rows(stack: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows ``rows`` (int32 ``[...]``, clipped into range) of a host-memory ``stack`` seen as
+    ``[N, D]`` (every axis but the last flattened): ``[..., D]`` on the device. The gather runs in
+    host memory (XLA's host compute), so only the rows taken cross to the device."""
+    found = _in_host_memory(_take_rows, stack, rows.reshape(-1))
+    return jax.device_put(found, jax.memory.Space.Device).reshape(*rows.shape, stack.shape[-1])
+
+
+def host_rows_set(stack: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
+    """A host-memory ``stack`` with rows ``rows`` ``[K]`` of it seen as ``[N, D]`` set to ``new``
+    ``[K, D]`` (a row past ``N``: dropped), written in host memory: only ``new`` crosses."""
+    return _in_host_memory(_set_rows, stack, rows, new.astype(stack.dtype))
+
+
+def _take_rows(stack: jax.Array, rows: jax.Array) -> jax.Array:
+    return jnp.take(stack.reshape(-1, stack.shape[-1]), rows, axis=0, mode="clip")
+
+
+def _set_rows(stack: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
+    return stack.reshape(-1, stack.shape[-1]).at[rows].set(new, mode="drop").reshape(stack.shape)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _in_host_memory(fn: Callable, *args):
+    """``fn(*args)`` computed by XLA in host memory (``compute_on('device_host')``), every argument
+    moved there first (a no-op for one already there); the result stays there. Jitted, so that an
+    eager call traces it as a step does. ``fn`` must create no index constants of its own next to
+    a host argument (JAX places a constant in device memory): ``_take_rows``' clip and
+    ``_set_rows``' drop index with the given rows alone."""
+    args = [jax.device_put(arg, jax.memory.Space.Host) for arg in args]
+    return compute_on("device_host")(jax.jit(fn))(*args)
 
 
 def on_host(leaf: jax.Array) -> bool:

@@ -47,6 +47,8 @@ capability)"); ``WHY_NOT`` lets a layer say why and what to use instead.
 * ``HeldTokens`` and ``Refill``: a source hands its tokens over (``held_entry``), a target
   is filled from a source (``filled_from``): one prefill refilled into many caches
   (``jaxkv.research.observer.refill``).
+* ``HostMemory``: ``in_host_memory`` and ``host_leaves``, a layer that keeps its K/V in host
+  memory and reads only what a step needs from it (page retrieval under ``offload``).
 * ``LinearState``: ``update_state``/``update_state_entry`` (``jaxkv.layers.linear``).
 * ``Overflow``: ``overflowed``, rows written past a fixed capacity under jit.
 * ``ChunkLimit``: ``exact_chunk_lengths``, the longest update that shows every query what
@@ -436,6 +438,23 @@ class HeldTokens(Capability):
         (``filled_from``): keys, values ``[B, H_kv, S, D]`` and positions ``[B, S]`` (-1: empty)."""
 
 
+class HostMemory(Capability):
+    """Keeps its K/V in host memory itself and brings to the device only what a step reads (page
+    retrieval: the chosen pages), so the container places it there once (``Cache.from_config(...,
+    offload=...)``) and never copies the layer to the device whole, as it does an offloaded
+    layer without this capability (``jaxkv.offload``)."""
+
+    ACTION = "read its K/V from host memory"
+
+    @abc.abstractmethod
+    def in_host_memory(self) -> Self:
+        """This stack with its ``host_leaves`` in host memory, its reads and writes done there."""
+
+    @abc.abstractmethod
+    def host_leaves(self) -> Self:
+        """This layer's structure with a bool per leaf: True where it lives in host memory."""
+
+
 class Refill(Capability):
     """Filled from another cache's layer (the target of a refill)."""
 
@@ -557,11 +576,7 @@ class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
         """
         slots = jnp.where(positions >= 0, positions, self.capacity)
         lengths = lengths_after(entry(self.lengths, index), positions)
-        new = self.replace(
-            keys=write_slots(self.keys, index, keys, slots),
-            values=write_slots(self.values, index, values, slots),
-            lengths=self.lengths.at[index].set(lengths),
-        )
+        new = self.stored(index, keys, values, slots).replace(lengths=self.lengths.at[index].set(lengths))
         slot_index = jnp.arange(self.capacity, dtype=jnp.int32)[None, :]
         kv_positions = jnp.where(slot_index < lengths[:, None], slot_index, -1)
         used = jnp.minimum(jnp.max(lengths), self.capacity)
@@ -571,6 +586,13 @@ class PositionalLayer(BatchMajorLayer, HeldTokens, Overflow):
         return new, PositionalView(
             new.keys, new.values, index, mask_info, lengths, self.attention_backend, self.sharding
         )  # fmt: skip
+
+    def stored(self, index, keys, values, slots) -> Self:
+        """This layer with ``keys``/``values`` ``[B, H_kv, T, D]`` written into entry ``index`` at
+        ``slots`` ``[B, T]`` (``write_slots``: one outside ``[0, S)`` dropped)."""
+        return self.replace(
+            keys=write_slots(self.keys, index, keys, slots), values=write_slots(self.values, index, values, slots)
+        )
 
     @property
     def overflowed(self) -> jax.Array:

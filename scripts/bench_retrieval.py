@@ -9,11 +9,14 @@ Model: a Llama with SmolLM2-135M's shapes and random weights (``bench_offload.mo
 measured is the attention's reads, so the weights need not be real), a prompt of ``context`` random
 tokens, ``--new-tokens`` greedy tokens; tok/s over the decode loop only (compile and prefill apart),
 the median of ``--repeats`` runs. Caches: the static full cache, and retrieval of ``--budget`` tokens
-in pages of ``--page-size`` with Quest's min/max bound (sequential pages) and centroids (clustered
-pages). A step's K/V reads are computed: the full cache's K/V, or the budget's K/V and every page's
-summary, per K/V head and layer. ``--attention-only``: instead of the model, one compiled decode
-step of attention alone over every layer's cache (a scan over the stacked layers, SmolLM2's heads,
-random K/V), the median of ``--steps`` steps: what retrieval changes, without the weights' reads.
+with Quest's min/max bound over sequential pages of each of ``--page-sizes`` (16, Quest's, and 4,
+the grid's best) and centroids over clustered pages of the first size; ``--offload``: each also
+with its K/V in host memory (on a CPU both memories are the same RAM: only the copies' overhead
+shows). A step's K/V reads are computed: the full cache's K/V, or the budget's K/V and every
+page's summary, per K/V head and layer. ``--attention-only``: instead of the model, one compiled
+decode step of attention alone over every layer's cache (a scan over the stacked layers,
+SmolLM2's heads, random K/V), the median of ``--steps`` steps: what retrieval changes, without the
+weights' reads.
 """
 
 from __future__ import annotations
@@ -28,13 +31,20 @@ def parse(argv=None):
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096])
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument(
+        "--page-sizes", type=int, nargs="+", default=[16, 4],
+        help="Quest's minmax over sequential pages of each size; the clustered centroid at the first",
+    )  # fmt: skip
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--attention-only", action="store_true", help="time the attention step alone")
+    parser.add_argument(
+        "--offload", action="store_true",
+        help="each cache also with its K/V in host memory (retrieval: the chosen pages cross; full: each layer)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=20)
     return parser.parse_args(argv)
 
@@ -48,7 +58,7 @@ def step_bytes(context: int, spec, layers: int, dtype_bytes: int) -> int:
     return 2 * spec.budget * per_token + rows * (-(-context // spec.page_size)) * per_token
 
 
-def attention_rate(context: int, spec, args) -> float:
+def attention_rate(context: int, spec, args, offload: bool) -> float:
     """Steps per second of one compiled decode step of attention alone over ``args.layers`` layers
     holding ``context`` random tokens (median of ``args.steps``, the first three apart)."""
     import functools
@@ -65,7 +75,7 @@ def attention_rate(context: int, spec, args) -> float:
     dtype = jnp.dtype(args.dtype)
     cache = Cache.from_layer_types(
         ["full_attention"] * args.layers, batch_size=args.batch, num_kv_heads=heads, head_dim=dim, dtype=dtype,
-        max_length=context + args.steps, retrieval=spec, stacked=True,
+        max_length=context + args.steps, retrieval=spec, stacked=True, offload=offload or None,
     )  # fmt: skip
     keys = jax.random.normal(jax.random.key(0), (args.batch, heads, context, dim), dtype)
     positions = cache.next_positions(context)
@@ -98,13 +108,14 @@ def main(argv=None) -> int:
     from jaxkv.layers.retrieval import RetrievalSpec
 
     args = parse(argv)
-    caches = {
-        "full": None,
-        "retrieval minmax, sequential": RetrievalSpec(args.budget, args.page_size),
-        "retrieval centroid, clustered": RetrievalSpec(
-            args.budget, args.page_size, summary="centroid", pages="clustered"
-        ),
-    }
+    specs = {"full": None}
+    for size in args.page_sizes:
+        specs[f"retrieval minmax, sequential pages of {size}"] = RetrievalSpec(args.budget, size)
+    specs[f"retrieval centroid, clustered pages of {args.page_sizes[0]}"] = RetrievalSpec(
+        args.budget, args.page_sizes[0], summary="centroid", pages="clustered"
+    )
+    places = (False, True) if args.offload else (False,)
+    caches = {(f"{name}, host memory" if host else name, host): spec for name, spec in specs.items() for host in places}
     dtype_bytes = np.dtype(args.dtype).itemsize
     what = (
         f"attention alone, median of {args.steps} steps"
@@ -121,12 +132,14 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, args.vocab, size=context).tolist() for _ in range(args.batch)]
         base = None
-        for name, spec in caches.items():
+        for (name, host), spec in caches.items():
             options = {"max_length": context + args.new_tokens}
             if spec is not None:
                 options["retrieval"] = spec
+            if host:
+                options["offload"] = True
             if args.attention_only:
-                rate = args.batch * attention_rate(context, spec, args)
+                rate = args.batch * attention_rate(context, spec, args, host)
             else:
                 rate, _ = decode_rate(model, prompts, args, **options)
             base = base or rate

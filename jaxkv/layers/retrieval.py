@@ -1,8 +1,9 @@
 """Page retrieval attention (Quest, IceCache): every token kept, each query reads a budget of pages.
 
 ``RetrievalLayer`` stores every token as ``StaticLayer`` does (slot ``p`` holds position ``p``,
-``[B, H_kv, S_max, D]``, on the device: host-memory pages are not implemented yet) and keeps one
-summary per page of ``page_size`` tokens and K/V head (``[B, H_kv, P, C, D]``):
+``[B, H_kv, S_max, D]``; in host memory under the container's ``offload``, IceCache's placement:
+``PageRetrieval.host``) and keeps one summary per page of ``page_size`` tokens and K/V head
+(``[B, H_kv, P, C, D]``, on the device):
 
 * ``minmax`` (Quest): the element-wise minimum and maximum of the page's keys (C = 2). For a query
   q, ``sum_d max(q_d * min_d, q_d * max_d)`` bounds ``q . k`` of every key of the page from above.
@@ -37,15 +38,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from collections.abc import Callable
 from typing import Self
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxkv.offload import fetch, host_rows, host_rows_set, moved, store
 from jaxkv.protocol import (
     KV_AXES,
     DepthBudgets,
+    HostMemory,
     KVView,
     MaskInfo,
     PositionalLayer,
@@ -130,12 +135,19 @@ def _whole_pages(max_length: int, page_size: int) -> int:
 
 
 @pytree_class
-class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
+class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
     """What the retrieval layers share: every token's K/V, page summaries, the update and its view.
     Subclasses say which position each slot holds (``held_positions``) and may rearrange the slots
     after an update (``arranged``). An entry among the model's first ``spec.dense_layers`` layers
     (``dense``, set by ``for_layers`` when the container stacks the layers) reads every token: one
-    stacked kind, so a model's scan over its layers stays one scan."""
+    stacked kind, so a model's scan over its layers stays one scan.
+
+    ``host`` (``in_host_memory``, the container's ``offload``): ``keys`` and ``values`` live in host
+    memory, everything else on the device. An update writes its tokens there and reads back only
+    the keys of the pages it summarizes; a query reads only its pages, gathered in host memory
+    (XLA's host compute) and copied over; what reads every token (a dense prefill, a dense layer, a
+    long update's masked read, a clustered layer's reordering, a refill) copies the layer's entry
+    to the device first."""
 
     keys: jax.Array  # [B, H_kv, S_max, D], S_max a multiple of page_size
     values: jax.Array  # [B, H_kv, S_max, D]
@@ -143,6 +155,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
     lengths: jax.Array  # [B] int32
     dense: jax.Array  # [B] bool, equal in every row: this layer reads every token (``RetrievalSpec.dense_layers``)
     spec: RetrievalSpec = struct.field(pytree_node=False)
+    host: bool = struct.field(pytree_node=False)  # keys and values in host memory (``in_host_memory``)
 
     MEMORY_FORMULA = "2·B·S_max·H_kv·D·bytes + C·B·(S_max/page)·H_kv·D·bytes + 5·B; C = 2 (minmax) or 1 (centroid)"
 
@@ -157,7 +170,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
         return cls(
             keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), summaries=jnp.zeros(pages, dtype),
             lengths=jnp.zeros((batch_size,), jnp.int32), dense=jnp.zeros((batch_size,), bool), spec=spec,
-            **cls.empty_order(batch_size, num_kv_heads, slots, head_dim, spec),
+            host=False, **cls.empty_order(batch_size, num_kv_heads, slots, head_dim, spec),
         )  # fmt: skip
 
     @staticmethod
@@ -204,10 +217,46 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
 
     def held_entry(self, index):
         """Entry ``index``'s tokens in position order (``HeldTokens``; the same order in every head)."""
+        if self.host:
+            return fetch(self, index, self.host_leaves()).replace(host=False).held_entry(0)
         positions = self.kv_positions(index)
         order = jnp.argsort(jnp.where(positions < 0, jnp.iinfo(jnp.int32).max, positions), axis=-1)
         take = lambda x: jnp.take_along_axis(entry(x, index), order[..., None], axis=2)
         return take(self.keys), take(self.values), jnp.take_along_axis(positions, order, axis=-1)[:, 0]
+
+    # --- host memory (``HostMemory``) ------------------------------------------------------------
+    def in_host_memory(self) -> Self:
+        layer = self.replace(host=True)
+        return moved(layer, layer.host_leaves(), jax.memory.Space.Host)
+
+    def host_leaves(self) -> Self:
+        """``keys`` and ``values``: the summaries and the slot bookkeeping stay on the device, where
+        every query reads them."""
+        return jax.tree.map(lambda _: False, self).replace(keys=True, values=True)
+
+    def stored(self, index, keys, values, slots) -> Self:
+        """``PositionalLayer.stored``; in host memory, a scatter there of the new tokens alone."""
+        if not self.host:
+            return super().stored(index, keys, values, slots)
+        batch, heads = keys.shape[:2]
+        rows = _flat_rows(
+            self.keys.shape, index, jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None], slots[:, None]
+        ).reshape(-1)  # [B * H_kv * T]
+        put = lambda stack, new: host_rows_set(stack, rows, new.reshape(rows.shape[0], new.shape[-1]))
+        return self.replace(keys=put(self.keys, keys), values=put(self.values, values))
+
+    def through_device(self, index, fn: Callable[[Self], Self]) -> Self:
+        """``fn`` (a one-entry stack on the device -> the same) applied to entry ``index`` of a
+        host-memory layer: the entry copied to the device, and back after."""
+        mask = self.host_leaves()
+        return store(self, index, fn(fetch(self, index, mask).replace(host=False)).replace(host=True), mask)
+
+    def filled_from(self, source, layer_indices: list[int], num_layers: int) -> Self:
+        """``Refill.filled_from``; in host memory, filled on the device, then moved there."""
+        if not self.host:
+            return super().filled_from(source, layer_indices, num_layers)
+        device = moved(self, self.host_leaves(), jax.memory.Space.Device).replace(host=False)
+        return device.filled_from(source, layer_indices, num_layers).in_host_memory()
 
     def arranged(self, index, num_new: int) -> Self:
         """Entry ``index`` after an update of ``num_new`` tokens per row, its slots rearranged (here: as written)."""
@@ -230,7 +279,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
         mask_info = MaskInfo(new.kv_positions(index), slots_used=view.mask_info.slots_used)
         summaries = entry(new.summaries, index)
         dense = entry(self.dense, index)[0]
-        view = RetrievalView(view.key_stack, view.value_stack, index, mask_info, summaries, dense, self.spec)
+        view = RetrievalView(view.key_stack, view.value_stack, index, mask_info, summaries, dense, self.spec, self.host)
         return new.arranged(index, positions.shape[1]), view
 
     def summarized(self, index, old_lengths: jax.Array, num_new: int) -> Self:
@@ -242,7 +291,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
         pages = old_lengths[:, None] // page + jnp.arange(count, dtype=jnp.int32)  # [B, n]
         slots = pages[:, :, None] * page + jnp.arange(page, dtype=jnp.int32)  # [B, n, page]
         rows = jnp.arange(lengths.shape[0])[:, None, None]
-        page_keys = self.keys[index, rows, :, jnp.minimum(slots, self.capacity - 1)]  # [B, n, page, H_kv, D]
+        page_keys = self.slot_keys(index, jnp.minimum(slots, self.capacity - 1))  # [B, n, page, H_kv, D]
         filled = (slots < lengths[:, None, None])[..., None, None]
         summary = _summary(self.spec.summary, page_keys.astype(jnp.float32), filled)  # [B, n, H_kv, C, D]
         written = jnp.where(pages * page < lengths[:, None], pages, num_pages)  # a page with no token: dropped
@@ -250,6 +299,24 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill):
             summary.astype(self.summaries.dtype), mode="drop"
         )
         return self.replace(summaries=stored)
+
+    def slot_keys(self, index, slots: jax.Array) -> jax.Array:
+        """The keys ``[B, n, page, H_kv, D]`` at ``slots`` ``[B, n, page]`` (in range) of entry
+        ``index``; in host memory, only those cross to the device."""
+        rows = jnp.arange(slots.shape[0])[:, None, None]
+        if not self.host:
+            return self.keys[index, rows, :, slots]
+        heads = jnp.arange(self.keys.shape[2])
+        return host_rows(self.keys, _flat_rows(self.keys.shape, index, rows[..., None], heads, slots[..., None]))
+
+
+def _flat_rows(shape: tuple[int, ...], index, rows: jax.Array, heads: jax.Array, slots: jax.Array) -> jax.Array:
+    """The row numbers of ``slots`` of ``rows`` and ``heads`` (broadcast together) in entry ``index``
+    of a stack of ``shape`` ``[L, B, H_kv, S, D]`` seen as ``[L * B * H_kv * S, D]`` (a slot outside
+    ``[0, S)``: past the end)."""
+    _, batch, num_heads, num_slots, _ = shape
+    flat = ((index * batch + rows) * num_heads + heads) * num_slots + slots
+    return jnp.where((slots >= 0) & (slots < num_slots), flat, math.prod(shape[:-1])).astype(jnp.int32)
 
 
 @pytree_class
@@ -322,6 +389,8 @@ class ClusteredRetrievalLayer(PageRetrieval):
     def arranged(self, index, num_new: int) -> ClusteredRetrievalLayer:
         """Entry ``index`` after an update of ``num_new`` tokens per row: more than ``page_size``, its
         pages clustered afresh; fewer, the page that left the recent pages (if one did) folded in."""
+        if self.host:
+            return self._arranged_on_device(index, num_new)
         if num_new <= self.spec.page_size:
             return self.folded(index)
         lengths = entry(self.lengths, index)
@@ -331,6 +400,15 @@ class ClusteredRetrievalLayer(PageRetrieval):
         labels, centroids = _kmeans(keys, member, start, cut, self.centroids.shape[-2])
         layer = self.replace(centroids=self.centroids.at[index].set(centroids))
         return layer.laid_out(index, labels, cut, jnp.ones_like(lengths, bool))
+
+    def _arranged_on_device(self, index, num_new: int) -> ClusteredRetrievalLayer:
+        """``arranged`` of a host-memory layer: its entry through the device (``through_device``),
+        after a short update only when a page left the recent pages (``folded``'s condition)."""
+        rearrange = lambda layer: layer.through_device(index, lambda window: window.arranged(0, num_new))
+        if num_new > self.spec.page_size:
+            return rearrange(self)
+        moved_on = self.cut(entry(self.lengths, index)) > entry(self.clustered, index)
+        return jax.lax.cond(jnp.any(moved_on), rearrange, lambda layer: layer, self)
 
     def folded(self, index) -> ClusteredRetrievalLayer:
         """Entry ``index`` with the page that left the recent pages in a short update (at most one
@@ -472,6 +550,19 @@ class RetrievalView(KVView):
     summaries: jax.Array  # [B, H_kv, P, C, D]
     dense: jax.Array  # [] bool: every query reads every token (a layer among ``spec.dense_layers``)
     spec: RetrievalSpec = struct.field(pytree_node=False)
+    host: bool = struct.field(pytree_node=False, default=False)  # the stacks in host memory (``PageRetrieval.host``)
+
+    def on_device(self) -> RetrievalView:
+        """This view with its entry on the device (itself when it is there): what a read of every
+        token takes."""
+        if not self.host:
+            return self
+        fetched = lambda stack: jax.device_put(
+            jax.lax.dynamic_slice_in_dim(stack, self.index, 1, axis=0), jax.memory.Space.Device
+        )
+        return self.replace(
+            key_stack=fetched(self.key_stack), value_stack=fetched(self.value_stack), index=0, host=False
+        )
 
     def pages(self, queries: jax.Array, q_positions: jax.Array) -> jax.Array:
         """The pages ``[B, H_kv, T, A]`` (-1: none) that ``queries`` ``[B, H_q, T, D]`` at ``q_positions``
@@ -491,7 +582,7 @@ class RetrievalView(KVView):
                 "serve an evicting layer's scores"
             )
         options = {"q_positions": q_positions, "scale": scale, "logit_softcap": logit_softcap, "block_size": block_size}
-        dense = functools.partial(super().attend, **options)
+        dense = lambda queries: KVView.attend(self.on_device(), queries, **options)
         if self.spec.prefill == "dense" and queries.shape[2] > self.spec.page_size:
             return dense(queries)
         if self.spec.dense_layers == 0:
@@ -506,7 +597,7 @@ class RetrievalView(KVView):
         if length * pages.shape[-1] * self.spec.page_size < self.shape[2]:
             out, total = read.gathered(self, pages)
         else:
-            out, total = read.masked(self, pages, block_size or attention_block_size(self.shape[2]))
+            out, total = read.masked(self.on_device(), pages, block_size or attention_block_size(self.shape[2]))
         out = out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
         return out.reshape(batch, num_heads, length, head_dim).astype(queries.dtype)
 
@@ -553,12 +644,16 @@ class _Read:
         head = jnp.arange(heads)[None, :, None, None]
         safe = jnp.maximum(pages, 0)
 
+        slots = safe[..., None] * page + jnp.arange(page, dtype=jnp.int32)  # [B, H_kv, T, A, page]
+
         def gather(stack: jax.Array) -> jax.Array:  # [L, B, H_kv, S, D] -> [B, H_kv, T, A * page, D]
+            if view.host:  # the chosen pages alone cross to the device
+                found = host_rows(stack, _flat_rows(stack.shape, view.index, rows[..., None], head[..., None], slots))
+                return found.reshape(batch, heads, length, count * page, -1)
             paged = stack.reshape(*stack.shape[:3], stack.shape[3] // page, page, stack.shape[4])
             return paged[view.index, rows, head, safe].reshape(batch, heads, length, count * page, -1)
 
         keys, values = gather(view.key_stack), gather(view.value_stack)
-        slots = safe[..., None] * page + jnp.arange(page, dtype=jnp.int32)  # [B, H_kv, T, A, page]
         held = view.mask_info.kv_positions[rows[..., None], head[..., None], slots]  # -1 past the row's length
         kv_positions = jnp.where(pages[..., None] >= 0, held, -1).reshape(batch, heads, length, count * page)
         raw = jnp.einsum("bhgtd,bhtsd->bhgts", self.grouped, keys, preferred_element_type=jnp.float32)

@@ -47,10 +47,11 @@ def feed(cache, q, k, v, positions):
     return cached_attention(cache, 0, q, k, v, positions)
 
 
-def layer_cache(spec: RetrievalSpec | None, batch: int = B) -> Cache:
+def layer_cache(spec: RetrievalSpec | None, batch: int = B, **options) -> Cache:
     return Cache.from_layer_types(
-        ["full_attention"], batch_size=batch, num_kv_heads=H_KV, head_dim=D, max_length=CAPACITY, retrieval=spec
-    )
+        ["full_attention"], batch_size=batch, num_kv_heads=H_KV, head_dim=D, max_length=CAPACITY, retrieval=spec,
+        **options,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -64,10 +65,11 @@ def inputs(seed: int = 0):
     return q, k, v, positions
 
 
-def run(spec, sizes) -> tuple[np.ndarray, Cache]:
-    """Every update's outputs ``[B, H_q, LENGTH, D]`` (zeros at padding), fed in chunks of ``sizes``, and the cache."""
+def run(spec, sizes, **options) -> tuple[np.ndarray, Cache]:
+    """Every update's outputs ``[B, H_q, LENGTH, D]`` (zeros at padding), fed in chunks of ``sizes``, and
+    the cache (built with ``options``)."""
     q, k, v, positions = inputs()
-    cache, outs, start = layer_cache(spec), [], 0
+    cache, outs, start = layer_cache(spec, **options), [], 0
     for size in sizes:
         part = slice(start, start + size)
         cache, out = feed(cache, q[:, :, part], k[:, :, part], v[:, :, part], positions[:, part])
@@ -274,6 +276,76 @@ def test_a_refill_from_an_observed_prefill_equals_feeding_the_tokens():
     jax.tree.map(np.testing.assert_array_equal, jax.jit(refill)(observed, layer_cache(spec)), direct)
 
 
+# --- host memory (offload) ----------------------------------------------------------------------
+HOST_SPECS = {
+    "sequential minmax": SMALL["minmax"],
+    "sequential, dense prefill": RetrievalSpec(16, PAGE, prefill="dense"),
+    "clustered centroid": RetrievalSpec(16, PAGE, summary="centroid", pages="clustered"),
+}
+
+
+def memory_kinds(layer) -> dict[str, str]:
+    return {field: getattr(layer, field).sharding.memory_kind for field in ("keys", "values", "summaries", "lengths")}
+
+
+@pytest.mark.parametrize("name", sorted(HOST_SPECS))
+def test_host_memory_pages_equal_device_pages(name):
+    """``offload=True``: keys and values live in host memory (``pinned_host``), the summaries and
+    lengths on the device, before and after updates in random chunks (ragged rows, under jit:
+    decode steps gather their pages there, longer updates read the entry on the device; clustered
+    pages are reordered and folded through the device); every output and every leaf equals the
+    device cache's."""
+    spec = HOST_SPECS[name]
+    sizes = chunk_sizes(4)
+    host = {"keys": "pinned_host", "values": "pinned_host", "summaries": "device", "lengths": "device"}
+    assert memory_kinds(layer_cache(spec, offload=True).groups[0]) == host
+    (want, device), (got, offloaded) = run(spec, sizes), run(spec, sizes, offload=True)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+    assert memory_kinds(offloaded.groups[0]) == host and offloaded.offloaded == (0,)
+    for got_leaf, want_leaf in zip(
+        jax.tree.leaves(offloaded.groups[0]), jax.tree.leaves(device.groups[0]), strict=True
+    ):
+        np.testing.assert_allclose(got_leaf, want_leaf, atol=1e-6)
+
+
+def test_host_memory_pages_roll_back_reorder_and_refill():
+    """A rollback, a reorder and a refill of a host-memory cache give the device cache's leaves,
+    and keep the keys and values in host memory."""
+    spec = SMALL["minmax"]
+    q, k, v, positions = inputs(0)
+    filled = {}
+    for offload in (None, True):
+        cache, _ = feed(layer_cache(spec, offload=offload), q[:, :, :30], k[:, :, :30], v[:, :, :30], positions[:, :30])
+        filled[offload] = cache.rollback(6).reorder(jnp.asarray([1, 0]))
+    observed = Cache.from_layer_types(
+        ["full_attention"], batch_size=B, num_kv_heads=H_KV, head_dim=D, max_length=CAPACITY, layer_builder=Observer()
+    )
+    observed, _ = feed(observed, q, k, v, positions)
+    refilled = {offload: refill(observed, layer_cache(spec, offload=offload)) for offload in (None, True)}
+    for results in (filled, refilled):
+        assert memory_kinds(results[True].groups[0])["keys"] == "pinned_host"
+        for got, want in zip(jax.tree.leaves(results[True].groups[0]), jax.tree.leaves(results[None].groups[0])):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_a_host_memory_decode_step_copies_no_whole_layer():
+    """The compiled decode step of a host-memory layer (the cache donated, as ``generate``'s loop
+    donates it) holds the layer's keys and values ``[1, B, H_kv, S, D]`` only as its parameters,
+    its output and views of the in-place scatter of the new token: nothing copies the layer
+    whole to the device (the offload of a plain layer fetches its entry each step)."""
+    q, k, v, positions = inputs(0)
+    cache, _ = feed(
+        layer_cache(SMALL["minmax"], offload=True), q[:, :, :30], k[:, :, :30], v[:, :, :30], positions[:, :30]
+    )
+    step = jax.jit(lambda cache, *update: cached_attention(cache, 0, *update), donate_argnums=0)
+    update = (q[:, :, 30:31], k[:, :, 30:31], v[:, :, 30:31], positions[:, 30:31])
+    text = step.lower(cache, *update).compile().as_text()
+    entry_hlo = text[text.index("\nENTRY ") :]
+    whole = [line.strip() for line in entry_hlo.splitlines() if f"= f32[1,{B},{H_KV},{CAPACITY},{D}]" in line]
+    assert len(whole) >= 2 and all(" parameter(" in line or " bitcast(" in line for line in whole), whole
+    assert '_xla_compute_type="host"' in entry_hlo
+
+
 # --- models -------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnums=0)
 def forward(graphdef, state, tokens, positions, cache):
@@ -316,6 +388,26 @@ def test_models_at_a_budget_covering_the_context_equal_the_full_cache(family, pa
     np.testing.assert_array_equal(
         generate(model, prompts, max_new_tokens=8, max_length=32, retrieval=spec).tokens, greedy
     )
+
+
+@pytest.mark.parametrize("family, pages", [("llama", "sequential"), ("gemma3", "clustered")])
+def test_models_retrieve_from_host_memory_as_from_the_device(family, pages):
+    """``offload=True`` with retrieval in ``generate``: a tiny Llama and Gemma 3 (its global layers'
+    K/V in host memory, the sliding rings on the device) at a budget of 8 tokens over prompts of 13
+    and 6 draw the tokens the device cache draws."""
+    model = (
+        Llama(LlamaConfig(**TINY_LLAMA), seed=0) if family == "llama" else Gemma3(Gemma3Config(**TINY_GEMMA), seed=0)
+    )
+    spec = RetrievalSpec(budget=8, page_size=PAGE, pages=pages)
+    tokens = np.random.default_rng(1).integers(1, TINY_LLAMA["vocab_size"], size=13)
+    prompts = [tokens.tolist(), tokens[:6].tolist()]
+    options = dict(max_new_tokens=12, max_length=32, retrieval=spec)
+    device, host = generate(model, prompts, **options), generate(model, prompts, **options, offload=True)
+    np.testing.assert_array_equal(host.tokens, device.tokens)
+    global_group = len(host.cache.groups) - 1  # Llama: its one group; Gemma 3: the global layers'
+    assert host.cache.offloaded == (global_group,)
+    assert memory_kinds(host.cache.groups[global_group])["keys"] == "pinned_host"
+    assert not np.array_equal(device.tokens, generate(model, prompts, max_new_tokens=12).tokens)
 
 
 # --- configuration and errors --------------------------------------------------------------------
@@ -375,8 +467,6 @@ def test_build_errors_name_the_fix():
         Cache.from_layer_types(["full_attention"], max_length=8, eviction=EvictionSpec("h2o", budget=4), **options)
     with pytest.raises(ValueError, match="pass max_length"):
         Cache.from_layer_types(["full_attention"], full_attention="dynamic", **options)
-    with pytest.raises(ValueError, match="offload .* does not combine with retrieval"):
-        Cache.from_layer_types(["full_attention"], max_length=8, offload=True, **options)
     with pytest.raises(ValueError, match="dense_layers must be below the model's 2 layers"):
         dense = dataclasses.replace(spec, dense_layers=2)
         Cache.from_layer_types(["full_attention"] * 2, max_length=8, **(options | {"retrieval": dense}))
