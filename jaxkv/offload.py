@@ -156,26 +156,28 @@ def map_entries(fn: Callable[[CacheLayer], CacheLayer], stack: CacheLayer, host:
     return jax.lax.fori_loop(0, count, one, empty)
 
 
-def host_rows(stack: jax.Array, rows: jax.Array) -> jax.Array:
-    """Rows ``rows`` (int32 ``[...]``, clipped into range) of a host-memory ``stack`` seen as
-    ``[N, D]`` (every axis but the last flattened): ``[..., D]`` on the device. The gather runs in
-    host memory (XLA's host compute), so only the rows taken cross to the device."""
-    found = _in_host_memory(_take_rows, stack, rows.reshape(-1))
-    return jax.device_put(found, jax.memory.Space.Device).reshape(*rows.shape, stack.shape[-1])
+def host_rows(stack: jax.Array, coords: jax.Array) -> jax.Array:
+    """The vectors ``stack[c_0, ..., c_{n-2}]`` of a host-memory ``stack`` ``[..., D]`` at each of
+    ``coords`` ``[..., n - 1]`` (int32, clipped into range): ``[..., D]`` on the device. The gather
+    runs in host memory (XLA's host compute), so only the rows taken cross to the device."""
+    flat = jnp.clip(coords.reshape(-1, coords.shape[-1]), 0, jnp.asarray(stack.shape[:-1]) - 1)
+    found = _in_host_memory(_take_rows, stack, flat)
+    return jax.device_put(found, jax.memory.Space.Device).reshape(*coords.shape[:-1], stack.shape[-1])
 
 
-def host_rows_set(stack: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
-    """A host-memory ``stack`` with rows ``rows`` ``[K]`` of it seen as ``[N, D]`` set to ``new``
-    ``[K, D]`` (a row past ``N``: dropped), written in host memory: only ``new`` crosses."""
-    return _in_host_memory(_set_rows, stack, rows, new.astype(stack.dtype))
+def host_rows_set(stack: jax.Array, coords: jax.Array, new: jax.Array) -> jax.Array:
+    """A host-memory ``stack`` ``[..., D]`` with the vectors at ``coords`` ``[K, n - 1]`` set to
+    ``new`` ``[K, D]`` (a coordinate out of range: dropped), written in host memory: only ``new``
+    crosses."""
+    return _in_host_memory(_set_rows, stack, coords, new.astype(stack.dtype))
 
 
-def _take_rows(stack: jax.Array, rows: jax.Array) -> jax.Array:
-    return jnp.take(stack.reshape(-1, stack.shape[-1]), rows, axis=0, mode="clip")
+def _take_rows(stack: jax.Array, coords: jax.Array) -> jax.Array:
+    return stack.at[tuple(coords.T)].get(mode="promise_in_bounds")
 
 
-def _set_rows(stack: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
-    return stack.reshape(-1, stack.shape[-1]).at[rows].set(new, mode="drop").reshape(stack.shape)
+def _set_rows(stack: jax.Array, coords: jax.Array, new: jax.Array) -> jax.Array:
+    return stack.at[tuple(coords.T)].set(new, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Self
 
@@ -239,10 +238,9 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
         if not self.host:
             return super().stored(index, keys, values, slots)
         batch, heads = keys.shape[:2]
-        rows = _flat_rows(
-            self.keys.shape, index, jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None], slots[:, None]
-        ).reshape(-1)  # [B * H_kv * T]
-        put = lambda stack, new: host_rows_set(stack, rows, new.reshape(rows.shape[0], new.shape[-1]))
+        coords = _coords(index, jnp.arange(batch)[:, None, None], jnp.arange(heads)[None, :, None], slots[:, None])
+        coords = coords.reshape(-1, 4)  # [B * H_kv * T, 4]; a slot past the buffer is dropped
+        put = lambda stack, new: host_rows_set(stack, coords, new.reshape(coords.shape[0], new.shape[-1]))
         return self.replace(keys=put(self.keys, keys), values=put(self.values, values))
 
     def through_device(self, index, fn: Callable[[Self], Self]) -> Self:
@@ -259,7 +257,11 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
         return device.filled_from(source, layer_indices, num_layers).in_host_memory()
 
     def arranged(self, index, num_new: int) -> Self:
-        """Entry ``index`` after an update of ``num_new`` tokens per row, its slots rearranged (here: as written)."""
+        """Entry ``index`` after an update of ``num_new`` tokens per row, its slots rearranged (here:
+        as written). A short update's (at most ``page_size`` tokens per row: a decode step) is
+        rearranged before its queries read (``update_entry``), so the step reads and carries one
+        buffer (reading the slots as written and carrying the rearranged ones would make XLA copy
+        the whole stack at every step); a longer update's queries read the slots as written."""
         return self
 
     def logical_axes(self):
@@ -275,12 +277,16 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
         check_capacity(self, positions, self.capacity)
         old_lengths = entry(self.lengths, index)
         new, view = self.write(index, keys, values, positions)
-        new = new.summarized(index, old_lengths, positions.shape[1])
+        num_new = positions.shape[1]
+        new = new.summarized(index, old_lengths, num_new)
+        short = num_new <= self.spec.page_size
+        if short:
+            new = new.arranged(index, num_new)
         mask_info = MaskInfo(new.kv_positions(index), slots_used=view.mask_info.slots_used)
         summaries = entry(new.summaries, index)
         dense = entry(self.dense, index)[0]
-        view = RetrievalView(view.key_stack, view.value_stack, index, mask_info, summaries, dense, self.spec, self.host)
-        return new.arranged(index, positions.shape[1]), view
+        view = RetrievalView(new.keys, new.values, index, mask_info, summaries, dense, self.spec, self.host)
+        return (new if short else new.arranged(index, num_new)), view
 
     def summarized(self, index, old_lengths: jax.Array, num_new: int) -> Self:
         """Entry ``index`` with the summaries of the pages an update of ``num_new`` tokens per row
@@ -307,16 +313,14 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
         if not self.host:
             return self.keys[index, rows, :, slots]
         heads = jnp.arange(self.keys.shape[2])
-        return host_rows(self.keys, _flat_rows(self.keys.shape, index, rows[..., None], heads, slots[..., None]))
+        return host_rows(self.keys, _coords(index, rows[..., None], heads, slots[..., None]))
 
 
-def _flat_rows(shape: tuple[int, ...], index, rows: jax.Array, heads: jax.Array, slots: jax.Array) -> jax.Array:
-    """The row numbers of ``slots`` of ``rows`` and ``heads`` (broadcast together) in entry ``index``
-    of a stack of ``shape`` ``[L, B, H_kv, S, D]`` seen as ``[L * B * H_kv * S, D]`` (a slot outside
-    ``[0, S)``: past the end)."""
-    _, batch, num_heads, num_slots, _ = shape
-    flat = ((index * batch + rows) * num_heads + heads) * num_slots + slots
-    return jnp.where((slots >= 0) & (slots < num_slots), flat, math.prod(shape[:-1])).astype(jnp.int32)
+def _coords(index, rows: jax.Array, heads: jax.Array, slots: jax.Array) -> jax.Array:
+    """``[..., 4]`` int32: the coordinates ``(index, row, head, slot)`` in a stack ``[L, B, H_kv, S, D]``
+    of ``slots`` of ``rows`` and ``heads`` (broadcast together)."""
+    parts = jnp.broadcast_arrays(jnp.asarray(index, jnp.int32), rows, heads, slots)
+    return jnp.stack([part.astype(jnp.int32) for part in parts], axis=-1)
 
 
 @pytree_class
@@ -648,7 +652,7 @@ class _Read:
 
         def gather(stack: jax.Array) -> jax.Array:  # [L, B, H_kv, S, D] -> [B, H_kv, T, A * page, D]
             if view.host:  # the chosen pages alone cross to the device
-                found = host_rows(stack, _flat_rows(stack.shape, view.index, rows[..., None], head[..., None], slots))
+                found = host_rows(stack, _coords(view.index, rows[..., None], head[..., None], slots))
                 return found.reshape(batch, heads, length, count * page, -1)
             paged = stack.reshape(*stack.shape[:3], stack.shape[3] // page, page, stack.shape[4])
             return paged[view.index, rows, head, safe].reshape(batch, heads, length, count * page, -1)

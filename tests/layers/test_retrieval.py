@@ -156,10 +156,11 @@ def test_a_small_budget_reads_the_pages_numpy_chooses_at_any_chunking(summary):
 def test_clustered_pages_keep_positions_with_keys_and_queries_read_the_pages_numpy_chooses():
     """A prefill of 24 tokens (one update) attends over sequential pages, then its pages 1-5 are
     reordered by cluster per K/V head, each key keeping its position. Each of the 16 decode steps
-    after it reads the pages NumPy chooses from the layout before the step; a page leaving the recent
-    page is folded into the clusters (row 0's pages 6-8; ragged row 1, past its 27 tokens, moves
-    none): its tokens join their nearest centroids and the slots are laid out cluster by cluster,
-    in position order within one. No rollback; a refill gets the tokens in order."""
+    after it reads the pages NumPy chooses from the layout it leaves: a page leaving the recent
+    page is folded into the clusters before the step's query reads (row 0's pages 6-8; ragged row
+    1, past its 27 tokens, moves none): its tokens join their nearest centroids and the slots are
+    laid out cluster by cluster, in position order within one. No rollback; a refill gets the
+    tokens in order."""
     spec = RetrievalSpec(16, PAGE, pages="clustered")
     q, k, v, positions = inputs()
     k_np, v_np = np.asarray(k), np.asarray(v)
@@ -168,10 +169,10 @@ def test_clustered_pages_keep_positions_with_keys_and_queries_read_the_pages_num
     np.testing.assert_allclose(np.where(live[:, :, :24], out, 0), numpy_retrieval(spec, times=range(24))[:, :, :24],
                                atol=1e-5, rtol=1e-5)  # fmt: skip
     for t in range(24, LENGTH):
-        held = np.asarray(cache.groups[0].held_positions(0))  # [B, H_kv, S] before the step
+        cache, out = feed(cache, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], positions[:, t : t + 1])
+        held = np.asarray(cache.groups[0].held_positions(0))  # [B, H_kv, S]: what the step read, its fold done
         at = np.minimum(held, LENGTH - 1)[..., None]
         keys, values = np.take_along_axis(k_np, at, axis=2), np.take_along_axis(v_np, at, axis=2)
-        cache, out = feed(cache, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], positions[:, t : t + 1])
         want = numpy_retrieval(spec, keys, values, held, times=[t])[:, :, t : t + 1]
         np.testing.assert_allclose(np.where(live[:, :, t : t + 1], out, 0), want, atol=1e-5, rtol=1e-5)
     stack = cache.groups[0]
@@ -328,22 +329,34 @@ def test_host_memory_pages_roll_back_reorder_and_refill():
             np.testing.assert_array_equal(got, want)
 
 
-def test_a_host_memory_decode_step_copies_no_whole_layer():
-    """The compiled decode step of a host-memory layer (the cache donated, as ``generate``'s loop
-    donates it) holds the layer's keys and values ``[1, B, H_kv, S, D]`` only as its parameters,
-    its output and views of the in-place scatter of the new token: nothing copies the layer
-    whole to the device (the offload of a plain layer fetches its entry each step)."""
-    q, k, v, positions = inputs(0)
-    cache, _ = feed(
-        layer_cache(SMALL["minmax"], offload=True), q[:, :, :30], k[:, :, :30], v[:, :, :30], positions[:, :30]
-    )
-    step = jax.jit(lambda cache, *update: cached_attention(cache, 0, *update), donate_argnums=0)
-    update = (q[:, :, 30:31], k[:, :, 30:31], v[:, :, 30:31], positions[:, 30:31])
-    text = step.lower(cache, *update).compile().as_text()
-    entry_hlo = text[text.index("\nENTRY ") :]
-    whole = [line.strip() for line in entry_hlo.splitlines() if f"= f32[1,{B},{H_KV},{CAPACITY},{D}]" in line]
-    assert len(whole) >= 2 and all(" parameter(" in line or " bitcast(" in line for line in whole), whole
-    assert '_xla_compute_type="host"' in entry_hlo
+def test_a_host_memory_decode_step_copies_no_whole_stack():
+    """The compiled decode step of host-memory layers, a scan over 3 stacked layers with the cache
+    donated (as a model's forward in ``generate``'s loop): the stacks of keys and values
+    ``[3, 1, H_kv, S, D]`` (one row: layouts that differ only in a unit axis would be copied) appear
+    only as the loop's parameters and carry and the in-place scatter
+    of the new token, never copied, nor sliced whole to the device (the offload of a plain layer
+    fetches each layer's entry); the pages are gathered in host memory."""
+    layers = 3
+    cache = Cache.from_layer_types(
+        ["full_attention"] * layers, batch_size=1, num_kv_heads=H_KV, head_dim=D, max_length=CAPACITY,
+        retrieval=SMALL["minmax"], stacked=True, offload=True,
+    )  # fmt: skip
+    q, k, v, positions = (x[:1] for x in inputs(0))
+    for layer in range(layers):
+        cache, _ = cache.update(layer, k[:, :, :30], v[:, :, :30], positions[:, :30])
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, update):
+        def layer(cache, index):
+            return cached_attention(cache, index, *update)
+
+        return jax.lax.scan(layer, cache, jnp.arange(layers))
+
+    text = step.lower(cache, (q[:, :, 30:31], k[:, :, 30:31], v[:, :, 30:31], positions[:, 30:31])).compile().as_text()
+    whole = [line.strip() for line in text.splitlines() if f"= f32[{layers},1,{H_KV},{CAPACITY},{D}]" in line]
+    assert any("scatter" in line for line in whole), whole
+    assert not [line for line in whole if " copy(" in line or "dynamic-slice" in line or "copy-start" in line], whole
+    assert '_xla_compute_type="host"' in text
 
 
 # --- models -------------------------------------------------------------------------------------
