@@ -979,7 +979,7 @@ class Cache:
             stack = self.groups[group]
             if group not in self.offloaded or len(self.group_layers(group)) == 1 or has(stack, HostMemory):
                 return None
-            window = fetch(self.groups[group], 0, _host_leaves(self.groups[group]))
+            window = fetch(stack, 0, _host_leaves(stack))
             return Prefetch(window, window, jnp.int32(0))  # entry 0 "written back" unchanged by the first update
 
         return self.replace(prefetched=tuple(first(g) for g in range(self.period)))

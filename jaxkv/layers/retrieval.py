@@ -411,8 +411,11 @@ class ClusteredRetrievalLayer(PageRetrieval):
         rearrange = lambda layer: layer.through_device(index, lambda window: window.arranged(0, num_new))
         if num_new > self.spec.page_size:
             return rearrange(self)
-        moved_on = self.cut(entry(self.lengths, index)) > entry(self.clustered, index)
-        return jax.lax.cond(jnp.any(moved_on), rearrange, lambda layer: layer, self)
+        return jax.lax.cond(jnp.any(self._fold_pending(index)), rearrange, lambda layer: layer, self)
+
+    def _fold_pending(self, index) -> jax.Array:
+        """``[B]`` bool: rows of entry ``index`` with a page out of the recent pages not yet folded in."""
+        return self.cut(entry(self.lengths, index)) > entry(self.clustered, index)
 
     def folded(self, index) -> ClusteredRetrievalLayer:
         """Entry ``index`` with the page that left the recent pages in a short update (at most one
@@ -422,7 +425,7 @@ class ClusteredRetrievalLayer(PageRetrieval):
         page, start = self.spec.page_size, self.spec.sink * self.spec.page_size
         clustered = entry(self.clustered, index)
         cut = self.cut(entry(self.lengths, index))
-        moved = cut > clustered  # [B]
+        moved = self._fold_pending(index)  # [B]
 
         def fold(layer: ClusteredRetrievalLayer) -> ClusteredRetrievalLayer:
             slots = jnp.maximum(clustered, start)[:, None] + jnp.arange(page)  # [B, page]: the page that left
@@ -561,12 +564,8 @@ class RetrievalView(KVView):
         token takes."""
         if not self.host:
             return self
-        fetched = lambda stack: jax.device_put(
-            jax.lax.dynamic_slice_in_dim(stack, self.index, 1, axis=0), jax.memory.Space.Device
-        )
-        return self.replace(
-            key_stack=fetched(self.key_stack), value_stack=fetched(self.value_stack), index=0, host=False
-        )
+        keys, values = fetch((self.key_stack, self.value_stack), self.index, (True, True))
+        return self.replace(key_stack=keys, value_stack=values, index=0, host=False)
 
     def pages(self, queries: jax.Array, q_positions: jax.Array) -> jax.Array:
         """The pages ``[B, H_kv, T, A]`` (-1: none) that ``queries`` ``[B, H_q, T, D]`` at ``q_positions``
