@@ -49,6 +49,9 @@ class PackedBatch:
     ``shifts`` (the page budget's ``max_pages_per_request``: a row compacts before it would hold
     more), so their decode blocks read and score only the block table's columns up to it, not
     its whole width (a prompt prefilled whole may use that); None: the whole width.
+    ``dense_queries``: ``[N]`` bool, the packed tokens that read every page of a retrieving pool
+    (``Paging.retrieval`` with ``prefill='dense'``: its prompt tokens, wherever the step packs
+    them); the others read their budget of pages. None: no such pool.
     """
 
     token_rows: jax.Array
@@ -60,6 +63,7 @@ class PackedBatch:
     slot_positions: dict = struct.field(default_factory=dict)
     score_weights: jax.Array | None = None
     decode_pages: int | None = struct.field(pytree_node=False, default=None)
+    dense_queries: jax.Array | None = None
 
 
 class PackedAttention(Capability):

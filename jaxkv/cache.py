@@ -34,7 +34,8 @@ from jaxkv.layers.latent import DynamicLatentLayer, LatentLayer, PagedLatentLaye
 from jaxkv.layers.linear import HybridLayer, LinearAttentionLayer, PackedStateLayer
 from jaxkv.layers.paged import PagedLayer, Paging
 from jaxkv.layers.quantized import QuantizedLayer
-from jaxkv.layers.retrieval import RETRIEVAL_LAYERS, RetrievalLayer, RetrievalSpec
+from jaxkv.layers.retrieval import RETRIEVAL_LAYERS, RetrievalLayer
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.layers.windowed import ChunkedLayer, SlidingWindowLayer
 from jaxkv.offload import (

@@ -10,7 +10,7 @@ from jax.sharding import Mesh
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, ValidationError, model_validator
 
 from jaxkv.eviction import POLICIES, EvictionSpec
-from jaxkv.layers.retrieval import PAGE_ORDERS, PREFILLS, SUMMARIES, RetrievalSpec
+from jaxkv.retrieval import PAGE_ORDERS, PREFILLS, SUMMARIES, RetrievalSpec
 from jaxkv.quantization import QuantSpec
 from jaxkv.sharding import DATA, MODEL, make_mesh, parse_mesh
 
@@ -75,7 +75,7 @@ class BudgetedEvictionConfig(EvictionConfig):
 
 
 class RetrievalConfig(Strict):
-    """Page retrieval attention (``jaxkv.layers.retrieval.RetrievalSpec``): each query reads ``budget``
+    """Page retrieval attention (``jaxkv.retrieval.RetrievalSpec``): each query reads ``budget``
     tokens (a multiple of ``page_size``) of every full-attention layer, the ``sink`` first and
     ``recent`` last pages always, the rest chosen by their ``summary``; ``pages``: 'sequential', or
     'clustered' (a prefill's pages hold similar keys); ``prefill``: 'retrieve', or 'dense' (an update of

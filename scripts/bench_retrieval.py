@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from jaxkv.layers.retrieval import RetrievalSpec
+    from jaxkv.retrieval import RetrievalSpec
 
     args = parse(argv)
     specs = {"full": None}

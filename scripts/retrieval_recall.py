@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.layers.retrieval import PAGE_ORDERS, RETRIEVAL_LAYERS, SUMMARIES, RetrievalSpec
+from jaxkv.layers.retrieval import RETRIEVAL_LAYERS
+from jaxkv.retrieval import PAGE_ORDERS, SUMMARIES, RetrievalSpec
 from jaxkv.research.recall import QueryRecorder, page_recall, recorded_heads, synthetic_keys
 
 ROWS = (("mixed", "sequential"), ("mixed", "clustered"), ("sorted", "sequential"))  # keys, pages

@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from jaxkv.cli import launch
-from jaxkv.config import BudgetedEvictionConfig, CacheConfig, MeshConfig, QuantizationConfig, Strict, load_config
+from jaxkv.config import (
+    BudgetedEvictionConfig, CacheConfig, MeshConfig, QuantizationConfig, RetrievalConfig, Strict, load_config,
+)  # fmt: skip
 from jaxkv.cli.launch import Distributed
 from jaxkv.kernels import BACKENDS
 
@@ -539,6 +541,28 @@ class ServeConfig(Strict):
     compaction_policy: str = "streaming_llm"  # what a compaction keeps (jaxkv.serving.compaction.COMPACTION_POLICIES)
     attention_backend: Literal[BACKENDS] = "xla"  # reads decodes (docs/kernels.md)
     pool_layout: Literal["tokens", "heads"] = "tokens"  # pages [P, page, H_kv, D] or [P, H_kv, page, D]
+    # Quest over the full-attention pool: each decode token reads `budget` tokens of pages chosen by
+    # their key summaries (its page_size is the server's; prefill: dense, the default here, or retrieve).
+    retrieval: RetrievalConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retrieval_over_the_pool(cls, data):
+        """A ``retrieval`` section's pages are the pool's: its page_size and prefill default to the
+        server's ``page_size`` and 'dense' (prefill chunks read every page, decode tokens retrieve)."""
+        if isinstance(data, dict) and isinstance(data.get("retrieval"), dict):
+            defaults = {"page_size": data.get("page_size", cls.model_fields["page_size"].default), "prefill": "dense"}
+            data = data | {"retrieval": defaults | data["retrieval"]}
+        return data
+
+    @model_validator(mode="after")
+    def _retrieval_pages_are_the_pools(self):
+        if self.retrieval is not None and self.retrieval.page_size != self.page_size:
+            raise ValueError(
+                f"retrieval.page_size ({self.retrieval.page_size}) must be page_size ({self.page_size}): it chooses "
+                "the pool's pages"
+            )
+        return self
 
     @model_validator(mode="after")
     def _eviction_without_prefix_caching(self):
@@ -551,7 +575,8 @@ class ServeConfig(Strict):
 
 
 SERVE_FLAGS = tuple(
-    name for name in ServeConfig.model_fields if name not in ("quantization", "eviction", "mesh", "speculative")
+    name for name in ServeConfig.model_fields
+    if name not in ("quantization", "eviction", "mesh", "speculative", "retrieval")
 )
 # Flag, ServeSpeculativeConfig field, type, help.
 SPECULATIVE_FLAGS = (
@@ -605,6 +630,11 @@ def _serve_parser(sub) -> None:
         "--pool-layout", choices=("tokens", "heads"), help="how pages are stored: tokens [P, page, H_kv, D] "
         "(default) or heads [P, H_kv, page, D], which the Pallas kernels read in place page by page"
     )
+    parser.add_argument(
+        "--retrieval-budget", type=int, help="page retrieval (Quest): each decode token reads this many tokens of "
+        "pages per K/V head, chosen by their keys' min/max (a multiple of --page-size; the config's retrieval: "
+        "section sets the rest)"
+    )
     parser.add_argument("--mesh", help=MESH_HELP + " (this process's devices)")
     spec = parser.add_argument_group("speculative decoding (greedy output unchanged; off unless a method is set)")
     for flag, key, kind, help_text in SPECULATIVE_FLAGS:
@@ -619,6 +649,10 @@ def resolve_serve_config(args) -> ServeConfig:
     merged = (load_config(args.config, ServeConfig) if args.config else ServeConfig()).model_dump()
     merged |= {key: getattr(args, key) for key in SERVE_FLAGS if getattr(args, key) is not None}
     merged["speculative"] = speculative_settings(args, merged["speculative"])
+    if args.retrieval_budget is not None:
+        merged["retrieval"] = (merged["retrieval"] or {}) | {"budget": args.retrieval_budget}
+    if merged["retrieval"] is not None:  # its pages are the pool's: page_size is the server's, flag included
+        merged["retrieval"] = {key: value for key, value in merged["retrieval"].items() if key != "page_size"}
     return ServeConfig.model_validate(merged | mesh_setting(args))
 
 
@@ -648,6 +682,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None)
         eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
         max_pages_per_request=config.max_pages_per_request, compaction_policy=config.compaction_policy,
         attention_backend=config.attention_backend, pool_layout=config.pool_layout,
+        retrieval=None if config.retrieval is None else config.retrieval.spec(),
     )  # fmt: skip
 
 

@@ -21,6 +21,12 @@ row's ``shift`` (a token at position p is written to the row's slot ``p - shift`
 absolute position of each of its slots, and the masks read those (keys keep the positions
 RoPE gave them when they were written).
 
+With ``Paging.retrieval`` (Quest in the engine) the full-attention pool also keeps a summary of
+each page's keys (``PagedLayer.page_summaries``), and each decode token (and, under
+``prefill='retrieve'``, each prefill query) reads a budget of its row's pages chosen by them
+(``jaxkv.layers.retrieval``'s choice: sink pages, recent pages, the best scored in between) instead
+of all of them.
+
 Pages may hold quantized K/V (a ``QuantSpec`` with per-token groups and no residual: int8,
 int4 or fp8 codes with float16 group scales, quantized as they are written and dequantized
 as attention gathers them), which cuts a page's bytes 2-4x at float32.
@@ -29,6 +35,7 @@ as attention gathers them), which cuts a page's bytes 2-4x at float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -50,6 +57,7 @@ from jaxkv.kernels import (
 from jaxkv.page_table import FULL_POOL, NULL_PAGE, SLIDING_POOL, block_pages, page_slots
 from jaxkv.protocol import CacheLayer, MaskInfo, Rollback, RowSelection, check_array, pytree_class
 from jaxkv.quantization import PER_TOKEN, QuantizedTensor, QuantSpec, dequantize, empty_quantized, quantize
+from jaxkv.retrieval import RetrievalSpec, attended_pages, page_scores, page_summary
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, PAGE_SLOTS, PAGES, Axes, Layout
 from jaxkv.softmax import attention_mask, softmax_init, softmax_step
 
@@ -76,6 +84,10 @@ class Paging:
     pool in place, page by page; XLA reads either).
     ``sharding``: the mesh and rules the pools are sharded by (``Cache.from_config(mesh=...)`` sets
     it): a kernel call is split over them by hand (``jaxkv.kernels.paged_decode``).
+    ``retrieval``: full-attention layers summarize each page's keys and their queries read a budget
+    of pages chosen by those summaries (``RetrievalSpec`` with ``page_size`` this ``page_size`` and
+    sequential pages; under ``prefill='dense'`` a prefill chunk reads every page, decode tokens
+    retrieve).
     """
 
     page_size: int
@@ -86,9 +98,11 @@ class Paging:
     attention_backend: str = XLA
     layout: str = TOKENS_LAYOUT
     sharding: Layout | None = None
+    retrieval: RetrievalSpec | None = None
 
     def __post_init__(self):
         check_layout(self.layout, "Paging.layout")
+        self._check_retrieval()
         if check_backend(self.attention_backend, "Paging.attention_backend") == AUTO:
             raise ValueError("Paging.attention_backend: resolve 'auto' first (jaxkv.kernels.resolve_backend)")
         for name in ("page_size", "num_pages", "max_length"):
@@ -96,6 +110,23 @@ class Paging:
                 raise ValueError(f"Paging.{name} must be positive, got {getattr(self, name)}")
         if self.num_pages < 2 or (self.sliding_num_pages is not None and self.sliding_num_pages < 2):
             raise ValueError("a page pool needs at least 2 pages (page 0 is the null page)")
+
+    def _check_retrieval(self) -> None:
+        spec = self.retrieval
+        if spec is None:
+            return
+        if spec.page_size != self.page_size:
+            raise ValueError(
+                f"Paging.retrieval: its pages are the pool's, so its page_size must be {self.page_size}, got "
+                f"{spec.page_size}"
+            )
+        if spec.pages != "sequential" or spec.dense_layers:
+            raise ValueError(
+                "Paging.retrieval: a page pool holds its pages in position order and every layer retrieves: use "
+                f"pages='sequential' and dense_layers=0, got pages={spec.pages!r}, dense_layers={spec.dense_layers}"
+            )
+        if self.scored:
+            raise ValueError("Paging.retrieval keeps every token: it does not combine with a compaction's slot scores")
 
     def pool_pages(self, window: int | None) -> int:
         """Pages of the pool a layer with this ``window`` (None: full attention) draws from."""
@@ -138,6 +169,25 @@ def _slot(layout: str, page: jax.Array, offset: jax.Array) -> tuple:
     return (page, offset) if layout == TOKENS_LAYOUT else (page, slice(None), offset)
 
 
+def _entry_pages(stack: PageArray, index, pages: jax.Array, quantization: QuantSpec | None, layout: str) -> jax.Array:
+    """Pages ``pages`` (any shape ``[...]``) of entry ``index`` of a stacked pool: ``[..., page_size,
+    H_kv, D]`` (dequantized). One gather from the stack: slicing the layer's pool out first would
+    copy all of it."""
+    found = jax.tree.map(lambda leaf: leaf[index, pages], stack)
+    values = found if quantization is None else dequantize(found, quantization, PER_TOKEN)
+    return _tokens_major(values, layout)
+
+
+def _dense_or_retrieved(dense_tokens: jax.Array, positions: jax.Array, dense: Callable, retrieved: Callable):
+    """``[M, H_kv, G, D]``: ``dense()``'s output for the tokens flagged in ``dense_tokens`` ``[M]``,
+    ``retrieved()``'s for the others; a part whose real tokens (``positions`` ``[M]`` >= 0) all
+    take one of them computes that one alone (a prompt's chunks read densely, decodes retrieve)."""
+    padding = positions < 0
+    branch = jnp.where(jnp.all(dense_tokens | padding), 0, jnp.where(jnp.all(~dense_tokens | padding), 1, 2))
+    mixed = lambda: jnp.where(dense_tokens[:, None, None, None], dense(), retrieved())
+    return jax.lax.switch(branch, [dense, retrieved, mixed])
+
+
 def _tokens_major(pages: jax.Array, layout: str) -> jax.Array:
     """Gathered pages ``[..., page_size, H_kv, D]`` from pages stored in ``layout``."""
     return pages if layout == TOKENS_LAYOUT else pages.swapaxes(-3, -2)
@@ -169,6 +219,9 @@ class PagedKVView:
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
     sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
     decode_pages: int | None = struct.field(pytree_node=False, default=None)  # see PackedBatch
+    summaries: jax.Array | None = None  # [L, P, C, H_kv, D]: see PagedLayer.page_summaries
+    retrieval: RetrievalSpec | None = struct.field(pytree_node=False, default=None)  # see Paging
+    dense_queries: jax.Array | None = None  # [N]: see PackedBatch
 
     @property
     def page_size(self) -> int:
@@ -192,11 +245,8 @@ class PagedKVView:
         return min(columns, table_width(self.decode_pages * self.page_size, self.page_size))
 
     def gather(self, stack: PageArray, pages: jax.Array) -> jax.Array:
-        """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized).
-        One gather from the stack: slicing the layer's pool out first would copy all of it."""
-        found = jax.tree.map(lambda leaf: leaf[self.index, pages], stack)
-        values = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
-        return _tokens_major(values, self.layout)
+        """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized)."""
+        return _entry_pages(stack, self.index, pages, self.quantization, self.layout)
 
     def read_block(self, block, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Page block ``block`` of each of ``rows`` ``[M]``: keys and values ``[M, S, H_kv, D]`` (S =
@@ -265,11 +315,28 @@ class PagedKVView:
                 block_weights,
             )  # fmt: skip
 
-        if single and self.kernel_route(head_dim, slot_mass=weights is not None) is None:
+        if self.retrieval is not None and weights is not None:
+            raise ValueError("a retrieving pool reads a budget of pages per query and reports no slot mass")
+
+        def retrieve(start, end, query_block, columns):
+            rows = self.token_rows[start:end:query_block]
+            retrieved = functools.partial(
+                self._retrieved, grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap
+            )
+            if self.dense_queries is None:
+                return retrieved()
+            dense = functools.partial(read, start, end, query_block, columns)
+            return _dense_or_retrieved(self.dense_queries[start:end], positions[start:end], dense, retrieved)
+
+        if single and self.retrieval is not None:
+            parts = [retrieve(0, single, self.decode_width, self.decode_columns)]
+        elif single and self.kernel_route(head_dim, slot_mass=weights is not None) is None:
             parts = [self._kernel_decode(grouped[:single], positions[:single], scale, logit_softcap)]
         else:
             parts = [read(0, single, self.decode_width, self.decode_columns)] if single else []
-        if single < tokens:
+        if single < tokens and self.retrieval is not None:
+            parts.append(retrieve(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
+        elif single < tokens:
             parts.append(read(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
         outs = [part if weights is None else part[0] for part in parts]
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, H_kv, G, D]
@@ -277,6 +344,47 @@ class PagedKVView:
         if weights is None:
             return out
         return out, tuple(part[1] for part in parts)
+
+    def _retrieved(self, grouped, positions, rows, query_block: int, scale: float, logit_softcap) -> jax.Array:
+        """Blocks of ``query_block`` queries ``grouped`` ``[M, H_kv, G, D]`` at ``positions`` ``[M]``,
+        block b of row ``rows[b]``, each query and K/V head reading the pages of its row that
+        ``attended_pages`` chooses by the page summaries (``[M, H_kv, G, D]`` float32): a gather of
+        ``budget`` tokens per query and head, never the row's other pages."""
+        tokens, num_kv_heads, group, head_dim = grouped.shape
+        q = grouped.reshape(tokens // query_block, query_block, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+        q_positions = positions.reshape(-1, query_block)  # [b, Q]
+        table = self.block_table[rows]  # [b, W]
+        columns = self._chosen_columns(q, q_positions, table)  # [b, H_kv, Q, A]
+        pages = jnp.where(columns >= 0, table[jnp.arange(table.shape[0])[:, None, None, None], columns], NULL_PAGE)
+        keys, values = self._gathered(self.key_stack, pages), self._gathered(self.value_stack, pages)
+        slots = columns[..., None] * self.page_size + jnp.arange(self.page_size, dtype=jnp.int32)
+        held = jnp.where((pages != NULL_PAGE)[..., None], slots, -1).reshape(*pages.shape[:3], -1)  # [b, H_kv, Q, S]
+        visible = (held >= 0) & (held <= q_positions[:, None, :, None]) & (q_positions[:, None, :, None] >= 0)
+        logits = jnp.einsum("bhgqd,bhqsd->bhgqs", q, keys, preferred_element_type=jnp.float32) * scale
+        if logit_softcap is not None:
+            logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+        logits = jnp.where(visible[:, :, None], logits, -jnp.inf)
+        values = jnp.where(visible[..., None], values, 0)  # a freed page may hold NaN
+        peak = jnp.max(logits, axis=-1, keepdims=True)
+        weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
+        total = jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+        out = jnp.einsum("bhgqs,bhqsd->bhgqd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+        return (out / total).transpose(0, 3, 1, 2, 4).reshape(grouped.shape)
+
+    def _chosen_columns(self, q: jax.Array, q_positions: jax.Array, table: jax.Array) -> jax.Array:
+        """The block-table columns ``[b, H_kv, Q, A]`` (-1: none) queries ``q`` ``[b, H_kv, G, Q, D]`` at
+        ``q_positions`` ``[b, Q]`` read, scored by the summaries of their rows' pages ``table`` ``[b, W]``."""
+        summaries = self.summaries[self.index, table].transpose(0, 3, 1, 2, 4)  # [b, H_kv, W, C, D]
+        return attended_pages(self.retrieval, page_scores(self.retrieval.summary, q, summaries), q_positions)
+
+    def _gathered(self, stack: PageArray, pages: jax.Array) -> jax.Array:
+        """Per K/V head h, the slots of ``pages[:, h]`` (``[b, H_kv, Q, A]``) of entry ``index``:
+        ``[b, H_kv, Q, A * page_size, D]`` (dequantized)."""
+        heads = jnp.arange(pages.shape[1])[None, :, None, None]
+        at = (self.index, pages, slice(None), heads) if self.layout == TOKENS_LAYOUT else (self.index, pages, heads)
+        found = jax.tree.map(lambda leaf: leaf[at], stack)  # [b, H_kv, Q, A, page_size, D]
+        values = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
+        return values.reshape(*pages.shape[:3], -1, values.shape[-1])
 
     def kernel_route(self, head_dim: int, slot_mass: bool) -> str | None:
         """Why the decode tokens are read by XLA (``jaxkv.kernels.kernel_route``); None: by the
@@ -402,6 +510,12 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     attention_backend: str = struct.field(pytree_node=False, default=XLA)  # see Paging
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
     sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
+    # [P, C, H_kv, D] float32 (``Paging.retrieval``; None: not kept): per page and K/V head, the
+    # element-wise min and max of its keys (minmax, C = 2) or their mean (centroid, C = 1), set by
+    # the step that writes the page's last slot (``RetrievalLayer``'s ``page_summary`` of the stored
+    # keys); only complete pages are scored, so a page still filling holds a stale one, unread.
+    page_summaries: jax.Array | None = None
+    retrieval: RetrievalSpec | None = struct.field(pytree_node=False, default=None)  # see Paging
 
     MEMORY_FORMULA = "2·P·page·H_kv·D·bytes; P pages (all rows share them)"
     WHY_NOT = {
@@ -419,6 +533,8 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             check_page_quantization(quantization, head_dim)
         pages = (paging.pool_pages(window), paging.page_size, num_kv_heads, head_dim)
         scored = paging.scored and window is None
+        retrieval = paging.retrieval if window is None else None
+        summaries = None if retrieval is None else (pages[0], retrieval.summary_rows, num_kv_heads, head_dim)
         return cls(
             key_pages=empty_pool(pages, dtype, quantization, paging.layout),
             value_pages=empty_pool(pages, dtype, quantization, paging.layout),
@@ -428,6 +544,8 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             attention_backend=paging.attention_backend,
             layout=paging.layout,
             sharding=paging.sharding,
+            page_summaries=None if summaries is None else jnp.zeros(summaries, jnp.float32),
+            retrieval=retrieval,
         )
 
     @staticmethod
@@ -467,8 +585,10 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             return pool.logical_axes(*lead) if isinstance(pool, QuantizedTensor) else Axes(*lead, HEAD_DIM)
 
         scores = None if self.slot_scores is None else Axes(PAGES, PAGE_SLOTS, KV_HEADS)  # [P, page, H_kv] always
+        summaries = None if self.page_summaries is None else Axes(PAGES, None, KV_HEADS, HEAD_DIM)
         return self.replace(
-            key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages), slot_scores=scores
+            key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages), slot_scores=scores,
+            page_summaries=summaries,
         )
 
     def with_page_copies(self, copies: dict) -> PagedLayer:
@@ -528,11 +648,14 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         new = self.replace(
             key_pages=write(self.key_pages, _flat(keys)), value_pages=write(self.value_pages, _flat(values))
         )
+        if self.page_summaries is not None:
+            new = new.replace(page_summaries=new._summarized(index, page, offset))
         view = PagedKVView(
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
             self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
             self.attention_backend, self.layout, self.sharding,
-            packed.decode_pages if self.pool in packed.shifts else None,
+            packed.decode_pages if self.pool in packed.shifts else None, new.page_summaries, self.retrieval,
+            None if self.retrieval is None else self._dense_queries(packed),
         )  # fmt: skip
         if self.slot_scores is None:
             out, _ = read(queries, view, positions, None)
@@ -542,6 +665,27 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             weights = packed.score_weights.reshape(positions.shape)
         out, mass = read(queries, view, positions, weights)
         return new.replace(slot_scores=self._scored(index, table, view, page, offset, mass)), out
+
+    def _dense_queries(self, packed: PackedBatch) -> jax.Array | None:
+        """The tokens that read every page (``PackedBatch.dense_queries``), which ``prefill='dense'``
+        needs and 'retrieve' refuses."""
+        if (packed.dense_queries is None) != (self.retrieval.prefill == "retrieve"):
+            raise ValueError(
+                f"a pool retrieving with prefill={self.retrieval.prefill!r} needs PackedBatch.dense_queries "
+                f"{'None' if self.retrieval.prefill == 'retrieve' else '(its prompt tokens)'}, got "
+                f"{'None' if packed.dense_queries is None else 'an array'}"
+            )
+        return packed.dense_queries
+
+    def _summarized(self, index, page: jax.Array, offset: jax.Array) -> jax.Array:
+        """``page_summaries`` after the step wrote slots (``page``, ``offset``) ``[N]``: each page whose
+        last slot was written is summarized from its stored keys (padding summarizes the null page,
+        which no query scores)."""
+        complete = jnp.where(offset == self.page_size - 1, page, NULL_PAGE)  # [N]
+        keys = _entry_pages(self.key_pages, index, complete, self.quantization, self.layout)  # [N, page, H_kv, D]
+        filled = jnp.ones((1, *keys.shape[:2], 1, 1), bool)
+        summary = page_summary(self.retrieval.summary, keys[None].astype(jnp.float32), filled)[0]  # [N, H_kv, C, D]
+        return self.page_summaries.at[index, complete].set(summary.swapaxes(1, 2))
 
     def _scored(self, index, table, view: PagedKVView, page, offset, masses) -> jax.Array:
         """``slot_scores`` after a step: the slots written now reset, then each query block's mass

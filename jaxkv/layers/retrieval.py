@@ -61,72 +61,12 @@ from jaxkv.protocol import (
     entry,
     pytree_class,
 )
+from jaxkv.retrieval import RetrievalSpec, attended_pages, page_scores, page_summary
 from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes
 from jaxkv.softmax import attention_block_size, softmax_init, softmax_step
 
-SUMMARIES = ("minmax", "centroid")
-PAGE_ORDERS = ("sequential", "clustered")
-PREFILLS = ("retrieve", "dense")
 PAGES_PER_CLUSTER = 2  # clustered pages: k-means clusters of about this many pages' tokens
 KMEANS_ITERATIONS = 10
-_SUMMARY_ROWS = {"minmax": 2, "centroid": 1}  # C: vectors per page summary
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalSpec:
-    """What a ``RetrievalLayer`` reads per query and K/V head: ``budget`` tokens (a multiple of
-    ``page_size``), of which the ``sink`` first pages and the ``recent`` pages up to the query's own
-    (at least 1) always, the rest chosen by ``summary`` ('minmax' or 'centroid'). ``pages``:
-    'sequential' (page i holds positions ``[i·page_size, (i+1)·page_size)``) or 'clustered'
-    (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys). ``prefill``: 'retrieve' (every
-    query reads its pages, so any chunking gives token-by-token decoding's outputs) or 'dense' (the
-    queries of an update of more than ``page_size`` tokens per row read every token: Quest's prefill).
-    ``dense_layers``: the model's first N layers read every token at every query (Quest leaves its first
-    two layers dense: their attention is not sparse); the others retrieve."""
-
-    budget: int
-    page_size: int = 16
-    sink: int = 1
-    recent: int = 1
-    summary: str = "minmax"
-    pages: str = "sequential"
-    prefill: str = "retrieve"
-    dense_layers: int = 0
-
-    def __post_init__(self):
-        if self.page_size < 1:
-            raise ValueError(f"RetrievalSpec: page_size must be at least 1 token, got {self.page_size}")
-        if self.budget < 1 or self.budget % self.page_size:
-            raise ValueError(
-                f"RetrievalSpec: budget must be a positive multiple of page_size {self.page_size} tokens, got "
-                f"{self.budget}"
-            )
-        if self.sink < 0:
-            raise ValueError(f"RetrievalSpec: sink must be >= 0 pages, got {self.sink}")
-        if self.recent < 1:
-            raise ValueError(f"RetrievalSpec: recent must be at least 1 page (the query's own), got {self.recent}")
-        if self.summary not in SUMMARIES:
-            raise ValueError(f"RetrievalSpec: summary must be one of {list(SUMMARIES)}, got {self.summary!r}")
-        if self.pages not in PAGE_ORDERS:
-            raise ValueError(f"RetrievalSpec: pages must be one of {list(PAGE_ORDERS)}, got {self.pages!r}")
-        if self.prefill not in PREFILLS:
-            raise ValueError(f"RetrievalSpec: prefill must be one of {list(PREFILLS)}, got {self.prefill!r}")
-        if self.dense_layers < 0:
-            raise ValueError(f"RetrievalSpec: dense_layers must be >= 0 layers, got {self.dense_layers}")
-        if self.sink + self.recent > self.budget_pages:
-            raise ValueError(
-                f"RetrievalSpec: {self.sink} sink + {self.recent} recent pages are always read but the budget is "
-                f"{self.budget_pages} pages ({self.budget} tokens); give a larger budget or fewer pages"
-            )
-
-    @property
-    def budget_pages(self) -> int:
-        return self.budget // self.page_size
-
-    @property
-    def chosen_pages(self) -> int:
-        """Pages each query chooses by score (the budget less the sink and recent pages)."""
-        return self.budget_pages - self.sink - self.recent
 
 
 def _whole_pages(max_length: int, page_size: int) -> int:
@@ -165,7 +105,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
             raise ValueError(f"RetrievalLayer: max_length must be positive, got {max_length}")
         slots = _whole_pages(max_length, spec.page_size)
         shape = (batch_size, num_kv_heads, slots, head_dim)
-        pages = (batch_size, num_kv_heads, slots // spec.page_size, _SUMMARY_ROWS[spec.summary], head_dim)
+        pages = (batch_size, num_kv_heads, slots // spec.page_size, spec.summary_rows, head_dim)
         return cls(
             keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype), summaries=jnp.zeros(pages, dtype),
             lengths=jnp.zeros((batch_size,), jnp.int32), dense=jnp.zeros((batch_size,), bool), spec=spec,
@@ -182,7 +122,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
         """Bytes of K/V for ``max_length`` (default ``seq_len``) tokens in whole pages, and their summaries."""
         slots = _whole_pages(max_length or seq_len, spec.page_size)
         per_token = num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-        summary = _SUMMARY_ROWS[spec.summary] * (slots // spec.page_size) * per_token
+        summary = spec.summary_rows * (slots // spec.page_size) * per_token
         return batch_size * (2 * slots * per_token + summary + 5)
 
     def for_layers(self, layer_indices: list[int], num_layers: int) -> Self:
@@ -299,7 +239,7 @@ class PageRetrieval(PositionalLayer, DepthBudgets, Refill, HostMemory):
         rows = jnp.arange(lengths.shape[0])[:, None, None]
         page_keys = self.slot_keys(index, jnp.minimum(slots, self.capacity - 1))  # [B, n, page, H_kv, D]
         filled = (slots < lengths[:, None, None])[..., None, None]
-        summary = _summary(self.spec.summary, page_keys.astype(jnp.float32), filled)  # [B, n, H_kv, C, D]
+        summary = page_summary(self.spec.summary, page_keys.astype(jnp.float32), filled)  # [B, n, H_kv, C, D]
         written = jnp.where(pages * page < lengths[:, None], pages, num_pages)  # a page with no token: dropped
         stored = self.summaries.at[index, rows[:, :, 0], :, written].set(
             summary.astype(self.summaries.dtype), mode="drop"
@@ -501,51 +441,6 @@ def _kmeans(keys: jax.Array, member: jax.Array, start: int, cut: jax.Array, coun
 
     centroids = jax.lax.fori_loop(0, KMEANS_ITERATIONS, step, centroids)
     return _nearest(keys, centroids), centroids
-
-
-def _summary(kind: str, page_keys: jax.Array, filled: jax.Array) -> jax.Array:
-    """Summaries ``[B, n, H_kv, C, D]`` of pages' keys ``[B, n, page, H_kv, D]`` (float32), over the
-    slots ``filled`` (``[B, n, page, 1, 1]``; at least one per page that is kept)."""
-    if kind == "minmax":
-        low = jnp.min(jnp.where(filled, page_keys, jnp.inf), axis=2)
-        high = jnp.max(jnp.where(filled, page_keys, -jnp.inf), axis=2)
-        return jnp.stack([low, high], axis=-2)
-    total = jnp.sum(jnp.where(filled, page_keys, 0.0), axis=2)
-    return (total / jnp.maximum(jnp.sum(filled, axis=2), 1))[..., None, :]
-
-
-def page_scores(kind: str, grouped: jax.Array, summaries: jax.Array) -> jax.Array:
-    """Scores ``[B, H_kv, T, P]`` (float32) of pages summarized by ``summaries`` ``[B, H_kv, P, C, D]``
-    for queries ``grouped`` ``[B, H_kv, G, T, D]``: per query head Quest's bound on ``q . k``
-    (``minmax``) or ``q . mean`` (``centroid``), the largest over the G query heads of a K/V head."""
-    q = grouped.astype(jnp.float32)
-    summaries = summaries.astype(jnp.float32)
-    if kind == "minmax":
-        score = jnp.einsum("bhgtd,bhpd->bhgtp", jnp.minimum(q, 0.0), summaries[..., 0, :])
-        score += jnp.einsum("bhgtd,bhpd->bhgtp", jnp.maximum(q, 0.0), summaries[..., 1, :])
-    else:
-        score = jnp.einsum("bhgtd,bhpd->bhgtp", q, summaries[..., 0, :])
-    return jnp.max(score, axis=2)
-
-
-def attended_pages(spec: RetrievalSpec, scores: jax.Array, q_positions: jax.Array) -> jax.Array:
-    """The pages ``[B, H_kv, T, A]`` (-1: none) each query at ``q_positions`` ``[B, T]`` reads, given
-    the ``scores`` ``[B, H_kv, T, P]`` of every page: the sink pages, the recent pages up to its own
-    (those not among the sink) and the best scored of the complete pages in between.
-    ``A = sink + recent + min(chosen_pages, P)``."""
-    batch, heads, length, num_pages = scores.shape
-    own = (q_positions // spec.page_size)[:, None, :, None]  # [B, 1, T, 1]; a padding query: -1
-    sink = jnp.broadcast_to(jnp.arange(spec.sink, dtype=jnp.int32), (batch, heads, length, spec.sink))
-    recent = own - spec.recent + 1 + jnp.arange(spec.recent, dtype=jnp.int32)
-    recent = jnp.broadcast_to(jnp.where(recent >= spec.sink, recent, -1), (batch, heads, length, spec.recent))
-    count = min(spec.chosen_pages, num_pages)
-    if count == 0:
-        return jnp.concatenate([sink, recent], axis=-1)
-    page = jnp.arange(num_pages, dtype=jnp.int32)
-    candidate = (page >= spec.sink) & (page <= own - spec.recent)
-    best, chosen = jax.lax.top_k(jnp.where(candidate, scores, -jnp.inf), count)
-    chosen = jnp.where(best > -jnp.inf, chosen, -1)
-    return jnp.concatenate([sink, recent, chosen.astype(jnp.int32)], axis=-1)
 
 
 @pytree_class

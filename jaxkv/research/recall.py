@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache import LAYER_TYPES, Cache, LayerSpec
-from jaxkv.layers.retrieval import RETRIEVAL_LAYERS, RetrievalSpec
+from jaxkv.layers.retrieval import RETRIEVAL_LAYERS
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.layers.static import StaticLayer
 from jaxkv.protocol import CacheLayer, pytree_class
 from jaxkv.sharding import BATCH, HEAD_DIM, Q_HEADS, Axes

@@ -32,6 +32,7 @@ from jaxkv.decoding.speculative import DraftModel
 from jaxkv.eviction import EvictionSpec
 from jaxkv.kernels import TOKENS_LAYOUT, XLA, check_backend, check_layout, resolve_backend
 from jaxkv.layers.paged import Paging
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.persist import model_identity
 from jaxkv.quantization import QuantSpec
 from jaxkv.serving.compaction import PageBudget
@@ -98,6 +99,13 @@ class EngineConfig:
     windows, drafts, compacted rows, int pages) is read by XLA (``jaxkv.kernels``, docs/kernels.md).
     ``pool_layout``: how the pages are stored (``Paging.layout``): 'tokens' ``[P, page, H_kv, D]``
     or 'heads' ``[P, H_kv, page, D]``, which the kernels read in place page by page.
+    ``retrieval``: page retrieval attention (Quest) over the full-attention pool
+    (``jaxkv.retrieval.RetrievalSpec`` with this ``page_size`` and sequential pages): each
+    page keeps a summary of its keys and each decode token reads ``budget`` tokens of its row per
+    K/V head (sink pages, recent pages and the best scored in between); under ``prefill='dense'``
+    prompt tokens read every page (wherever a step packs them: a prompt's last token after a prefix
+    hit rides in a decode slot), under 'retrieve' they retrieve too. Every token stays in the pool:
+    it saves each step's reads, not pages.
     """
 
     kv_memory: int | str = "1GiB"
@@ -119,6 +127,7 @@ class EngineConfig:
     compaction_policy: str = "streaming_llm"
     attention_backend: str = XLA
     pool_layout: str = TOKENS_LAYOUT
+    retrieval: RetrievalSpec | None = None
 
     def __post_init__(self):
         check_backend(self.attention_backend, "EngineConfig.attention_backend")
@@ -147,6 +156,28 @@ class EngineConfig:
         if self.speculative is not None and self.eviction is not None:
             raise ValueError("EngineConfig.speculative cannot roll back evicting layers: pass eviction=None")
         self._check_page_budget()
+        self._check_retrieval()
+
+    def _check_retrieval(self) -> None:
+        """``retrieval`` is a ``RetrievalSpec`` over this pool's pages, alone among the options that
+        rewrite or drop K/V."""
+        if self.retrieval is None:
+            return
+        if not isinstance(self.retrieval, RetrievalSpec):
+            raise TypeError(f"EngineConfig.retrieval must be a RetrievalSpec, got {type(self.retrieval).__name__}")
+        if self.retrieval.page_size != self.page_size:
+            raise ValueError(
+                f"EngineConfig.retrieval: the pages it chooses are the pool's: its page_size must be page_size "
+                f"({self.page_size}), got {self.retrieval.page_size}"
+            )
+        clashes = {
+            "max_pages_per_request": "compacted pages hold non-contiguous positions",
+            "eviction": "evicting layers keep no pages",
+            "speculative": "rejected drafts would stay in the page summaries",
+        }
+        for name, why in clashes.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"EngineConfig.retrieval does not combine with {name} ({why}): pass one of the two")
 
     def _check_page_budget(self) -> None:
         """``max_pages_per_request`` and ``compaction_policy`` are valid (``PageBudget``) and combine
@@ -207,6 +238,8 @@ class Engine:
         budget = self.config.page_budget(self.max_model_len)
         if budget is not None and not self.sizes.full_pages:
             raise ValueError("EngineConfig.max_pages_per_request bounds the full-attention pool: this model has none")
+        if self.config.retrieval is not None and not self.sizes.full_pages:
+            raise ValueError("EngineConfig.retrieval reads the full-attention pool: this model has none")
         # A recurrent state or an evicted row cannot be rebuilt from cached pages or forked from a longer one.
         self.has_states = self.sizes.state_bytes > 0
         if self.has_states and self.config.prefix_caching:
@@ -226,6 +259,7 @@ class Engine:
         self.runner = ModelRunner(
             model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
             max(1, self.config.max_logprobs), self.config.decode_width, budget,
+            dense_prompts=self.config.retrieval is not None and self.config.retrieval.prefill == "dense",
         )  # fmt: skip
         prefix_caching = self.config.prefix_caching and not self.has_states
         self.kv = KVCacheManager(
@@ -270,6 +304,7 @@ class Engine:
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
             sliding_num_pages=sizes.sliding_pages or None, scored=self.config.scores_slots,
             attention_backend=resolve_backend(self.config.attention_backend), layout=self.config.pool_layout,
+            retrieval=self.config.retrieval,
         )  # fmt: skip
 
     # --- requests ---------------------------------------------------------------------------------

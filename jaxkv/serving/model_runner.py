@@ -94,11 +94,12 @@ class ModelRunner:
     ``num_rows``: the engine's rows (block-table rows, the most decode slots); ``num_top``: top
     log-probabilities computed per sample slot (at least 1); ``width``: ``1 + k`` for an engine
     that verifies ``k`` drafts per row (1: none); ``budget``: the page budget whose compactions
-    ``move_pages`` makes (None: none)."""
+    ``move_pages`` makes (None: none); ``dense_prompts``: prompt tokens read every page of the
+    retrieving pool (``PackedBatch.dense_queries``; ``RetrievalSpec.prefill='dense'``)."""
 
     def __init__(
         self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int, width: int = 1,
-        budget: PageBudget | None = None,
+        budget: PageBudget | None = None, dense_prompts: bool = False,
     ):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.cache = cache
@@ -112,6 +113,7 @@ class ModelRunner:
         self.num_steps = 0
         self.page_formats = page_formats(cache)
         self.budget = budget
+        self.dense_prompts = dense_prompts
 
     def copy_pages(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy forks' pages: ``(source, destination)`` pairs per pool name (none: nothing runs)."""
@@ -287,6 +289,7 @@ class ModelRunner:
             decode_width=width, shifts=shifts, slot_positions=slot_positions,
             score_weights=self._score_weights(positions, prompt_lengths),
             decode_pages=None if self.budget is None else self.budget.max_pages,
+            dense_queries=(positions >= 0) & (positions < prompt_lengths) if self.dense_prompts else None,
         )  # fmt: skip
         return StepInputs(
             tokens=tokens, positions=positions, packed=packed, sample_index=sample_index, drafts=drafts,

@@ -84,7 +84,9 @@ def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
             f"the serving engine serves {', '.join(PAGED_LAYER_TYPES)} layers; this model has {unsupported}"
         )
     devices = jax.device_count()
-    paging = Paging(config.page_size, max(2, devices), max_model_len, scored=config.scores_slots)
+    paging = Paging(
+        config.page_size, max(2, devices), max_model_len, scored=config.scores_slots, retrieval=config.retrieval
+    )
     probe = jax.eval_shape(
         lambda: model.init_cache(
             devices,

@@ -6,6 +6,7 @@ Levels, lowest first (a module may import its own level or lower, never higher):
     mla                         MLA's spec, attention forms and latent storage (both latent layers build on it)
     batch                       a serving step's packed batch and the capabilities that read it
     quantization, eviction      QuantSpec and the (de)quantizers; EvictionSpec and the policies' scores
+    retrieval                   RetrievalSpec, page summaries and the pages a query reads (both retrieving layers)
     kernels                     attention backends: Pallas kernels over a layer's page pool
     layers/*                    storage strategies (no layer module imports a sibling)
     cache                       the container and its registry of layer types
@@ -47,6 +48,7 @@ LEVELS = {
     "jaxkv.sharding": 0,
     "jaxkv.hugepages": 0,
     "jaxkv.eviction": 0,
+    "jaxkv.retrieval": 0,
     "jaxkv.mla": 0,
     "jaxkv.page_table": 0,
     "jaxkv.kernels": 0,

@@ -23,7 +23,8 @@ from jaxkv.attention import cached_attention
 from jaxkv.config import CacheConfig
 from jaxkv.decoding.generate import generate
 from jaxkv.eviction import EvictionSpec
-from jaxkv.layers.retrieval import ClusteredRetrievalLayer, RetrievalLayer, RetrievalSpec
+from jaxkv.layers.retrieval import ClusteredRetrievalLayer, RetrievalLayer
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.memory import storage_rows
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig

@@ -10,7 +10,7 @@ import pytest
 
 from jaxkv import Cache
 from jaxkv.attention import cached_attention
-from jaxkv.layers.retrieval import RetrievalSpec
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.research.recall import QueryRecorder, page_recall, read_positions, recorded_heads, synthetic_keys
 
 TOKENS, PAGE = 256, 8

@@ -22,7 +22,7 @@ import jaxkv
 import models
 from jaxkv import Cache, CacheLayer, ChunkedLayer, EvictionSpec, MaskInfo, QuantSpec, SlidingWindowLayer
 from jaxkv.layers.paged import Paging
-from jaxkv.layers.retrieval import RetrievalSpec
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.mla import LatentSpec
 from jaxkv.research.observer import Observer
 from jaxkv.research.recall import QueryRecorder

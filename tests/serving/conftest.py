@@ -1,10 +1,16 @@
 """The tiny models the engine's test files share: Llama, and Llama and Gemma 3 (a sliding window
 of 8, so prompts run past it) as the module-scoped ``model`` fixture."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 
+from jaxkv.batch import PagedStorage
+from jaxkv.protocol import has
+from jaxkv.serving.pages import NULL_PAGE
 from tests.cases import TINY_GEMMA, TINY_LLAMA
 
 LLAMA = TINY_LLAMA | {"max_position_embeddings": 256}
@@ -19,3 +25,17 @@ def model(request):
 @pytest.fixture(scope="module")
 def llama():
     return Llama(LlamaConfig(**LLAMA))
+
+
+def poisoned(engine):
+    """The engine's cache with NaN in every page at refcount 0 and in the null page, in every pool."""
+    cache = engine.runner.cache
+    for pool in engine.kv.pools:
+        manager = pool.manager
+        free = np.asarray([NULL_PAGE] + [p for p in range(1, manager.num_pages) if manager.refcount(p) == 0])
+        for index, group in enumerate(cache.groups):
+            if has(group, PagedStorage) and group.pool == pool.name:
+                cache = cache.with_group(
+                    index, jax.tree.map(lambda leaf, free=free: leaf.at[:, free].set(jnp.nan), group)
+                )
+    return cache

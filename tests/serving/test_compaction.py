@@ -20,10 +20,9 @@ from jaxkv.quantization import QuantSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.compaction import MAX_COMPACTIONS, PageBudget, _redundancy, compact_pages
 from jaxkv.serving.engine import EngineConfig
-from jaxkv.serving.pages import NULL_PAGE
 from jaxkv.sharding import make_mesh
 from tests.cases import VOCAB, greedy_reference, run_arrivals
-from tests.serving.conftest import LLAMA
+from tests.serving.conftest import LLAMA, poisoned
 
 SMALL = {"page_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, "kv_memory": 64 * 1024}
 NEW_TOKENS = 12
@@ -283,20 +282,6 @@ def test_nan_in_freed_pages_changes_nothing(model):
         engine.runner.cache = poisoned(engine)
     assert engine.stats()["compactions"] > 0
     assert [engine.sequences[i][0].output for i in ids] == expected
-
-
-def poisoned(engine: Engine):
-    """The engine's cache with NaN in every page at refcount 0 and in the null page, in every pool."""
-    cache = engine.runner.cache
-    for pool in engine.kv.pools:
-        manager = pool.manager
-        free = np.asarray([NULL_PAGE] + [p for p in range(1, manager.num_pages) if manager.refcount(p) == 0])
-        for index, group in enumerate(cache.groups):
-            if has(group, PagedStorage) and group.pool == pool.name:
-                cache = cache.with_group(
-                    index, jax.tree.map(lambda leaf, free=free: leaf.at[:, free].set(jnp.nan), group)
-                )
-    return cache
 
 
 @pytest.mark.parametrize(
