@@ -4,6 +4,7 @@
     python scripts/profile_step.py                          # SmolLM2, 1 / 8 / 32 rows, decode and decode+prefill
     python scripts/profile_step.py --rows 16 --steps 8 --out results/step-profile.json
     python scripts/profile_step.py --rows 3 --prompt 1000 --max-pages-per-request 80 --compaction-policy snapkv
+    python scripts/profile_step.py --rows 4 --prompt 4000 --max-model-len 4096 --retrieval-budget 256
 
 Each case runs ``Engine.step`` on SmolLM2-135M (float32, greedy, prompts of ``--prompt``
 random tokens, end-of-sequence ignored) with ``rows`` running rows: ``decode``, every row
@@ -45,11 +46,16 @@ import jax
 import numpy as np
 from jaxkv.models.load import load_pretrained
 
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.serving.engine import Engine
 
 HOST_STAGES = ("engine.schedule", "runner.prepare", "runner.dispatch", "runner.wait", "engine.outputs")
 # First match wins, innermost function first: (category, functions on the op's stack, needs a dot).
 CATEGORY_RULES = (
+    ("attention: retrieval (scores, top-k)", ("PagedKVView._chosen_columns",), False),
+    ("attention: retrieved page gathers", ("PagedKVView._gathered",), False),
+    ("attention: retrieved pages' dots, softmax", ("PagedKVView._retrieved",), False),
+    ("page summaries", ("PagedLayer._summarized",), False),
     ("K/V page writes", ("PagedLayer.attend_packed_entry.<locals>.write", "PagedLayer._slots"), False),
     ("attention: page gathers", ("PagedKVView.gather", "PagedKVView.read_block"), False),
     ("attention: QK and PV dots", ("PagedKVView._read_blocks",), True),
@@ -192,7 +198,7 @@ def _start_case(engine: Engine, args, rows: int, prefill: bool) -> None:
     rng = np.random.default_rng(rows)
     vocab = engine.model.config.vocab_size
     for _ in range(rows - 1 if prefill else rows):
-        engine.add_request(rng.integers(100, vocab - 100, args.prompt).tolist(), max_tokens=4096, ignore_eos=True)
+        engine.add_request(rng.integers(100, vocab - 100, args.prompt).tolist(), max_tokens=256, ignore_eos=True)
     while any(not seq.output for seqs in engine.sequences.values() for seq in seqs):
         engine.step()
     if prefill:
@@ -282,13 +288,21 @@ def main() -> None:
     )
     parser.add_argument("--max-pages-per-request", type=int, help="a page budget (docs/serving.md 'Compressed pages')")
     parser.add_argument("--compaction-policy", default="streaming_llm", help="what a compaction keeps")
+    parser.add_argument(
+        "--retrieval-budget", type=int, help="page retrieval (Quest, minmax): tokens of pages a decode token reads "
+        "per K/V head (docs/retrieval.md 'In the engine')"
+    )
+    parser.add_argument("--max-model-len", type=int, help="the engine's (default: the model's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, _ = load_pretrained("smollm2", **({"scan_layers": False} if args.unrolled else {}))
     engine = Engine(
         model, kv_memory=args.kv_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_pages_per_request=args.max_pages_per_request,
-        compaction_policy=args.compaction_policy,
+        compaction_policy=args.compaction_policy, max_model_len=args.max_model_len,
+        retrieval=None if args.retrieval_budget is None else RetrievalSpec(
+            args.retrieval_budget, page_size=args.page_size, prefill="dense"
+        ),
     )  # fmt: skip
     engine.warmup()
     results = [profile_case(engine, args, rows, prefill) for rows in args.rows for prefill in (False, True)]

@@ -230,7 +230,7 @@ SLOW: dict[str, set[str]] = {
     "test_engine_models.py": {
         "test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate",
         "test_smollm2_32_requests_arriving_over_time_equal_generate", "test_stop_strings_with_the_real_tokenizer",
-        "test_smollm2_speculation_equals_generate",
+        "test_smollm2_speculation_equals_generate", "test_smollm2_retrieval_equals_generate",
     },
     "test_engine_sharding.py": {
         "test_greedy_tokens_equal_generate", "test_quantized_pages_on_a_mesh_equal_generate",

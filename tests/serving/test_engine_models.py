@@ -1,10 +1,13 @@
 """The serving engine on the real models: greedy outputs of requests arriving over time equal
 ``generate``'s for each request (SmolLM2-135M, 32 requests; Gemma 3 270M past its 512-token
-window, with a prefix-cache hit that resumes prefill mid-prompt; SmolLM2 with speculation)."""
+window, with a prefix-cache hit that resumes prefill mid-prompt; SmolLM2 with speculation, and
+with page retrieval)."""
 
 import numpy as np
 from jaxkv.models.load import load_pretrained
 
+from jaxkv.decoding.generate import generate
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.serving import Engine
 from jaxkv.serving.speculation import SpeculativeConfig
 from tests.cases import PARAGRAPH, greedy_reference, run_arrivals
@@ -69,3 +72,22 @@ def test_smollm2_speculation_equals_generate():
     assert got == greedy_reference(model, prompts, 32)
     copying = engine.sequences[0][0]
     assert copying.num_accepted > 0.4 * copying.num_proposed > 0
+
+
+def test_smollm2_retrieval_equals_generate():
+    """Quest over the pool (256 tokens of pages of 16 a decode token, minmax, prompts dense) on
+    SmolLM2, prompts of 300 to 700 tokens arriving over time, the last sharing the first's prefix
+    pages: every request gets ``generate``'s greedy tokens with the same ``RetrievalSpec``, and
+    some differ from full attention's (the budget chooses)."""
+    model, tokenizer = load_pretrained("smollm2")
+    spec = RetrievalSpec(256, prefill="dense")
+    asks = [PARAGRAPH * 3 + "Summarize the text.", PARAGRAPH * 6 + "Who combined movable type with a press?",
+            PARAGRAPH * 4 + "What changed for books?", PARAGRAPH * 3 + "Name the inventor."]  # fmt: skip
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": ask}])) for ask in asks]
+    assert 300 < min(map(len, prompts)) and max(map(len, prompts)) < 700
+    engine = Engine(model, kv_memory="64MiB", max_num_seqs=4, max_num_batched_tokens=128, retrieval=spec)
+    got = run_arrivals(engine, prompts, [0, 0, 2, 6], 24)
+    result = generate(model, prompts, max_new_tokens=24, stop_tokens=(), retrieval=spec)
+    assert got == [result.row(i) for i in range(len(prompts))]
+    assert got != greedy_reference(model, prompts, 24)
+    assert engine.sequences[3][0].num_cached_tokens > 0
