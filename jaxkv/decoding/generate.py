@@ -161,11 +161,26 @@ def generate(model: DecoderModel, prompts: Sequence[Sequence[int]], **options) -
     return drive(model, prompts, PlainDecoding(Request.create(**options)))
 
 
-def prefill_prefix(model: DecoderModel, prefixes: Sequence[Sequence[int]], *, max_length: int, **cache_options):
+def prefill_prefix(
+    model: DecoderModel, prefixes: Sequence[Sequence[int]], *, max_length: int, chunk: int | None = None,
+    **cache_options,
+):  # fmt: skip
     """A cache holding ``prefixes`` (token ids, one row each): a shared system prompt or
     few-shot examples prefilled once, then continued by any number of requests with
     ``generate(..., cache=prefix_cache)``, which never modifies it (caches are immutable,
     so sharing needs no copy). ``max_length`` must fit a prefix plus what follows it;
-    ``cache_options``: ``full_attention`` and the model's cache settings."""
+    ``cache_options``: ``full_attention`` and the model's cache settings. ``chunk``: prefill
+    ``chunk`` tokens per update, each continuing the cache the last left (the last update of a
+    row takes the rest, at least ``chunk`` tokens): one update's cache within float rounding,
+    without attending every prefix token at once (None: one update)."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill_prefix: chunk must be a positive number of tokens, got {chunk}")
+    shortest = min(map(len, prefixes)) if prefixes else 0
+    starts = [0] if chunk is None else list(range(0, max(1, shortest - chunk), chunk))
+    ends = [*starts[1:], None]
     request = Request.create(max_new_tokens=1, max_length=max_length, **cache_options)
-    return prefill_batch(model, prepare_batch(model, prefixes, request)).cache
+    first = [prefix[: ends[0]] for prefix in prefixes]
+    cache = prefill_batch(model, prepare_batch(model, first, request)).cache
+    for start, end in zip(starts[1:], ends[1:], strict=True):
+        cache = generate(model, [prefix[start:end] for prefix in prefixes], max_new_tokens=1, cache=cache).cache
+    return cache

@@ -298,8 +298,9 @@ class PagedKVView:
         come in blocks of ``decode_width`` tokens of one row (single decodes, or a row's token and
         its drafts), each block reading its row's pages (``token_rows``); the rest come in blocks of
         ``QUERY_BLOCK`` tokens of one row each (a prefill chunk), which read their row's pages
-        once per block instead of once per token (``_read_blocks``). ``block_size`` is the
-        plain views' option: pages are read ``block_pages`` at a time."""
+        once per block instead of once per token (``_read_blocks``). A retrieving pool's queries
+        read their chosen pages instead (``_retrieved``), or every page where ``dense_queries``
+        says so. ``block_size`` is the plain views' option: pages are read ``block_pages`` at a time."""
         batch, num_heads, length, head_dim = queries.shape
         tokens, num_kv_heads = batch * length, self.num_kv_heads
         grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -315,10 +316,7 @@ class PagedKVView:
                 block_weights,
             )  # fmt: skip
 
-        if self.retrieval is not None and weights is not None:
-            raise ValueError("a retrieving pool reads a budget of pages per query and reports no slot mass")
-
-        def retrieve(start, end, query_block, columns):
+        def retrieve(start, end, query_block, columns):  # a retrieving pool's read (``_retrieved``)
             rows = self.token_rows[start:end:query_block]
             retrieved = functools.partial(
                 self._retrieved, grouped[start:end], positions[start:end], rows, query_block, scale, logit_softcap
@@ -328,16 +326,15 @@ class PagedKVView:
             dense = functools.partial(read, start, end, query_block, columns)
             return _dense_or_retrieved(self.dense_queries[start:end], positions[start:end], dense, retrieved)
 
-        if single and self.retrieval is not None:
-            parts = [retrieve(0, single, self.decode_width, self.decode_columns)]
-        elif single and self.kernel_route(head_dim, slot_mass=weights is not None) is None:
+        if self.retrieval is not None and weights is not None:
+            raise ValueError("a retrieving pool reads a budget of pages per query and reports no slot mass")
+        part = read if self.retrieval is None else retrieve
+        if single and self.retrieval is None and self.kernel_route(head_dim, slot_mass=weights is not None) is None:
             parts = [self._kernel_decode(grouped[:single], positions[:single], scale, logit_softcap)]
         else:
-            parts = [read(0, single, self.decode_width, self.decode_columns)] if single else []
-        if single < tokens and self.retrieval is not None:
-            parts.append(retrieve(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
-        elif single < tokens:
-            parts.append(read(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
+            parts = [part(0, single, self.decode_width, self.decode_columns)] if single else []
+        if single < tokens:
+            parts.append(part(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
         outs = [part if weights is None else part[0] for part in parts]
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, H_kv, G, D]
         out = out.reshape(batch, length, num_heads, head_dim).transpose(0, 2, 1, 3).astype(queries.dtype)

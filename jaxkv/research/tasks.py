@@ -260,6 +260,11 @@ class Haystack:
         return Filled(" ".join(pieces), tuple(float(boundaries[slot] / total) for slot in slots))
 
 
+# Tokens per update of a context's prefill: one update of 16k tokens attends the whole context at
+# once and does not fit this 24 GiB machine (Gemma 3 270M, float32); 4096-token updates do.
+PREFILL_CHUNK = 4096
+
+
 @dataclasses.dataclass
 class ContextPrefills:
     """The context prefills of a retrieval task's cells on one model: each batch of contexts is
@@ -282,7 +287,9 @@ class ContextPrefills:
         observed = self.caches.setdefault((context, *key), {})
         observer = observer_for(cache_options.get("eviction"), observed)
         if observer not in observed:
-            observed[observer] = prefill_prefix(model, contexts, max_length=context, layer_builder=observer)
+            observed[observer] = prefill_prefix(
+                model, contexts, max_length=context, chunk=PREFILL_CHUNK, layer_builder=observer
+            )
         return _compiled_refill(observed[observer], model.init_cache(len(contexts), context, **cache_options))
 
 

@@ -89,3 +89,14 @@ def test_an_observer_refuses_the_layers_it_cannot_observe(layer_type):
 def test_an_observer_window_holds_a_query():
     with pytest.raises(ValueError, match="Observer: window must be at least 1 query, got 0"):
         Observer(0)
+
+
+def test_a_prefill_in_chunks_observes_what_one_update_does(model):
+    """``prefill_prefix(chunk=16)`` (updates of 16 tokens, the last one at least 16, so it brings
+    the window whole; ragged rows) leaves the observer cache one update leaves: K/V, lengths, both
+    masses (the experiment runner prefills its contexts so)."""
+    rng = np.random.default_rng(0)
+    contexts = [rng.integers(0, 60, 61).tolist(), rng.integers(0, 60, 50).tolist()]
+    chunked = prefill_prefix(model, contexts, max_length=64, chunk=16, layer_builder=Observer(5))
+    whole = prefill_prefix(model, contexts, max_length=64, layer_builder=Observer(5))
+    chex.assert_trees_all_close(chunked, whole, atol=1e-5)
