@@ -100,3 +100,5 @@ def test_a_prefill_in_chunks_observes_what_one_update_does(model):
     chunked = prefill_prefix(model, contexts, max_length=64, chunk=16, layer_builder=Observer(5))
     whole = prefill_prefix(model, contexts, max_length=64, layer_builder=Observer(5))
     chex.assert_trees_all_close(chunked, whole, atol=1e-5)
+    with pytest.raises(ValueError, match="chunk must be a positive number of tokens, got 0"):
+        prefill_prefix(model, contexts, max_length=64, chunk=0)
