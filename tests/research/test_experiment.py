@@ -318,6 +318,7 @@ def test_every_cache_of_a_context_shares_one_prefill(monkeypatch):
     from jaxkv.eviction import EvictionSpec
     from jaxkv.quantization import QuantSpec
     from jaxkv.research.observer import Observer
+    from jaxkv.research.tasks import PREFILL_CHUNK
     from tests.cases import TINY_LLAMA
 
     model, contexts = Llama(LlamaConfig(**TINY_LLAMA), seed=0), [[3, 14, 15, 9, 2, 6, 5, 3, 5, 8], [35, 8, 9]]
@@ -335,7 +336,7 @@ def test_every_cache_of_a_context_shares_one_prefill(monkeypatch):
         for a, b in zip(got.layers, want.layers):
             np.testing.assert_array_equal(a.slot_positions, b.slot_positions)
             np.testing.assert_allclose(a.keys, b.keys, atol=1e-6)
-    assert calls == [{"max_length": 16, "layer_builder": Observer()}]
+    assert calls == [{"max_length": 16, "chunk": PREFILL_CHUNK, "layer_builder": Observer()}]
     prefills.cache(model, contexts, 16, (1, 0), {})  # another seed
     prefills.cache(model, contexts, 12, (1, 0), {})  # another context
     prefills.cache(model, contexts, 12, (1, 0), {"eviction": EvictionSpec("snapkv", budget=4, window=3)})
