@@ -169,13 +169,17 @@ def _slot(layout: str, page: jax.Array, offset: jax.Array) -> tuple:
     return (page, offset) if layout == TOKENS_LAYOUT else (page, slice(None), offset)
 
 
+def _read(stack: PageArray, at: tuple, quantization: QuantSpec | None) -> jax.Array:
+    """``stack[at]``, dequantized: one gather from the stacked pool (slicing a layer's pool out
+    first would copy all of it)."""
+    found = jax.tree.map(lambda leaf: leaf[at], stack)
+    return found if quantization is None else dequantize(found, quantization, PER_TOKEN)
+
+
 def _entry_pages(stack: PageArray, index, pages: jax.Array, quantization: QuantSpec | None, layout: str) -> jax.Array:
     """Pages ``pages`` (any shape ``[...]``) of entry ``index`` of a stacked pool: ``[..., page_size,
-    H_kv, D]`` (dequantized). One gather from the stack: slicing the layer's pool out first would
-    copy all of it."""
-    found = jax.tree.map(lambda leaf: leaf[index, pages], stack)
-    values = found if quantization is None else dequantize(found, quantization, PER_TOKEN)
-    return _tokens_major(values, layout)
+    H_kv, D]`` (dequantized)."""
+    return _tokens_major(_read(stack, (index, pages), quantization), layout)
 
 
 def _dense_or_retrieved(dense_tokens: jax.Array, positions: jax.Array, dense: Callable, retrieved: Callable):
@@ -362,10 +366,13 @@ class PagedKVView:
             logits = logit_softcap * jnp.tanh(logits / logit_softcap)
         logits = jnp.where(visible[:, :, None], logits, -jnp.inf)
         values = jnp.where(visible[..., None], values, 0)  # a freed page may hold NaN
-        peak = jnp.max(logits, axis=-1, keepdims=True)
-        weights = jnp.exp(logits - jnp.where(jnp.isfinite(peak), peak, 0.0))
-        total = jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-        out = jnp.einsum("bhgqs,bhqsd->bhgqd", weights.astype(values.dtype), values, preferred_element_type=jnp.float32)
+
+        def weigh(weights):
+            weights = weights.astype(values.dtype)
+            return jnp.einsum("bhgqs,bhqsd->bhgqd", weights, values, preferred_element_type=jnp.float32)
+
+        _, total, out = softmax_step(softmax_init(q.shape[:-1], head_dim), logits, weigh)
+        total = jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
         return (out / total).transpose(0, 3, 1, 2, 4).reshape(grouped.shape)
 
     def _chosen_columns(self, q: jax.Array, q_positions: jax.Array, table: jax.Array) -> jax.Array:
@@ -379,8 +386,7 @@ class PagedKVView:
         ``[b, H_kv, Q, A * page_size, D]`` (dequantized)."""
         heads = jnp.arange(pages.shape[1])[None, :, None, None]
         at = (self.index, pages, slice(None), heads) if self.layout == TOKENS_LAYOUT else (self.index, pages, heads)
-        found = jax.tree.map(lambda leaf: leaf[at], stack)  # [b, H_kv, Q, A, page_size, D]
-        values = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
+        values = _read(stack, at, self.quantization)  # [b, H_kv, Q, A, page_size, D]
         return values.reshape(*pages.shape[:3], -1, values.shape[-1])
 
     def kernel_route(self, head_dim: int, slot_mass: bool) -> str | None:
@@ -614,9 +620,9 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         return moved.replace(slot_scores=decayed)
 
     def page_keys(self, pages: jax.Array) -> jax.Array:
-        found = jax.tree.map(lambda leaf: leaf[:, pages], self.key_pages)
-        keys = found if self.quantization is None else dequantize(found, self.quantization, PER_TOKEN)
-        return _tokens_major(keys, self.layout).astype(jnp.float32)
+        return _tokens_major(_read(self.key_pages, (slice(None), pages), self.quantization), self.layout).astype(
+            jnp.float32
+        )
 
     def update_entry(self, index, keys, values, positions):
         raise TypeError(
