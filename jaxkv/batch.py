@@ -38,10 +38,9 @@ class PackedBatch:
     that read their row's pages together; the other ``N - decode_tokens`` come in blocks of
     ``QUERY_BLOCK`` tokens of one row. ``tokens_per_row`` (static): the most tokens one row
     brings in this step.
-    ``shifts`` and ``slot_positions``: per pool name whose rows may hold compacted pages (an engine
-    with ``max_pages_per_request``; empty: none), ``[R]`` int32 each row's shift (a token at
-    position p is written to slot ``p - shift`` of its row) and ``[R, W * page_size]`` int32 the
-    absolute position each slot of the row holds (or will hold once written).
+    ``shifts``: per pool name whose rows may hold compacted pages (an engine with
+    ``max_pages_per_request``; empty: none), ``[R]`` int32 each row's shift (a token at position p
+    is written to slot ``p - shift`` of its row; the pool keeps the position each slot holds).
     ``score_weights``: ``[N]`` float32 what each packed token's attention probabilities add to the
     slot scores of the pages it reads (``Paging.scored``; the compaction policy's,
     ``PageBudget.score_weights``); None: 1 for every real token.
@@ -60,7 +59,6 @@ class PackedBatch:
     tokens_per_row: int = struct.field(pytree_node=False)
     decode_width: int = struct.field(pytree_node=False, default=1)
     shifts: dict = struct.field(default_factory=dict)
-    slot_positions: dict = struct.field(default_factory=dict)
     score_weights: jax.Array | None = None
     decode_pages: int | None = struct.field(pytree_node=False, default=None)
     dense_queries: jax.Array | None = None
@@ -118,7 +116,14 @@ class PagedStorage(Capability):
         ``[L, M, K, page_size, H_kv]`` float32 (a pool that keeps slot scores)."""
 
     @abc.abstractmethod
-    def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float) -> Self:
-        """This stack with slot ``(destinations[0][i], destinations[1][i])`` (page, offset arrays of
-        one shape) set to slot ``(sources[0][i], sources[1][i])`` in every entry (all read before
-        any is written), moved slot scores multiplied by ``score_decay``."""
+    def page_positions(self, pages: jax.Array) -> jax.Array:
+        """The position each slot of ``pages`` ``[M, K]`` holds in every entry, per K/V head:
+        ``[L, M, K, page_size, H_kv]`` int32 (-1: empty; a pool whose rows may be compacted)."""
+
+    @abc.abstractmethod
+    def with_slots_moved(self, sources: tuple, destinations: tuple, kept: jax.Array, score_decay: float) -> Self:
+        """This stack with, in entry l and K/V head h, slot ``(destinations[0][m, k],
+        destinations[1][m, k])`` (page, offset ``[M, K]``) set to slot ``(sources[0][l, m, k, h],
+        sources[1][l, m, k, h])`` (``[L, M, K, H_kv]``, or broadcast to it), all read before any is
+        written; where ``kept`` (``[L, M, K, H_kv]``, broadcast) is False the slot is left empty
+        (position -1). Moved slot scores are multiplied by ``score_decay``."""

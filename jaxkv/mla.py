@@ -469,7 +469,10 @@ class LatentPages(CacheLayer, PackedAttention, PagedStorage):
     def page_scores(self, pages: jax.Array) -> jax.Array:
         raise ValueError(f"{type(self).__name__} keeps no slot scores: compaction does not cover latent pages")
 
-    def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float):
+    def page_positions(self, pages: jax.Array) -> jax.Array:
+        raise ValueError(f"{type(self).__name__} keeps no slot positions: compaction does not cover latent pages")
+
+    def with_slots_moved(self, sources: tuple, destinations: tuple, kept: jax.Array, score_decay: float):
         raise ValueError(f"{type(self).__name__}: compaction (moving slots) does not cover latent pages")
 
     def attend_packed_entry(self, index, queries, keys, values, positions, read: Callable, packed: PackedBatch):

@@ -23,11 +23,12 @@ import argparse
 import time
 from collections.abc import Sequence
 
+from jaxkv.cache import layer_types_of
 from jaxkv.config import EvictionConfig
 from jaxkv.eviction import EvictionSpec
 from jaxkv.research.experiment import CacheChoice
 from jaxkv.research.tasks import KVRetrievalTask, PasskeyTask, RetrievalExample, RetrievalTask, parse_number
-from jaxkv.serving.compaction import COMPACTION_POLICIES, WINDOW_POLICIES
+from jaxkv.serving.compaction import COMPACTION_CHOICES, COMPACTION_POLICIES, WINDOW_POLICIES, PageBudget
 
 TASKS = {"passkey": PasskeyTask, "kv_retrieval": KVRetrievalTask}
 
@@ -104,7 +105,10 @@ def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
                "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
 
     def engine_row(pages: int | None) -> dict:
-        budget = {} if pages is None else {"max_pages_per_request": pages, "compaction_policy": args.policy}
+        budget = {} if pages is None else {
+            "max_pages_per_request": pages, "compaction_policy": args.policy,
+            "compaction_choice": args.compaction_choice,
+        }  # fmt: skip
         texts = engine_texts(model, tokenizer, examples, max_new_tokens=task.max_new_tokens,
                              engine_options=options | budget)  # fmt: skip
         return scored(examples, texts)
@@ -118,15 +122,18 @@ def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
         if args.policy not in WINDOW_POLICIES:
             row = runner_row(task, model, tokenizer, data, args.context, args.seed, args.policy, slots)
             return dict(system=f"EvictingLayer {args.policy} (runner)", **row)
-        texts = whole_prompt_texts(model, tokenizer, examples, EvictionSpec(args.policy, budget=slots),
-                                   max_new_tokens=task.max_new_tokens, batch_size=args.batch_size)  # fmt: skip
+        spec = PageBudget(slots // args.page_size + 1, args.page_size, args.policy, choice="head").layer_spec(
+            len(layer_types_of(model.config))
+        )  # PyramidKV's: the mean budget whose first layer fills the pages
+        texts = whole_prompt_texts(model, tokenizer, examples, spec, max_new_tokens=task.max_new_tokens,
+                                   batch_size=args.batch_size)  # fmt: skip
         return dict(system=f"EvictingLayer {args.policy} (generate, whole prompt)", **scored(examples, texts))
 
     for pages in args.pages:
         slots = (pages - 1) * args.page_size
         rows += [
             dict(pages=pages, **evicting_row(slots)),
-            dict(system=f"engine {args.policy}", pages=pages, **engine_row(pages)),
+            dict(system=f"engine {args.policy}, choice per {args.compaction_choice}", pages=pages, **engine_row(pages)),
         ]
         print(f"[accuracy] {pages} pages done", flush=True)
     return rows
@@ -156,6 +163,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pages", type=int, nargs="+", default=[64, 32], help="max_pages_per_request budgets")
     parser.add_argument("--policy", choices=COMPACTION_POLICIES, default="streaming_llm")
+    parser.add_argument("--compaction-choice", choices=COMPACTION_CHOICES, default="pool",
+                        help="the engine's: one choice for the pool, or each layer and K/V head's own")  # fmt: skip
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=4, help="the runner's rows per batch; the engine's rows")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)

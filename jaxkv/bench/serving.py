@@ -198,7 +198,7 @@ from jaxkv.bench.vllm_worker import (
     timed_drive,
 )  # fmt: skip
 from jaxkv.kernels import BACKENDS
-from jaxkv.serving.compaction import COMPACTION_POLICIES
+from jaxkv.serving.compaction import COMPACTION_CHOICES, COMPACTION_POLICIES
 from jaxkv.serving.kv_manager import PREEMPTION_MODES
 
 MODULE = "jaxkv.bench.serving"  # workers run as `python -m MODULE --worker SPEC`
@@ -555,7 +555,10 @@ def engine_options(spec: dict) -> dict:
         preemption=spec["preemption"], attention_backend=spec["attention_backend"],
     )  # fmt: skip
     if spec.get("max_pages_per_request"):
-        options.update(max_pages_per_request=spec["max_pages_per_request"], compaction_policy=spec["compaction_policy"])
+        options.update(
+            max_pages_per_request=spec["max_pages_per_request"], compaction_policy=spec["compaction_policy"],
+            compaction_choice=spec["compaction_choice"],
+        )
     if spec.get("host_kv_memory_mib"):
         options["host_kv_memory"] = f"{spec['host_kv_memory_mib']}MiB"
     if spec.get("kv_cache_dir"):
@@ -873,7 +876,7 @@ def system_spec(args: argparse.Namespace, system: str, kind: str, requests: list
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         prefix_caching=base_system(system) in ENGINE_SYSTEMS and system != "engine-no-prefix",
         static_batch=args.static_batch, max_pages_per_request=compaction_pages(system),
-        compaction_policy=args.compaction_policy,
+        compaction_policy=args.compaction_policy, compaction_choice=args.compaction_choice,
         max_output=args.max_output, host_kv_memory_mib=args.host_kv_memory_mib if system in TIER_SYSTEMS else None,
         preemption=args.preemption, max_concurrency=concurrency, speculative_tokens=args.speculative_tokens,
         always_verify=args.always_verify, attention_backend=args.attention_backend,
@@ -1407,6 +1410,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the host page tier of engine-host-tier and engine-disk-tier")  # fmt: skip
     parser.add_argument("--compaction-policy", choices=COMPACTION_POLICIES, default="streaming_llm",
                         help="engine-compact-<pages>: how a compaction ranks a request's tokens")  # fmt: skip
+    parser.add_argument("--compaction-choice", choices=COMPACTION_CHOICES, default="pool",
+                        help="engine-compact-<pages>: one choice for the pool, or each K/V head's own")  # fmt: skip
     parser.add_argument("--preemption", choices=PREEMPTION_MODES, default="auto",
                         help="the engines' preemption: swap to the host tier (where one is) or recompute")  # fmt: skip
     parser.add_argument("--max-concurrency", type=int, nargs="+",

@@ -539,6 +539,7 @@ class ServeConfig(Strict):
     speculative: ServeSpeculativeConfig | None = None  # draft tokens verified in the engine's steps
     max_pages_per_request: PositiveInt | None = None  # compressed pages: full-attention pages per request
     compaction_policy: str = "streaming_llm"  # what a compaction keeps (jaxkv.serving.compaction.COMPACTION_POLICIES)
+    compaction_choice: Literal["pool", "head"] = "pool"  # one choice for the pool, or each layer and K/V head's own
     attention_backend: Literal[BACKENDS] = "xla"  # reads decodes (docs/kernels.md)
     pool_layout: Literal["tokens", "heads"] = "tokens"  # pages [P, page, H_kv, D] or [P, H_kv, page, D]
     # Quest over the full-attention pool: each decode token reads `budget` tokens of pages chosen by
@@ -619,8 +620,12 @@ def _serve_parser(sub) -> None:
     )
     parser.add_argument(
         "--compaction-policy", help="what a compaction keeps: streaming_llm (sinks and recent tokens, the default), "
-        "key_norm (low-norm keys), h2o, zipage (attention received) or snapkv (a long prompt prefilled whole, then "
-        "compacted by the attention of its last queries)"
+        "key_norm (low-norm keys), h2o, zipage (attention received), snapkv or pyramidkv (a long prompt prefilled "
+        "whole, then compacted by the attention of its last queries; pyramidkv: fewer tokens in later layers)"
+    )
+    parser.add_argument(
+        "--compaction-choice", choices=("pool", "head"), help="who shares a compaction's choice of tokens: every "
+        "layer and K/V head of the pool, by their mean score (pool, the default), or none (head: each its own)"
     )
     parser.add_argument(
         "--attention-backend", choices=BACKENDS, help="what reads the paged "
@@ -681,6 +686,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None)
         quantization=None if config.quantization is None else config.quantization.spec(),
         eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
         max_pages_per_request=config.max_pages_per_request, compaction_policy=config.compaction_policy,
+        compaction_choice=config.compaction_choice,
         attention_backend=config.attention_backend, pool_layout=config.pool_layout,
         retrieval=None if config.retrieval is None else config.retrieval.spec(),
     )  # fmt: skip

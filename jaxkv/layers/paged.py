@@ -16,10 +16,12 @@ and the decode tokens of others as one ``[1, N]`` batch. Masks come from absolut
 positions only: slot s of logical page j holds position ``j * page_size + s`` and is visible
 to a query at q if it is not in the future, is inside the window, and its page is not the
 null page. A row whose pages were compacted (``jaxkv.serving.compaction``: an engine with
-``max_pages_per_request``) holds non-contiguous positions: the packed batch then carries each
-row's ``shift`` (a token at position p is written to the row's slot ``p - shift``) and the
-absolute position of each of its slots, and the masks read those (keys keep the positions
-RoPE gave them when they were written).
+``max_pages_per_request``) holds non-contiguous positions, chosen per layer and K/V head: the
+packed batch then carries each row's ``shift`` (a token at position p is written to the row's
+slot ``p - shift``), the pool keeps the position each slot holds per K/V head
+(``PagedLayer.slot_positions``, -1 where a compaction left it empty), and a query at slot q sees
+its row's slots up to q that hold a token (keys keep the positions RoPE gave them when they were
+written).
 
 With ``Paging.retrieval`` (Quest in the engine) the full-attention pool also keeps a summary of
 each page's keys (``PagedLayer.page_summaries``), and each decode token (and, under
@@ -77,6 +79,8 @@ class Paging:
     ``max_length``: the longest sequence a row may reach (the engine's ``max_model_len``).
     ``scored``: full-attention layers also keep the attention mass each slot received
     (``PagedLayer.slot_scores``), for a compaction policy that ranks tokens by it.
+    ``compacted``: full-attention rows may be compacted (``max_pages_per_request``): their layers
+    keep the position each slot holds per K/V head (``PagedLayer.slot_positions``).
     ``attention_backend``: what reads the decode tokens (``jaxkv.kernels``: 'xla', 'pallas_gpu',
     'pallas_tpu'; resolve 'auto' first with ``jaxkv.kernels.resolve_backend``).
     ``layout``: how a layer's pages are stored: 'tokens' ``[P, page_size, H_kv, D]`` or 'heads'
@@ -95,6 +99,7 @@ class Paging:
     max_length: int
     sliding_num_pages: int | None = None
     scored: bool = False
+    compacted: bool = False
     attention_backend: str = XLA
     layout: str = TOKENS_LAYOUT
     sharding: Layout | None = None
@@ -125,8 +130,8 @@ class Paging:
                 "Paging.retrieval: a page pool holds its pages in position order and every layer retrieves: use "
                 f"pages='sequential' and dense_layers=0, got pages={spec.pages!r}, dense_layers={spec.dense_layers}"
             )
-        if self.scored:
-            raise ValueError("Paging.retrieval keeps every token: it does not combine with a compaction's slot scores")
+        if self.scored or self.compacted:
+            raise ValueError("Paging.retrieval keeps every token: it does not combine with compacted rows")
 
     def pool_pages(self, window: int | None) -> int:
         """Pages of the pool a layer with this ``window`` (None: full attention) draws from."""
@@ -167,6 +172,12 @@ def _slot(layout: str, page: jax.Array, offset: jax.Array) -> tuple:
     """The index of slots (``page``, ``offset``) in a pool of ``layout`` after its leading axes:
     their K/V heads come first in the result either way (NumPy's advanced indexing)."""
     return (page, offset) if layout == TOKENS_LAYOUT else (page, slice(None), offset)
+
+
+def _head_slot(layout: str, layer, page, offset, head) -> tuple:
+    """The index of K/V head ``head``'s slot (``page``, ``offset``) of entry ``layer`` (index arrays
+    of one broadcast shape ``[...]``) in a stacked pool of ``layout``: ``[..., ·]`` either way."""
+    return (layer, page, offset, head) if layout == TOKENS_LAYOUT else (layer, page, head, offset)
 
 
 def _read(stack: PageArray, at: tuple, quantization: QuantSpec | None) -> jax.Array:
@@ -218,7 +229,7 @@ class PagedKVView:
     window: int | None = struct.field(pytree_node=False, default=None)
     quantization: QuantSpec | None = struct.field(pytree_node=False, default=None)
     shifts: jax.Array | None = None  # [R]: see PackedBatch (None: slot = position)
-    slot_positions: jax.Array | None = None  # [R, W * page_size]
+    slot_positions: jax.Array | None = None  # [L, P, page_size, H_kv]: see PagedLayer.slot_positions
     backend: str = struct.field(pytree_node=False, default=XLA)  # reads the decode tokens (jaxkv.kernels)
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
     sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
@@ -252,24 +263,23 @@ class PagedKVView:
         """Pages ``[N, K]`` of entry ``index``: values ``[N, K, page_size, H_kv, D]`` (dequantized)."""
         return _entry_pages(stack, self.index, pages, self.quantization, self.layout)
 
-    def read_block(self, block, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def read_block(self, block, rows: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
         """Page block ``block`` of each of ``rows`` ``[M]``: keys and values ``[M, S, H_kv, D]`` (S =
-        ``block_pages * page_size`` slots) and the positions they hold ``[M, S]`` (-1 on the null page)."""
+        ``block_pages * page_size`` slots), the row's slot each is ``[M, S]`` (-1 on the null page)
+        and, in a compacted pool, whether it holds a token for each K/V head ``[M, S, H_kv]`` (None
+        otherwise: every slot up to a query's own does)."""
         width = self.block_pages
         columns = jax.lax.dynamic_slice_in_dim(self.block_table, block * width, width, axis=1)
         pages = columns[rows]  # [M, block_pages]
         keys, values = self.gather(self.key_stack, pages), self.gather(self.value_stack, pages)
         tokens, _, size, heads, dim = keys.shape
         slots = block * width * size + jnp.arange(width * size, dtype=jnp.int32)
-        held = slots[None, :] if self.slot_positions is None else self._held_positions(block, rows)
-        positions = jnp.where(jnp.repeat(pages, size, axis=1) != NULL_PAGE, held, -1)
+        slots = jnp.where(jnp.repeat(pages, size, axis=1) != NULL_PAGE, slots[None, :], -1)
+        held = None
+        if self.slot_positions is not None:
+            held = self.slot_positions[self.index, pages].reshape(tokens, width * size, heads) >= 0
         shape = (tokens, width * size, heads, dim)
-        return keys.reshape(shape), values.reshape(shape), positions
-
-    def _held_positions(self, block, rows: jax.Array) -> jax.Array:
-        """``[M, S]``: the positions the slots of page block ``block`` of ``rows`` hold (shifted rows)."""
-        span = self.block_pages * self.page_size
-        return jax.lax.dynamic_slice_in_dim(self.slot_positions, block * span, span, axis=1)[rows]
+        return keys.reshape(shape), values.reshape(shape), slots, held
 
     def query_slots(self, q_positions: jax.Array, rows: jax.Array) -> jax.Array:
         """The slots ``[b, Q]`` queries at ``q_positions`` ``[b, Q]`` of block rows ``rows`` ``[b]``
@@ -418,18 +428,22 @@ class PagedKVView:
         prefills = [self.token_rows[single:num_tokens:QUERY_BLOCK]] if single < num_tokens else []
         return tuple(decodes + prefills)
 
-    def _block_logits(self, block, q, q_positions, rows, scale, logit_softcap):
-        """Page block ``block`` of ``rows`` ``[b]`` for query blocks ``q`` ``[b, Q, H_kv, G, D]`` at
-        ``q_positions`` ``[b, Q]``: masked logits ``[b, H_kv, G, Q, S]`` (-inf where masked), the
-        values ``[b, S, H_kv, D]`` (zeroed where no query may see them: a freed page may hold
-        anything, NaN included, and a zero weight times NaN is still NaN)."""
-        keys, values, slot_positions = self.read_block(block, rows)  # [b, S, H_kv, D], [b, S]
-        mask = attention_mask(q_positions, MaskInfo(slot_positions, window=self.window))  # [b, Q, S]
+    def _block_logits(self, block, q, q_slots, rows, scale, logit_softcap):
+        """Page block ``block`` of ``rows`` ``[b]`` for query blocks ``q`` ``[b, Q, H_kv, G, D]`` written
+        to slots ``q_slots`` ``[b, Q]`` (``query_slots``): masked logits ``[b, H_kv, G, Q, S]`` (-inf
+        where masked), the values ``[b, S, H_kv, D]`` (zeroed where no query may see them: a freed
+        page may hold anything, NaN included, and a zero weight times NaN is still NaN). Slots hold
+        positions in order, so masking by slot is masking by position."""
+        keys, values, slots, held = self.read_block(block, rows)  # [b, S, H_kv, D], [b, S], [b, S, H_kv]
+        mask = attention_mask(q_slots, MaskInfo(slots, window=self.window))  # [b, Q, S]
+        visible, seen = mask[:, None, None], jnp.any(mask, axis=1)[:, :, None]  # [b, 1, 1, Q, S], [b, S, 1]
+        if held is not None:  # a compaction's empty slots, per K/V head
+            visible, seen = visible & held.transpose(0, 2, 1)[:, :, None, None], seen & held
         logits = jnp.einsum("bqhgd,bshd->bhgqs", q, keys, preferred_element_type=jnp.float32) * scale
         if logit_softcap is not None:
             logits = logit_softcap * jnp.tanh(logits / logit_softcap)
-        logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-        return logits, jnp.where(jnp.any(mask, axis=1)[:, :, None, None], values, 0)
+        logits = jnp.where(visible, logits, -jnp.inf)
+        return logits, jnp.where(seen[..., None], values, 0)
 
     def _read_blocks(
         self, grouped: jax.Array, positions: jax.Array, rows: jax.Array, query_block: int, columns: int,
@@ -451,12 +465,12 @@ class PagedKVView:
         tokens, num_kv_heads, group, head_dim = grouped.shape
         num_blocks = tokens // query_block
         q = grouped.reshape(num_blocks, query_block, num_kv_heads, group, head_dim)
-        q_positions = positions.reshape(num_blocks, query_block)
+        q_slots = self.query_slots(positions.reshape(num_blocks, query_block), rows)  # [b, Q]
         span, width = self.block_pages * self.page_size, columns * self.page_size
         keep = weights is not None and query_block < QUERY_BLOCK
 
         def fold(block, state):
-            logits, values = self._block_logits(block, q, q_positions, rows, scale, logit_softcap)
+            logits, values = self._block_logits(block, q, q_slots, rows, scale, logit_softcap)
 
             def weigh(weights):
                 weights = weights.astype(values.dtype)
@@ -468,7 +482,7 @@ class PagedKVView:
             logits, state = fold(block, carry[0])
             return state, jax.lax.dynamic_update_slice_in_dim(carry[1], logits, block * span, axis=4)
 
-        first, end = self.block_range(self.query_slots(q_positions, rows).reshape(-1))
+        first, end = self.block_range(q_slots.reshape(-1))
         end = jnp.minimum(end, columns // self.block_pages)
         init = softmax_init((num_blocks, num_kv_heads, group, query_block), head_dim)
         if keep:
@@ -490,7 +504,7 @@ class PagedKVView:
             return out, mass_of(kept)
 
         def mass_step(block, mass):
-            logits, _ = self._block_logits(block, q, q_positions, rows, scale, logit_softcap)
+            logits, _ = self._block_logits(block, q, q_slots, rows, scale, logit_softcap)
             return jax.lax.dynamic_update_slice_in_dim(mass, mass_of(logits), block * span, axis=1)
 
         mass = jax.lax.fori_loop(first, end, mass_step, jnp.zeros((num_blocks, width, num_kv_heads), jnp.float32))
@@ -510,6 +524,11 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
     # (``Paging.scored``; None: not kept). A slot starts at 0 when written; every query that reads
     # it adds its probability, summed over the query heads of the K/V head.
     slot_scores: jax.Array | None = None
+    # [P, page_size, H_kv] int32: the position each slot holds, per K/V head (``Paging.compacted``;
+    # None: slot s of a row's logical page j holds j * page_size + s). Set with the K/V when the
+    # slot is written; a compaction moves it with them, per layer and K/V head, and sets -1 in a
+    # slot it leaves empty. Meaningful only at a row's written slots (a freed page holds anything).
+    slot_positions: jax.Array | None = None
     attention_backend: str = struct.field(pytree_node=False, default=XLA)  # see Paging
     layout: str = struct.field(pytree_node=False, default=TOKENS_LAYOUT)  # see Paging
     sharding: Layout | None = struct.field(pytree_node=False, default=None)  # see Paging
@@ -535,7 +554,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         if quantization is not None:
             check_page_quantization(quantization, head_dim)
         pages = (paging.pool_pages(window), paging.page_size, num_kv_heads, head_dim)
-        scored = paging.scored and window is None
+        scored, compacted = paging.scored and window is None, paging.compacted and window is None
         retrieval = paging.retrieval if window is None else None
         summaries = None if retrieval is None else (pages[0], retrieval.summary_rows, num_kv_heads, head_dim)
         return cls(
@@ -544,6 +563,7 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             window=window,
             quantization=quantization,
             slot_scores=jnp.zeros(pages[:3], jnp.float32) if scored else None,
+            slot_positions=jnp.full(pages[:3], -1, jnp.int32) if compacted else None,
             attention_backend=paging.attention_backend,
             layout=paging.layout,
             sharding=paging.sharding,
@@ -587,12 +607,13 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         def pool_axes(pool: PageArray):
             return pool.logical_axes(*lead) if isinstance(pool, QuantizedTensor) else Axes(*lead, HEAD_DIM)
 
-        scores = None if self.slot_scores is None else Axes(PAGES, PAGE_SLOTS, KV_HEADS)  # [P, page, H_kv] always
+        slots = Axes(PAGES, PAGE_SLOTS, KV_HEADS)  # slot scores and positions: [P, page, H_kv] in any layout
         summaries = None if self.page_summaries is None else Axes(PAGES, None, KV_HEADS, HEAD_DIM)
         return self.replace(
-            key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages), slot_scores=scores,
-            page_summaries=summaries,
-        )
+            key_pages=pool_axes(self.key_pages), value_pages=pool_axes(self.value_pages),
+            slot_scores=None if self.slot_scores is None else slots,
+            slot_positions=None if self.slot_positions is None else slots, page_summaries=summaries,
+        )  # fmt: skip
 
     def with_page_copies(self, copies: dict) -> PagedLayer:
         source, destination = copies[self.pool][:, 0], copies[self.pool][:, 1]
@@ -603,21 +624,33 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
             raise ValueError("page_scores: this pool keeps no slot scores (build it with Paging(scored=True))")
         return self.slot_scores[:, pages]
 
-    def with_slots_moved(self, sources: tuple, destinations: tuple, score_decay: float) -> PagedLayer:
-        source_page, source_offset = sources
-        destination_page, destination_offset = destinations
+    def page_positions(self, pages: jax.Array) -> jax.Array:
+        if self.slot_positions is None:
+            raise ValueError("page_positions: this pool keeps no slot positions (build it with Paging(compacted=True))")
+        return self.slot_positions[:, pages]
 
-        def move(leaf: jax.Array, layout: str) -> jax.Array:
-            destination = (slice(None), *_slot(layout, destination_page, destination_offset))
-            return leaf.at[destination].set(leaf[(slice(None), *_slot(layout, source_page, source_offset))])
+    def with_slots_moved(self, sources: tuple, destinations: tuple, kept: jax.Array, score_decay: float) -> PagedLayer:
+        if self.slot_positions is None:
+            raise ValueError(
+                "with_slots_moved: this pool keeps no slot positions (build it with Paging(compacted=True))"
+            )
+        layers, _, _, heads = self.slot_positions.shape
+        layer, head = jnp.arange(layers)[:, None, None, None], jnp.arange(heads)[None, None, None, :]
+        source = (layer, *sources, head)  # [L, M, K, H_kv] each
+        destination = (layer, destinations[0][None, :, :, None], destinations[1][None, :, :, None], head)
 
-        pools = jax.tree.map(lambda leaf: move(leaf, self.layout), (self.key_pages, self.value_pages))
-        moved = self.replace(key_pages=pools[0], value_pages=pools[1])
+        def move(leaf: jax.Array) -> jax.Array:
+            return leaf.at[_head_slot(self.layout, *destination)].set(leaf[_head_slot(self.layout, *source)])
+
+        pools = jax.tree.map(move, (self.key_pages, self.value_pages))
+        positions = jnp.where(kept, self.slot_positions[source], -1)
+        moved = self.replace(
+            key_pages=pools[0], value_pages=pools[1], slot_positions=self.slot_positions.at[destination].set(positions)
+        )
         if self.slot_scores is None:
             return moved
-        moved = moved.replace(slot_scores=move(self.slot_scores, TOKENS_LAYOUT))  # [L, P, page, H_kv] in any layout
-        decayed = moved.slot_scores.at[:, destination_page, destination_offset].multiply(score_decay)
-        return moved.replace(slot_scores=decayed)
+        scores = jnp.where(kept, self.slot_scores[source] * score_decay, 0.0)
+        return moved.replace(slot_scores=self.slot_scores.at[destination].set(scores))
 
     def page_keys(self, pages: jax.Array) -> jax.Array:
         return _tokens_major(_read(self.key_pages, (slice(None), pages), self.quantization), self.layout).astype(
@@ -653,9 +686,11 @@ class PagedLayer(CacheLayer, PackedAttention, PagedStorage):
         )
         if self.page_summaries is not None:
             new = new.replace(page_summaries=new._summarized(index, page, offset))
+        if self.slot_positions is not None:
+            new = new.replace(slot_positions=self.slot_positions.at[index, page, offset].set(positions.reshape(-1, 1)))
         view = PagedKVView(
             new.key_pages, new.value_pages, index, table, packed.token_rows, packed.decode_tokens, packed.decode_width,
-            self.window, self.quantization, packed.shifts.get(self.pool), packed.slot_positions.get(self.pool),
+            self.window, self.quantization, packed.shifts.get(self.pool), new.slot_positions,
             self.attention_backend, self.layout, self.sharding,
             packed.decode_pages if self.pool in packed.shifts else None, new.page_summaries, self.retrieval,
             None if self.retrieval is None else self._dense_queries(packed),

@@ -8,9 +8,10 @@ compaction (``Compaction``): every token the request holds is scored by a policy
 into ``max_pages - 1`` pages, and its other pages go back to the pool. One compiled function
 (``compact_pages``) compacts up to ``MAX_COMPACTIONS`` rows between two steps (padded to one of
 ``COMPACTION_ROWS``); a row beyond that waits a step. The kept keys keep the positions RoPE gave
-them; the row's slots now hold non-contiguous positions, which the host keeps
-(``KVCacheManager.row_positions``) and the step masks by. One choice of tokens holds for every
-layer and K/V head of the pool (one block table).
+them; the pool keeps the position each slot holds (``PagedLayer.slot_positions``). The choice
+(``PageBudget.choice``) is one for every layer and K/V head of the pool ('pool': the mean of
+their scores) or each layer's and K/V head's own ('head': ``EvictingLayer``'s and Zipage's; a
+layer may keep fewer, PyramidKV's schedule, the rest of its slots left empty).
 
 Pages others may read are never written: the destinations are the request's own pages that no
 other request holds, reused in place (those the prefix cache holds only past its prompt: they
@@ -39,11 +40,14 @@ from jaxkv.protocol import has
 # written; Zipage's since the row's last compaction plus a decayed share of the earlier ones,
 # less a redundancy penalty; SnapKV's from its observation window, the prompt's last queries,
 # and every query after them, pooled along the slots).
-COMPACTION_POLICIES = ("streaming_llm", "key_norm", "h2o", "zipage", "snapkv")
-ATTENTION_POLICIES = ("h2o", "zipage", "snapkv")
+COMPACTION_POLICIES = ("streaming_llm", "key_norm", "h2o", "zipage", "snapkv", "pyramidkv")
+ATTENTION_POLICIES = ("h2o", "zipage", "snapkv", "pyramidkv")
 # Policies whose prompt is prefilled whole and compacted once after it, from the attention its
 # last queries (the question, in a question-answering prompt) give each token, as SnapKV does.
-WINDOW_POLICIES = ("snapkv",)
+WINDOW_POLICIES = ("snapkv", "pyramidkv")
+# Who shares a compaction's choice of tokens: every layer and K/V head of the pool (their mean
+# score), or nobody (each layer and K/V head its own, as EvictingLayer and Zipage choose).
+COMPACTION_CHOICES = ("pool", "head")
 MAX_COMPACTIONS = 4  # rows compacted per step; a row needing one more waits a step
 COMPACTION_ROWS = (1, MAX_COMPACTIONS)  # the compaction's shapes: one row (the usual case), or all
 ZIPAGE_DECAY = 0.8  # a kept slot's score is multiplied by this at each compaction (Zipage's decay_factor)
@@ -54,7 +58,8 @@ REDUNDANCY_TEMPERATURE = 0.4  # Zipage's redudancy_temperature
 @dataclasses.dataclass(frozen=True)
 class PageBudget:
     """At most ``max_pages`` pages of ``page_size`` tokens per request in the full-attention
-    pool; a compaction keeps ``keep_slots`` tokens, ranked by ``policy``. A ``WINDOW_POLICIES``
+    pool; a compaction keeps ``keep_slots`` tokens, ranked by ``policy``, chosen for the whole pool
+    or per layer and K/V head (``choice``, one of ``COMPACTION_CHOICES``). A ``WINDOW_POLICIES``
     policy lets a prompt longer than the budget be prefilled whole first (up to
     ``max_model_len``, the engine's: the pages a compaction may read, ``source_pages``)."""
 
@@ -62,6 +67,7 @@ class PageBudget:
     page_size: int
     policy: str = "streaming_llm"
     max_model_len: int | None = None
+    choice: str = "pool"
 
     def __post_init__(self):
         if isinstance(self.max_pages, bool) or not isinstance(self.max_pages, int) or self.max_pages < 2:
@@ -69,10 +75,12 @@ class PageBudget:
                 f"max_pages_per_request must be an int of at least 2 (a compaction keeps max_pages_per_request - 1 "
                 f"pages and writes on in the last), got {self.max_pages!r}"
             )
-        if self.policy == "pyramidkv":
+        if self.choice not in COMPACTION_CHOICES:
+            raise ValueError(f"compaction_choice must be one of {COMPACTION_CHOICES}, got {self.choice!r}")
+        if self.policy == "pyramidkv" and self.choice != "head":
             raise ValueError(
-                "compaction_policy 'pyramidkv' gives each layer its own budget, but a pool's layers share one block "
-                "table (one choice of tokens for every layer): use 'snapkv', its scores at one budget"
+                "compaction_policy 'pyramidkv' gives each layer its own budget: it needs compaction_choice='head' "
+                "(each layer and K/V head its own tokens), got 'pool'"
             )
         if self.policy not in COMPACTION_POLICIES:
             raise ValueError(
@@ -135,10 +143,22 @@ class PageBudget:
     def spec(self) -> EvictionSpec:
         """The ``EvictionSpec`` whose ranking a compaction applies (its sinks and window defaults);
         Zipage's: H2O's ranking of its scores with no sinks and the last page always kept (the
-        tokens written since the row's last compaction, which few queries have seen)."""
+        tokens written since the row's last compaction, which few queries have seen); PyramidKV's:
+        the largest mean budget whose first (largest) layer's fits ``keep_slots``."""
         if self.policy == "zipage":
             return EvictionSpec("h2o", budget=self.keep_slots, window=self.page_size, sinks=0)
         return EvictionSpec(self.policy, budget=self.keep_slots)
+
+    def layer_spec(self, num_layers: int) -> EvictionSpec:
+        """The ``EvictionSpec`` an ``EvictingLayer`` keeping per layer and K/V head what a 'head'
+        compaction keeps takes, for a model of ``num_layers`` layers: ``spec``; PyramidKV's at the
+        largest mean budget whose first (largest) layer's fits ``keep_slots`` (no prompt-length cap;
+        where its schedule falls back to one budget, that budget in every layer)."""
+        spec = self.spec
+        if self.policy != "pyramidkv":
+            return spec
+        means = (dataclasses.replace(spec, budget=mean) for mean in range(self.keep_slots, 0, -1))
+        return next(mean for mean in means if max(mean.layer_budgets(num_layers)) <= self.keep_slots)
 
     @property
     def scored(self) -> bool:
@@ -154,13 +174,13 @@ class PageBudget:
 @dataclasses.dataclass(frozen=True)
 class Compaction:
     """One row's compaction, planned by the KV manager: its pages before (``sources``) and after
-    (``destinations``), the position each source slot holds (``positions``, -1 past its filled
-    slots) and the tokens it has computed (``length``)."""
+    (``destinations``), the slots of the sources it has written (``filled``: the others hold
+    nothing) and the tokens it has computed (``length``)."""
 
     owner: Hashable
     sources: list[int]
     destinations: list[int]
-    positions: np.ndarray
+    filled: int
     length: int
 
 
@@ -169,21 +189,19 @@ def compaction_inputs(
 ) -> tuple[np.ndarray, ...]:  # fmt: skip
     """``compact_pages``' inputs for ``compactions``, padded to ``rows`` (default: the smallest of
     ``COMPACTION_ROWS`` that holds them): sources ``[M, S]`` (``S = budget.source_pages``) and
-    destinations ``[M, max_pages - 1]`` (the null page as padding), source positions
-    ``[M, S * page_size]`` (-1: empty) and lengths ``[M]``."""
+    destinations ``[M, max_pages - 1]`` (the null page as padding), filled slots ``[M]`` and
+    lengths ``[M]`` (0 for padding)."""
     if len(compactions) > MAX_COMPACTIONS:
         raise ValueError(f"{len(compactions)} compactions in one step; at most {MAX_COMPACTIONS}")
     rows = rows or next(size for size in COMPACTION_ROWS if size >= len(compactions))
     sources = np.full((rows, budget.source_pages), NULL_PAGE, np.int32)
     destinations = np.full((rows, budget.max_pages - 1), NULL_PAGE, np.int32)
-    positions = np.full((rows, budget.source_pages * budget.page_size), -1, np.int32)
-    lengths = np.zeros(rows, np.int32)
+    filled, lengths = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
     for row, compaction in enumerate(compactions):
         sources[row, : len(compaction.sources)] = compaction.sources
         destinations[row] = compaction.destinations
-        positions[row, : len(compaction.positions)] = compaction.positions
-        lengths[row] = compaction.length
-    return sources, destinations, positions, lengths
+        filled[row], lengths[row] = compaction.filled, compaction.length
+    return sources, destinations, filled, lengths
 
 
 def _full_groups(cache: Cache) -> list[int]:
@@ -191,83 +209,112 @@ def _full_groups(cache: Cache) -> list[int]:
     return [index for index, group in enumerate(cache.groups) if has(group, PagedStorage) and group.pool == FULL_POOL]
 
 
+def _slots(found: jax.Array) -> jax.Array:
+    """``[L, M, S, page_size, H_kv, ...]`` per page -> ``[L, M, S * page_size, H_kv, ...]`` per row slot."""
+    return found.reshape(found.shape[0], found.shape[1], -1, *found.shape[4:])
+
+
 def _scores(
-    cache: Cache, budget: PageBudget, sources: jax.Array, positions: jax.Array, lengths: jax.Array
+    group: PagedStorage, budget: PageBudget, sources: jax.Array, positions: jax.Array, lengths: jax.Array
 ) -> jax.Array:
-    """``[M, S * page_size]`` float32 score of each source slot (higher is kept), averaged over
-    every layer and K/V head of the pool: its position (StreamingLLM), its key's ``-||k||``, the
-    attention it received (H2O; SnapKV's window scores of it), or that as a share of the
-    row's total less ``REDUNDANCY_WEIGHT`` times its redundancy (Zipage)."""
+    """``[L, M, S * page_size, H_kv]`` float32 score of each source slot (higher is kept) in each
+    layer and K/V head of ``group``, its slots holding ``positions`` (-1: empty): the position
+    (StreamingLLM), the key's ``-||k||``, the attention it received (H2O; SnapKV's and
+    PyramidKV's window scores of it), or that as a share of the head's total less
+    ``REDUNDANCY_WEIGHT`` times its redundancy (Zipage)."""
     if budget.policy == "streaming_llm":
         return positions.astype(jnp.float32)
-    groups = [cache.groups[index] for index in _full_groups(cache)]
     if budget.policy == "key_norm":
-        return -_pool_mean([jnp.linalg.norm(group.page_keys(sources), axis=-1) for group in groups], positions)
+        return -jnp.linalg.norm(_slots(group.page_keys(sources)), axis=-1)
     filled = positions >= 0
-    attention = jnp.where(filled, _pool_mean([group.page_scores(sources) for group in groups], positions), 0.0)
+    attention = jnp.where(filled, _slots(group.page_scores(sources)), 0.0)
     if budget.policy == "h2o":
         return attention
-    if budget.policy == "snapkv":  # the window's own slots unscored (kept), then pooled, as EvictingLayer's prefill
-        spec, rescored = budget.spec, jnp.ones(lengths.shape, bool)
+    if budget.prefills_whole:  # the window's own slots unscored (kept), then pooled, as EvictingLayer's prefill
+        layers, rows, num_slots, heads = attention.shape
+        spec, rescored = budget.spec, jnp.ones(layers * rows, bool)
+        per_head = lambda x: x.transpose(0, 1, 3, 2).reshape(layers * rows, heads, num_slots)  # noqa: E731
         pooled = window_scores(
-            attention[:, None], positions[:, None], lengths, spec.observation_window, rescored, spec.kernel_size, 1
+            per_head(attention), per_head(positions), jnp.tile(lengths, layers), spec.observation_window, rescored,
+            spec.kernel_size, 1,
         )  # fmt: skip
-        return pooled[:, 0]
-    share = attention / jnp.maximum(jnp.sum(attention, axis=1, keepdims=True), 1e-30)
-    redundancy = _pool_mean([_redundancy(group.page_keys(sources), filled) for group in groups], positions)
-    return share - REDUNDANCY_WEIGHT * redundancy
-
-
-def _pool_mean(per_group: list[jax.Array], positions: jax.Array) -> jax.Array:
-    """``[M, S * page_size]``: the mean over layers and K/V heads of per-group ``[L, M, S, page_size, H_kv]``."""
-    total = sum(jnp.sum(found, axis=(0, 4)) for found in per_group)  # [M, S, page_size]
-    count = sum(found.shape[0] * found.shape[4] for found in per_group)
-    return (total / count).reshape(positions.shape)
+        return pooled.reshape(layers, rows, heads, num_slots).transpose(0, 1, 3, 2)
+    share = attention / jnp.maximum(jnp.sum(attention, axis=2, keepdims=True), 1e-30)
+    return share - REDUNDANCY_WEIGHT * _redundancy(_slots(group.page_keys(sources)), filled)
 
 
 def _redundancy(keys: jax.Array, filled: jax.Array) -> jax.Array:
-    """Zipage's redundancy of each key ``[L, M, S, page_size, H_kv, D]`` among its row's filled
-    slots ``[M, S * page_size]``: a softmax over the slots of its summed cosine similarity to
-    the others, divided by ``REDUNDANCY_TEMPERATURE`` times the slots filled. Returns
-    ``[L, M, S, page_size, H_kv]`` (0 at empty slots). The sum over the others is the unit key's
-    dot product with the sum of all unit keys, less its own square: O(slots), not O(slots^2)."""
-    layers, rows, pages, size, heads, dim = keys.shape
-    flat = keys.reshape(layers, rows, pages * size, heads, dim)
-    unit = flat / jnp.maximum(jnp.linalg.norm(flat, axis=-1, keepdims=True), 1e-30)
-    unit = jnp.where(filled[None, :, :, None, None], unit, 0.0)
+    """Zipage's redundancy of each key ``[L, M, S, H_kv, D]`` among its head's filled slots
+    ``[L, M, S, H_kv]``: a softmax over the slots of its summed cosine similarity to the others,
+    divided by ``REDUNDANCY_TEMPERATURE`` times the slots filled. Returns ``[L, M, S, H_kv]`` (0 at
+    empty slots). The sum over the others is the unit key's dot product with the sum of all unit
+    keys, less its own square: O(slots), not O(slots^2)."""
+    unit = keys / jnp.maximum(jnp.linalg.norm(keys, axis=-1, keepdims=True), 1e-30)
+    unit = jnp.where(filled[..., None], unit, 0.0)
     summed = jnp.einsum("lmshd,lmhd->lmsh", unit, jnp.sum(unit, axis=2)) - jnp.sum(unit * unit, axis=-1)
-    count = jnp.sum(filled, axis=1)[None, :, None, None]
-    logits = jnp.where(filled[None, :, :, None], summed / (REDUNDANCY_TEMPERATURE * jnp.maximum(count, 1)), -jnp.inf)
-    redundancy = jnp.where(filled[None, :, :, None], jax.nn.softmax(logits, axis=2), 0.0)  # [L, M, S', H]
-    return redundancy.reshape(layers, rows, pages, size, heads)
+    count = jnp.sum(filled, axis=2, keepdims=True)
+    logits = jnp.where(filled, summed / (REDUNDANCY_TEMPERATURE * jnp.maximum(count, 1)), -jnp.inf)
+    return jnp.where(filled, jax.nn.softmax(logits, axis=2), 0.0)
+
+
+def _kept(
+    budget: PageBudget, positions: jax.Array, scores: jax.Array, lengths: jax.Array, budgets: jax.Array, keep: int
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
+    """``kept_order`` for candidates ``[L, M, S, H]`` (positions, scores) of rows of ``lengths``
+    ``[M]``, layer l keeping ``budgets[l]`` of ``keep`` slots: the candidate indices in position
+    order ``[L, M, keep, H]`` (modulo ``S``) and whether each is kept."""
+    layers, rows, num_slots, heads = positions.shape
+    per_head = lambda x: x.transpose(0, 1, 3, 2).reshape(layers * rows, heads, num_slots)  # noqa: E731
+    spec = budget.spec
+    order, held = kept_order(
+        spec, spec.window_for(keep), per_head(positions), per_head(scores), jnp.tile(lengths, layers),
+        jnp.repeat(budgets, rows), keep,
+    )  # fmt: skip
+    back = lambda x: x.reshape(layers, rows, heads, keep).transpose(0, 1, 3, 2)  # noqa: E731
+    return back(order % num_slots), back(held)
+
+
+def _choices(
+    cache: Cache, budget: PageBudget, sources: jax.Array, filled: jax.Array, lengths: jax.Array, keep: int
+) -> list[tuple[jax.Array, jax.Array]]:  # fmt: skip
+    """Per full-pool group, the source slots each layer and K/V head keeps (``_kept``: ``[L, M,
+    keep, H_kv]``, or ``[1, M, keep, 1]`` for a choice shared by the pool, the mean of every layer's
+    and K/V head's scores). Slots at or past ``filled`` ``[M]`` hold nothing."""
+    groups = [cache.groups[index] for index in _full_groups(cache)]
+    written = jnp.arange(sources.shape[1] * budget.page_size)[None, :] < filled[:, None]  # [M, S * page_size]
+    positions = [jnp.where(written[None, :, :, None], _slots(group.page_positions(sources)), -1) for group in groups]
+    scores = [_scores(group, budget, sources, held, lengths) for group, held in zip(groups, positions, strict=True)]
+    if budget.choice == "pool":
+        total = sum(jnp.sum(found, axis=(0, 3)) for found in scores)
+        mean = total / sum(found.shape[0] * found.shape[3] for found in scores)
+        choice = _kept(budget, positions[0][:1, :, :, :1], mean[None, :, :, None], lengths, jnp.full(1, keep), keep)
+        return [choice] * len(groups)
+    layers = cache.layer_types
+    slots = budget.layer_spec(len(layers)).layer_budgets(len(layers))
+    return [
+        _kept(budget, held, found, lengths, jnp.asarray([slots[layer] for layer in cache.group_layers(index)]), keep)
+        for index, held, found in zip(_full_groups(cache), positions, scores, strict=True)
+    ]
 
 
 def _compact(
-    cache: Cache, sources: jax.Array, destinations: jax.Array, positions: jax.Array, lengths: jax.Array,
+    cache: Cache, sources: jax.Array, destinations: jax.Array, filled: jax.Array, lengths: jax.Array,
     budget: PageBudget,
-) -> tuple[Cache, jax.Array]:  # fmt: skip
+) -> Cache:  # fmt: skip
     """The cache with each row's kept tokens copied, in position order, into its destination
-    pages (every leaf of every full-pool group: K and V, or their codes and scales, and slot
-    scores, multiplied by ``budget.score_decay``), and the positions kept ``[M, keep]`` (-1
-    where a padding row keeps nothing). Every slot is read before any is written, so a
-    destination may be one of the sources."""
-    rows, num_slots = positions.shape
-    page_size = num_slots // sources.shape[1]
-    keep, spec = destinations.shape[1] * page_size, budget.spec
-    scores = _scores(cache, budget, sources, positions, lengths)
-    kept_budget = jnp.full((rows,), keep, jnp.int32)
-    order, held = kept_order(
-        spec, spec.window_for(keep), positions[:, None], scores[:, None], lengths, kept_budget, keep
-    )  # fmt: skip
-    order, held = order[:, 0] % num_slots, held[:, 0]  # [M, keep]
+    pages, per layer and K/V head (every leaf of every full-pool group: K and V, or their codes
+    and scales, slot positions, and slot scores multiplied by ``budget.score_decay``); a slot a
+    layer's smaller budget leaves empty holds position -1. Every slot is read before any is
+    written, so a destination may be one of the sources."""
+    rows, page_size = sources.shape[0], budget.page_size
+    keep = destinations.shape[1] * page_size
     slots = jnp.arange(keep)
-    moved_from = (jnp.take_along_axis(sources, order // page_size, axis=1), order % page_size)
-    moved_to = (
-        jnp.where(held, destinations[:, slots // page_size], NULL_PAGE), jnp.broadcast_to(slots % page_size, (rows, keep))
-    )  # fmt: skip
-    for index in _full_groups(cache):
-        cache = cache.with_group(index, cache.groups[index].with_slots_moved(moved_from, moved_to, budget.score_decay))
-    return cache, jnp.where(held, jnp.take_along_axis(positions, order, axis=1), -1)
+    moved_to = (destinations[:, slots // page_size], jnp.broadcast_to(slots % page_size, (rows, keep)))
+    for index, (order, held) in zip(_full_groups(cache), _choices(cache, budget, sources, filled, lengths, keep)):
+        moved_from = (sources[jnp.arange(rows)[None, :, None, None], order // page_size], order % page_size)
+        group = cache.groups[index].with_slots_moved(moved_from, moved_to, held, budget.score_decay)
+        cache = cache.with_group(index, group)
+    return cache
 
 
 compact_pages = jax.jit(_compact, static_argnames=("budget",), donate_argnums=0)

@@ -89,10 +89,13 @@ class EngineConfig:
     ``max_pages_per_request``: at most this many pages of the full-attention pool per sequence
     (None: unbounded; at least 2): a sequence that needs one more is compacted first, keeping
     the best ``(max_pages_per_request - 1) * page_size`` tokens by ``compaction_policy``
-    (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o', 'zipage' or 'snapkv'; all
-    but 'zipage' with ``EvictionSpec``'s defaults; the last three keep each slot's attention mass in
-    the pages; 'snapkv' prefills a prompt longer than the budget whole, then compacts it once by
-    the attention its last 64 queries give each token).
+    (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o', 'zipage', 'snapkv' or
+    'pyramidkv'; all but 'zipage' with ``EvictionSpec``'s defaults; the last four keep each slot's
+    attention mass in the pages; 'snapkv' and 'pyramidkv' prefill a prompt longer than the budget
+    whole, then compact it once by the attention its last 64 queries give each token), chosen
+    for every layer and K/V head of the pool at once or for each on its own
+    (``compaction_choice``: 'pool', their mean score, or 'head', ``EvictingLayer``'s choice;
+    'pyramidkv', whose layers keep different budgets, needs 'head').
     ``attention_backend``: what reads the paged decode tokens: 'xla' (jaxkv's own reads),
     'pallas_gpu' / 'pallas_tpu' (JAX's Pallas paged-attention kernels; interpreted off their
     platform) or 'auto' (the platform's kernel, else 'xla'); what a kernel lacks (prefill chunks,
@@ -125,6 +128,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     max_pages_per_request: int | None = None
     compaction_policy: str = "streaming_llm"
+    compaction_choice: str = "pool"
     attention_backend: str = XLA
     pool_layout: str = TOKENS_LAYOUT
     retrieval: RetrievalSpec | None = None
@@ -180,8 +184,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.retrieval does not combine with {name} ({why}): pass one of the two")
 
     def _check_page_budget(self) -> None:
-        """``max_pages_per_request`` and ``compaction_policy`` are valid (``PageBudget``) and combine
-        with the other options."""
+        """``max_pages_per_request``, ``compaction_policy`` and ``compaction_choice`` are valid
+        (``PageBudget``) and combine with the other options."""
         if self.max_pages_per_request is None:
             return
         self.page_budget()
@@ -207,7 +211,9 @@ class EngineConfig:
         ``max_model_len`` tokens (the engine's; a prompt prefilled whole may hold that many)."""
         if self.max_pages_per_request is None:
             return None
-        return PageBudget(self.max_pages_per_request, self.page_size, self.compaction_policy, max_model_len)
+        return PageBudget(
+            self.max_pages_per_request, self.page_size, self.compaction_policy, max_model_len, self.compaction_choice
+        )
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
@@ -303,6 +309,7 @@ class Engine:
         return Paging(
             page_size=self.config.page_size, num_pages=sizes.full_pages or 2, max_length=self.max_model_len,
             sliding_num_pages=sizes.sliding_pages or None, scored=self.config.scores_slots,
+            compacted=self.config.max_pages_per_request is not None,
             attention_backend=resolve_backend(self.config.attention_backend), layout=self.config.pool_layout,
             retrieval=self.config.retrieval,
         )  # fmt: skip
@@ -404,7 +411,7 @@ class Engine:
         block_tables = self._block_tables()
         start, compiled = time.perf_counter(), len(self.runner.executables)
         try:
-            outputs = self.runner.run(chunks, block_tables, self._row_positions())
+            outputs = self.runner.run(chunks, block_tables, self._row_shifts())
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
             self._fail({chunk.seq.request_id for chunk in chunks}, error)
             return self._take_final()
@@ -433,7 +440,7 @@ class Engine:
         with jax.profiler.TraceAnnotation("engine.move_pages"):
             moves = self.kv.take_moves()
             if moves:
-                self.kv.compacted_positions(moves.compactions, self.runner.move_pages(moves))
+                self.runner.move_pages(moves)
             for key, page in moves.persist:
                 self._save(key, page)
 
@@ -454,8 +461,8 @@ class Engine:
     def _block_tables(self):
         return self.kv.block_tables(self.scheduler.running, self.config.max_num_seqs, self.max_model_len)
 
-    def _row_positions(self):
-        return self.kv.row_positions(self.scheduler.running, self.config.max_num_seqs, self.max_model_len)
+    def _row_shifts(self):
+        return self.kv.row_shifts(self.scheduler.running, self.config.max_num_seqs)
 
     def _take_final(self) -> list[RequestOutput]:
         final, self.final_outputs = self.final_outputs, []
@@ -489,7 +496,7 @@ class Engine:
     def warmup(self) -> None:
         """Compile the step for every step shape (and, with a host or disk tier, its page copies for
         every bucket up to a pool's size), so no request waits for a compile."""
-        self.runner.warmup(self._block_tables(), self._row_positions())
+        self.runner.warmup(self._block_tables(), self._row_shifts())
         if self.speculation is not None:
             self.speculation.proposer.warmup()
         if (self.kv.host.capacity or self.kv.disk is not None) and self.kv.pools:

@@ -210,15 +210,6 @@ class TierStats:
     disk_hit_pages: int = 0
 
 
-@dataclasses.dataclass
-class Compacted:
-    """A compacted sequence's full-pool row: its first ``len(positions)`` slots hold those
-    positions (None until the planned compaction is made), slot s after them position s + ``shift``."""
-
-    shift: int
-    positions: np.ndarray | None = None
-
-
 @dataclasses.dataclass(frozen=True)
 class Usage:
     """Pages in use now over every pool, and their bytes."""
@@ -260,7 +251,9 @@ class KVCacheManager:
         self.swapped: dict[Owner, Swapped] = {}
         self.stats = TierStats()
         self.budget = budget
-        self.compacted: dict[Owner, Compacted] = {}
+        # A compacted sequence's shift: its full-pool slot s past the compaction's holds position
+        # s + shift (the pool keeps the positions of the slots before, PagedLayer.slot_positions).
+        self.compacted: dict[Owner, int] = {}
         self.num_compactions = 0  # planned since start
         self._moves = PageMoves()
 
@@ -436,19 +429,10 @@ class KVCacheManager:
         moves, self._moves = self._moves, PageMoves()
         return moves
 
-    def compacted_positions(self, compactions: Sequence[Compaction], kept: Sequence[np.ndarray]) -> None:
-        """The step's ``compactions`` were made, keeping ``kept`` positions each: record them (a
-        sequence freed since it was planned is skipped)."""
-        for compaction, positions in zip(compactions, kept, strict=True):
-            state = self.compacted.get(compaction.owner)
-            if state is not None and state.positions is None:
-                state.positions = positions
-
     # --- helpers ------------------------------------------------------------------------------------
     def _shift(self, seq: SequenceState) -> int:
         """How far the positions of ``seq``'s new tokens run ahead of their full-pool slots."""
-        state = self.compacted.get(seq.key)
-        return 0 if state is None else state.shift
+        return self.compacted.get(seq.key, 0)
 
     def _at_budget(self, seq: SequenceState) -> bool:
         """Does ``seq`` fill its budget, or was it compacted in this step (its pages are read before
@@ -482,15 +466,6 @@ class KVCacheManager:
         """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
         return pool.pages_needed(seq, end - (self._shift(seq) if pool.window is None else 0))
 
-    def _slot_positions(self, seq: SequenceState, num_slots: int) -> np.ndarray:
-        """``[num_slots]`` the position each of ``seq``'s first full-pool slots holds (or will)."""
-        state = self.compacted.get(seq.key)
-        if state is None:
-            return np.arange(num_slots, dtype=np.int32)
-        positions = np.arange(num_slots, dtype=np.int32) + state.shift
-        positions[: len(state.positions)] = state.positions
-        return positions
-
     def _compact(self, seq: SequenceState, num_new_tokens: int) -> Allocation | None:
         """``allocate`` for a running ``seq`` over its budget: plan its compaction into
         ``max_pages - 1`` pages (sources: its full-pool pages), then pages for the new tokens."""
@@ -509,11 +484,9 @@ class KVCacheManager:
         for pool in self.pools:
             self._demote_evictions(pool, taken[pool.name])
         sources, destinations = full.manager.compact(seq.key, keep_pages, prompt_pages)
-        positions = self._slot_positions(seq, len(sources) * self.page_size)
-        positions[filled:] = -1
-        self._moves.compactions.append(Compaction(seq.key, sources, destinations, positions, seq.num_computed))
+        self._moves.compactions.append(Compaction(seq.key, sources, destinations, filled, seq.num_computed))
         self.num_compactions += 1
-        self.compacted[seq.key] = Compacted(seq.num_computed - budget.keep_slots)
+        self.compacted[seq.key] = seq.num_computed - budget.keep_slots
         seq.num_registered = 0
         for pool in self.pools:
             pool.manager.allocate(seq.key, needed[pool.name])
@@ -722,19 +695,15 @@ class KVCacheManager:
             max_model_len = min(max_model_len, self.budget.source_pages * pool.page_size)
         return table_width(max_model_len, pool.page_size)
 
-    def row_positions(
-        self, running: Sequence[SequenceState], num_rows: int, max_model_len: int
-    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-        """``PackedBatch``'s ``shifts`` ``[R]`` and ``slot_positions`` ``[R, W * page_size]`` for the
-        full pool under a budget (each running row's, a plain row's elsewhere); empty without one."""
+    def row_shifts(self, running: Sequence[SequenceState], num_rows: int) -> dict[str, np.ndarray]:
+        """``PackedBatch.shifts``: ``[R]`` each running row's shift in the full pool under a budget
+        (0 for the other rows); empty without one."""
         if self.budget is None or not self.pools or self.pools[0].window is not None:
-            return {}, {}
-        width = self._table_width(self.pools[0], max_model_len) * self.page_size
+            return {}
         shifts = np.zeros(num_rows, np.int32)
-        positions = np.tile(np.arange(width, dtype=np.int32), (num_rows, 1))
         for seq in running:
-            shifts[seq.row], positions[seq.row] = self._shift(seq), self._slot_positions(seq, width)
-        return {FULL_POOL: shifts}, {FULL_POOL: positions}
+            shifts[seq.row] = self._shift(seq)
+        return {FULL_POOL: shifts}
 
     def usage(self) -> Usage:
         return Usage(

@@ -38,7 +38,6 @@ from jaxkv.serving.step import (
     write_pages,
 )
 
-RowPositions = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]  # PackedBatch's shifts and slot_positions
 
 # The fewest decode slots a decode-only step is given (fewer saves too little to compile for).
 MIN_DECODE_SLOTS = 8
@@ -121,38 +120,36 @@ class ModelRunner:
             self.cache = copy_pages(self.cache, {name: np.asarray(pairs, np.int32) for name, pairs in copies.items()})
 
     def run(
-        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})
+        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], shifts: dict[str, np.ndarray] | None = None
     ) -> StepOutputs:
         """Run one step over ``chunks`` (with drafts: a verifying step); returns the outputs on the
-        host, chunk ``i``'s in sample slot ``i``. ``row_positions``: the packed batch's ``shifts``
-        and ``slot_positions`` (``KVCacheManager.row_positions``)."""
+        host, chunk ``i``'s in sample slot ``i``. ``shifts``: the packed batch's
+        (``KVCacheManager.row_shifts``)."""
         with jax.profiler.TraceAnnotation("runner.prepare"):
-            inputs = self.prepare(chunks, block_tables, row_positions)
+            inputs = self.prepare(chunks, block_tables, shifts)
         with jax.profiler.TraceAnnotation("runner.dispatch"):
             outputs, self.cache = self._executable(inputs)(self.state, self.cache, inputs)
         self.num_steps += 1
         with jax.profiler.TraceAnnotation("runner.wait"):
             return jax.device_get(outputs)
 
-    def move_pages(self, moves: PageMoves) -> list[np.ndarray]:
+    def move_pages(self, moves: PageMoves) -> None:
         """Make a step's copies between the device pools and the host tier: every read first (a
         page read may be written by a later copy or by the step), then the compactions (a page a
         compaction reads may be written by a promotion), then every write. Each batch of copies
-        is padded to ``copy_bucket`` pages of every pool. Returns the positions each compaction kept."""
+        is padded to ``copy_bucket`` pages of every pool."""
         if any(moves.out.values()):
             self._read(moves.out)
-        kept = self._compact(moves.compactions) if moves.compactions else []
+        if moves.compactions:
+            self._compact(moves.compactions)
         if any(moves.into.values()):
             self._write(moves.into)
-        return kept
 
-    def _compact(self, compactions: list[Compaction], rows: int | None = None) -> list[np.ndarray]:
+    def _compact(self, compactions: list[Compaction], rows: int | None = None) -> None:
         """Make ``compactions`` in one call of the compiled compaction (padded to ``rows``, or to
-        the smallest shape that holds them); the positions each kept."""
+        the smallest shape that holds them), dispatched without waiting: the next step follows it."""
         inputs = compaction_inputs(compactions, self.budget, rows)
-        self.cache, kept = compact_pages(self.cache, *inputs, budget=self.budget)
-        kept = jax.device_get(kept)
-        return [kept[row] for row in range(len(compactions))]
+        self.cache = compact_pages(self.cache, *inputs, budget=self.budget)
 
     def _read(self, out: dict[str, list[tuple[int, HostPage]]]) -> None:
         """Fill each host page with its device page: one array per leaf of its pool's paged groups."""
@@ -203,21 +200,21 @@ class ModelRunner:
             data.append(group)
         return data
 
-    def warmup(self, block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})) -> None:
+    def warmup(self, block_tables: dict[str, np.ndarray], shifts: dict[str, np.ndarray] | None = None) -> None:
         """Compile the step for every shape (and the compaction, under a page budget: run on
         padding rows, which write the null page only), so no request waits for a compile."""
         for slots, prefill, width in self.shapes:
-            self._executable(self._packed([], slots, prefill, width, block_tables, row_positions))
+            self._executable(self._packed([], slots, prefill, width, block_tables, shifts))
         for rows in COMPACTION_ROWS if self.budget is not None else ():
             self._compact([], rows)
 
     def prepare(
-        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], row_positions: RowPositions = ({}, {})
+        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], shifts: dict[str, np.ndarray] | None = None
     ) -> StepInputs:
         """The step's inputs in the smallest shape that holds ``chunks`` (decode slots ``width`` wide
         when a chunk brings drafts)."""
         width = self.width if any(chunk.draft for chunk in chunks) else 1
-        return self._packed(chunks, *self.step_shape(chunks, width), block_tables, row_positions)
+        return self._packed(chunks, *self.step_shape(chunks, width), block_tables, shifts)
 
     def step_shape(self, chunks: list[Chunk], width: int) -> tuple[int, int, int]:
         """``(decode slots, prefill size, width)``: the shape that runs ``chunks`` with decode slots
@@ -252,7 +249,7 @@ class ModelRunner:
 
     def _packed(
         self, chunks: list[Chunk], slots: int, prefill_size: int, width: int, block_tables: dict[str, np.ndarray],
-        row_positions: RowPositions,
+        shifts: dict[str, np.ndarray] | None,
     ) -> StepInputs:  # fmt: skip
         """``slots`` decode slots of ``width`` tokens, then ``prefill_size`` slots of prefill chunks,
         each starting a query block; chunk ``i`` draws in sample slot ``i``, with its sequence's
@@ -283,10 +280,9 @@ class ModelRunner:
             seeds[slot], numbers[slot], counters[slot] = seq.options.seed, seq.index, len(seq.output)
             slot_sampling[slot] = seq.options.sampling
         # A prefill chunk fills at most what the decode slots leave: the rows' [R, T] layout's T.
-        shifts, slot_positions = row_positions
         packed = PackedBatch(
             token_rows, block_tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
-            decode_width=width, shifts=shifts, slot_positions=slot_positions,
+            decode_width=width, shifts=shifts or {},
             score_weights=self._score_weights(positions, prompt_lengths),
             decode_pages=None if self.budget is None else self.budget.max_pages,
             dense_queries=(positions >= 0) & (positions < prompt_lengths) if self.dense_prompts else None,

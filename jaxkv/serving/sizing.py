@@ -85,8 +85,9 @@ def page_bytes_of(model, config, max_model_len: int) -> PageBytes:
         )
     devices = jax.device_count()
     paging = Paging(
-        config.page_size, max(2, devices), max_model_len, scored=config.scores_slots, retrieval=config.retrieval
-    )
+        config.page_size, max(2, devices), max_model_len, scored=config.scores_slots,
+        compacted=config.max_pages_per_request is not None, retrieval=config.retrieval,
+    )  # fmt: skip
     probe = jax.eval_shape(
         lambda: model.init_cache(
             devices,

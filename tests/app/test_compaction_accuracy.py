@@ -35,7 +35,7 @@ def test_snapkv_is_compared_with_generate_over_the_whole_prompts():
     )
     assert [r["system"] for r in (evicting_11, engine_11)] == [
         "EvictingLayer snapkv (generate, whole prompt)",
-        "engine snapkv",
+        "engine snapkv, choice per pool",
     ]
     assert evicting_11["outputs"] == engine_11["outputs"] == full_engine["outputs"] == full_runner["outputs"]
     assert engine_6["outputs"] != full_engine["outputs"] and evicting_6["outputs"] != full_engine["outputs"]
@@ -45,7 +45,7 @@ def test_the_engine_answers_as_the_runner_with_full_kv_and_a_budget_the_prompt_f
     full_runner, full_engine, evicting_11, engine_11, evicting_3, engine_3 = rows
     assert [r["system"] for r in rows[:2]] == ["full K/V (runner)", "full K/V (engine)"]
     assert [(r["pages"], r["system"]) for r in rows[2:4]] == [(11, "EvictingLayer streaming_llm (runner)"),
-                                                               (11, "engine streaming_llm")]  # fmt: skip
+                                                               (11, "engine streaming_llm, choice per pool")]  # fmt: skip
     # 160 tokens fit in 10 pages of 16: nothing is evicted or compacted
     assert full_engine["outputs"] == full_runner["outputs"] == engine_11["outputs"] == evicting_11["outputs"]
     assert all(r["num_examples"] == 2 and set(r["accuracy_by_depth"]) == {"0.5"} for r in rows)
@@ -60,6 +60,6 @@ def test_scored_as_the_runner_scores():
 
 def test_the_table_and_the_arguments(rows):
     table = compaction_accuracy.markdown(rows, 16)
-    assert "| engine streaming_llm | 3 | 32 |" in table and "| full K/V (runner) | - | all |" in table
+    assert "| engine streaming_llm, choice per pool | 3 | 32 |" in table and "| full K/V (runner) | - | all |" in table
     with pytest.raises(SystemExit):
         compaction_accuracy.parse_args(["--pages", "1"])

@@ -261,12 +261,16 @@ def test_xla_reads_the_heads_layout_as_the_tokens_layout(pools, queries):
         tokens, heads = (_view(*stored, XLA, quantization=spec, layout=layout) for layout in POOL_LAYOUTS)
         read = [view.attend(q, positions, scale=D**-0.5) for view in (tokens, heads)]
         np.testing.assert_array_equal(*read)
+    positions = jnp.zeros((1, *pools[0].shape[:3]), jnp.int32)  # [L, P, page, H_kv]
     layers = [
-        PagedLayer(*jax.tree.map(lambda leaf: leaf[None], tuple(_stored(p, layout) for p in pools)), layout=layout)
+        PagedLayer(*jax.tree.map(lambda leaf: leaf[None], tuple(_stored(p, layout) for p in pools)), layout=layout,
+                   slot_positions=positions)
         for layout in POOL_LAYOUTS
     ]  # fmt: skip
+    per_head = lambda slots: jnp.array(slots)[None, None, :, None]  # noqa: E731 - [L, M, K, H_kv], one row
     moved = [
-        layer.with_slots_moved((jnp.array([5, 9]), jnp.array([3, 0])), (jnp.array([2, 2]), jnp.array([1, 3])), 1.0)
+        layer.with_slots_moved((per_head([5, 9]), per_head([3, 0])), (jnp.array([[2, 2]]), jnp.array([[1, 3]])), True,
+                               1.0)
         .with_page_copies({"full": jnp.array([[5, 6], [12, 4]])})
         for layer in layers
     ]  # fmt: skip

@@ -28,14 +28,17 @@ def llama():
 
 
 def poisoned(engine):
-    """The engine's cache with NaN in every page at refcount 0 and in the null page, in every pool."""
+    """The engine's cache with NaN in every page at refcount 0 and in the null page, in every pool
+    (0 in an int leaf: a slot position that every query would see if the mask read it)."""
     cache = engine.runner.cache
     for pool in engine.kv.pools:
         manager = pool.manager
         free = np.asarray([NULL_PAGE] + [p for p in range(1, manager.num_pages) if manager.refcount(p) == 0])
         for index, group in enumerate(cache.groups):
             if has(group, PagedStorage) and group.pool == pool.name:
-                cache = cache.with_group(
-                    index, jax.tree.map(lambda leaf, free=free: leaf.at[:, free].set(jnp.nan), group)
-                )
+                cache = cache.with_group(index, jax.tree.map(lambda leaf, free=free: _poison(leaf, free), group))
     return cache
+
+
+def _poison(leaf: jax.Array, pages: np.ndarray) -> jax.Array:
+    return leaf.at[:, pages].set(jnp.nan if jnp.issubdtype(leaf.dtype, jnp.floating) else 0)

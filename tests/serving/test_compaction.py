@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.llama import Llama, LlamaConfig, param_shapes
 
 from jaxkv.batch import PagedStorage
 from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
@@ -48,8 +48,10 @@ def test_options_are_checked_with_named_errors():
         EngineConfig(max_pages_per_request=1)
     with pytest.raises(ValueError, match="compaction_policy must be one of"):
         EngineConfig(max_pages_per_request=4, compaction_policy="tova")
-    with pytest.raises(ValueError, match="'pyramidkv' gives each layer its own budget"):
+    with pytest.raises(ValueError, match="'pyramidkv' gives each layer its own budget: it needs compaction_choice"):
         EngineConfig(max_pages_per_request=8, compaction_policy="pyramidkv")
+    with pytest.raises(ValueError, match="compaction_choice must be one of"):
+        EngineConfig(max_pages_per_request=8, compaction_choice="layer")
     with pytest.raises(ValueError, match="max_pages_per_request=4: .*window"):
         EngineConfig(max_pages_per_request=4, compaction_policy="snapkv")  # 48 slots cannot hold its 64-token window
     with pytest.raises(ValueError, match="pass one of the two"):
@@ -58,11 +60,13 @@ def test_options_are_checked_with_named_errors():
 
 
 def test_serve_flags_reach_the_engine():
-    """``jaxkv serve --max-pages-per-request 6 --compaction-policy key_norm`` builds that budget."""
-    args = build_parser().parse_args(["serve", "--max-pages-per-request", "6", "--compaction-policy", "key_norm"])
-    served = resolve_serve_config(args)
-    engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**LLAMA)))
-    assert engine.kv.budget == PageBudget(6, 16, "key_norm", LLAMA["max_position_embeddings"])
+    """``jaxkv serve --max-pages-per-request 6 --compaction-policy key_norm`` builds that budget, and
+    ``--compaction-choice head`` chooses per layer and K/V head."""
+    flags = ["serve", "--max-pages-per-request", "6", "--compaction-policy", "key_norm"]
+    for extra, choice in (([], "pool"), (["--compaction-choice", "head"], "head")):
+        served = resolve_serve_config(build_parser().parse_args(flags + extra))
+        engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**LLAMA)))
+        assert engine.kv.budget == PageBudget(6, 16, "key_norm", LLAMA["max_position_embeddings"], choice)
 
 
 def test_a_budget_covering_every_token_gives_generates_tokens(model):
@@ -89,9 +93,9 @@ def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
-            state = engine.kv.compacted.get(seq.key)
-            if state is not None:  # after a compaction at length T = shift + kept
-                kept[seq.request_id][state.shift + len(state.positions)] = state.positions
+            shift = engine.kv.compacted.get(seq.key)
+            if shift is not None:  # after a compaction at length T = shift + kept
+                kept[seq.request_id][shift + MAX_PAGES - 1] = held_positions(engine, seq)[0, 0, : MAX_PAGES - 1]
     tokens = [engine.sequences[i][0].tokens for i in range(len(prompts))]
     result = generate(one_head, prompts, max_new_tokens=8, stop_tokens=(), eviction=spec)
     assert [t[len(p) :] for t, p in zip(tokens, prompts)] == [result.row(i) for i in range(len(prompts))]
@@ -124,9 +128,8 @@ def test_snapkv_prefills_a_long_prompt_whole_and_keeps_what_an_evicting_layer_ke
         engine.kv.check()
         seq = engine.sequences[request][0]
         held = max(held, len(engine.kv.pools[0].manager.pages(seq.key)))
-        state = engine.kv.compacted.get(seq.key)
-        if first is None and state is not None and state.positions is not None:
-            first = state.positions.tolist()
+        if first is None and seq.key in engine.kv.compacted:
+            first = held_positions(engine, seq)[0, 0, : (SNAPKV_PAGES - 1) * 4].tolist()
     assert held == -(-len(prompt) // 4) and engine.stats()["compactions"] == 1
     graphdef, state = nnx.split(one_head)
     _, cache = nnx.merge(graphdef, state)(
@@ -139,16 +142,111 @@ def test_snapkv_prefills_a_long_prompt_whole_and_keeps_what_an_evicting_layer_ke
     assert engine.sequences[request][0].output[:2] == result.row(0)
 
 
-def evicting_positions(model, spec: EvictionSpec, tokens: list[int], longest: int) -> dict[int, list[int]]:
+@pytest.mark.parametrize("policy", ["streaming_llm", "key_norm", "h2o"])
+def test_per_head_choices_keep_what_an_evicting_layer_keeps_in_every_layer_and_head(llama, policy):
+    """``compaction_choice='head'``, pages of one token, a budget of 10, three layers of two K/V
+    heads: after every compaction each layer and K/V head holds the positions an
+    ``EvictingLayer`` of 9 slots holds there after the same tokens, and the rows draw
+    ``generate``'s tokens with that layer."""
+    spec = EvictionSpec(policy, budget=MAX_PAGES - 1)
+    prompts = prompts_of(1, [7, 9])
+    engine = Engine(
+        llama, max_pages_per_request=MAX_PAGES, compaction_policy=policy, compaction_choice="head", **ONE_TOKEN_PAGES
+    )
+    kept: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(len(prompts))}
+    for prompt in prompts:
+        engine.add_request(prompt, max_tokens=8, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            shift = engine.kv.compacted.get(seq.key)
+            if shift is not None:
+                kept[seq.request_id][shift + MAX_PAGES - 1] = held_positions(engine, seq)[..., : MAX_PAGES - 1]
+    tokens = [engine.sequences[i][0].tokens for i in range(len(prompts))]
+    result = generate(llama, prompts, max_new_tokens=8, stop_tokens=(), eviction=spec)
+    assert [t[len(p) :] for t, p in zip(tokens, prompts)] == [result.row(i) for i in range(len(prompts))]
+    differ = False
+    for i, by_length in kept.items():
+        assert by_length, "no compaction happened"
+        held = evicting_positions(llama, spec, tokens[i], max(by_length), every_head=True)
+        for length, positions in by_length.items():
+            np.testing.assert_array_equal(positions, held[length], err_msg=f"request {i} after {length} tokens")
+            differ |= bool(np.any(positions != positions[:1, :1]))
+    assert differ == (policy == "key_norm")  # its keys' norms differ per layer and head (H2O's mass: not here)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv"])
+def test_per_head_window_policies_keep_what_an_evicting_layer_keeps_after_a_whole_prompt(policy):
+    """``snapkv`` and ``pyramidkv`` per layer and K/V head: a prompt longer than the budget is
+    prefilled whole (chunks of 256), compacted once at its first decode, and then each layer and
+    K/V head holds the positions an ``EvictingLayer`` (``PageBudget.layer_spec``) keeps after
+    prefilling the prompt in one update; PyramidKV's layers keep 2496, 1280 and 64 tokens (its
+    pages hold the first layer's; the others' slots left empty), and the row draws
+    ``generate``'s first two tokens."""
+    model = peaked_llama(LlamaConfig(**LLAMA | {"max_position_embeddings": 4096}))
+    max_pages, page_size = 157, 16  # keeps 156 pages: 2496 tokens, PyramidKV's first layer at a mean of 1280
+    engine = Engine(
+        model, max_pages_per_request=max_pages, compaction_policy=policy, compaction_choice="head",
+        page_size=page_size, max_num_seqs=2, max_num_batched_tokens=256, kv_memory=8 * 2**20, prefix_caching=False,
+    )  # fmt: skip
+    prompt = prompts_of(7, [2600])[0]
+    request = engine.add_request(prompt, max_tokens=3, ignore_eos=True)
+    positions = None
+    while engine.has_unfinished():
+        engine.step()
+        seq = engine.sequences[request][0]
+        if positions is None and seq.key in engine.kv.compacted:
+            positions = held_positions(engine, seq)[..., : (max_pages - 1) * page_size]
+    assert engine.stats()["compactions"] == 1
+    spec = engine.kv.budget.layer_spec(3)
+    budgets = [2496, 1280, 64] if policy == "pyramidkv" else [2496] * 3
+    assert spec.layer_budgets(3) == budgets and [int(n) for n in np.sum(positions[:, 0] >= 0, axis=-1)] == budgets
+    graphdef, state = nnx.split(model)
+    _, cache = nnx.merge(graphdef, state)(
+        jnp.asarray([prompt]), jnp.arange(len(prompt))[None], model.init_cache(1, eviction=spec)
+    )
+    for layer, evicting in enumerate(jax.device_get(cache).layers):  # each [B, H_kv, its budget]
+        for head, want in enumerate(np.sort(np.asarray(evicting.slot_positions[0]), axis=-1)):
+            got = positions[layer, head]
+            np.testing.assert_array_equal(got[got >= 0], want, err_msg=f"layer {layer}, K/V head {head}")
+    result = generate(model, [prompt], max_new_tokens=2, stop_tokens=(), eviction=spec)
+    assert engine.sequences[request][0].output[:2] == result.row(0)
+
+
+def peaked_llama(config: LlamaConfig) -> Llama:
+    """A random Llama whose attention is far from uniform (query and key weights N(0, 0.2), the rest
+    N(0, 0.02)): a token's attention mass then differs from its neighbours' by more than the
+    rounding of summing it in another order (chunk by chunk, or in one prefill)."""
+    keys = iter(jax.random.split(jax.random.key(7), 16))
+    scale = lambda name: 0.2 if name in ("wq", "wk") else 0.02  # noqa: E731
+    params = {
+        name: jnp.ones(shape) if "norm" in name else scale(name) * jax.random.normal(next(keys), shape)
+        for name, shape in param_shapes(config).items()
+    }
+    return Llama(config, params)
+
+
+def held_positions(engine: Engine, seq) -> np.ndarray:
+    """``[L, H_kv, S]``: the position each of ``seq``'s written full-pool slots holds, per layer (of
+    the first full-pool group) and K/V head (-1: left empty by a compaction)."""
+    group = next(g for g in engine.runner.cache.groups if has(g, PagedStorage) and g.pool == "full")
+    pages = np.asarray(engine.kv.pools[0].manager.pages(seq.key))
+    filled = seq.num_computed - engine.kv.compacted.get(seq.key, 0)
+    held = np.asarray(group.slot_positions[:, pages])  # [L, pages, page_size, H_kv]
+    return held.reshape(held.shape[0], -1, held.shape[-1])[:, :filled].transpose(0, 2, 1)
+
+
+def evicting_positions(model, spec: EvictionSpec, tokens: list[int], longest: int, every_head: bool = False) -> dict:
     """The positions an ``EvictingLayer`` cache of ``spec`` holds after each length up to ``longest``
-    (in position order), fed ``tokens`` one at a time."""
+    (in position order), fed ``tokens`` one at a time: layer 0's first K/V head's, a list, or with
+    ``every_head`` every layer's and K/V head's ``[L, H_kv, S]`` (each full after the first S tokens)."""
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))
     cache, held = model.init_cache(1, eviction=spec), {}
     for position in range(longest):
         _, cache = forward(state, jnp.asarray([[tokens[position]]]), jnp.asarray([[position]]), cache)
-        slots = np.asarray(cache.groups[0].slot_positions[0, 0, 0])
-        held[position + 1] = sorted(int(p) for p in slots if p >= 0)
+        slots = np.sort(np.asarray(cache.groups[0].slot_positions[:, 0]), axis=-1)  # [L, H_kv, S]
+        held[position + 1] = slots if every_head else [int(p) for p in slots[0, 0] if p >= 0]
     return held
 
 
@@ -262,8 +360,8 @@ def test_admits_no_more_rows_than_the_pool_holds_budgets(llama):
 def test_zipage_redundancy_is_a_softmax_over_the_filled_slots():
     """Two equal keys and an orthogonal one: the equal ones are the more redundant, the shares sum
     to 1 over the filled slots and an empty slot gets none."""
-    keys = jnp.asarray([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]]).reshape(1, 1, 1, 4, 1, 2)
-    filled = jnp.asarray([[True, True, True, False]])
+    keys = jnp.asarray([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [5.0, 5.0]]).reshape(1, 1, 4, 1, 2)
+    filled = jnp.asarray([True, True, True, False]).reshape(1, 1, 4, 1)
     redundancy = np.asarray(_redundancy(keys, filled)).reshape(4)
     assert redundancy[0] == redundancy[1] > redundancy[2] > 0 and redundancy[3] == 0
     np.testing.assert_allclose(redundancy.sum(), 1.0, rtol=1e-6)
@@ -284,17 +382,20 @@ def test_nan_in_freed_pages_changes_nothing(model):
     assert [engine.sequences[i][0].output for i in ids] == expected
 
 
+@pytest.mark.parametrize("choice", ["pool", "head"])
 @pytest.mark.parametrize(
     "quantization", [None, QuantSpec(nbits=8, residual_length=0, q_group_size=8)], ids=["float32", "int8"]
 )
-def test_compacted_slots_hold_the_kv_of_the_positions_they_say(llama, quantization):
+def test_compacted_slots_hold_the_kv_of_the_positions_they_say(llama, quantization, choice):
     """Layer 0's K/V of a token depend on the token and its position only: after the compactions
-    of a 30-token prompt prefilled under a budget of 4 pages, each slot of the row holds exactly
-    what an engine without a budget wrote at the position the slot says it holds (RoPE'd at that
-    position; int8 pages: codes and scales move together)."""
+    of a 30-token prompt prefilled under a budget of 4 pages (``key_norm``: keys differ per layer
+    and head, and so do the choices per head), each slot of the row holds, in each of layer 0's
+    K/V heads, exactly what an engine without a budget wrote at the position the slot says it
+    holds there (RoPE'd at that position; int8 pages: codes and scales move together)."""
     prompt = prompts_of(5, [30])[0]
     options = SMALL | {"quantization": quantization}
-    budgeted, plain = Engine(llama, max_pages_per_request=4, **options), Engine(llama, **options)
+    budget = {"max_pages_per_request": 4, "compaction_policy": "key_norm", "compaction_choice": choice}
+    budgeted, plain = Engine(llama, **budget, **options), Engine(llama, **options)
     for engine in (budgeted, plain):
         engine.add_request(prompt, max_tokens=4, ignore_eos=True)
         engine.step()
@@ -302,20 +403,22 @@ def test_compacted_slots_hold_the_kv_of_the_positions_they_say(llama, quantizati
             engine.step()
     seq, other = budgeted.scheduler.running[0], plain.scheduler.running[0]
     assert budgeted.stats()["compactions"] >= 2
-    filled = seq.num_computed - budgeted.kv.compacted[seq.key].shift
-    positions = budgeted.kv.row_positions([seq], 4, 256)[1]["full"][seq.row, :filled]
-    pages, plain_pages = (engine.kv.pools[0].manager.pages(s.key) for engine, s in ((budgeted, seq), (plain, other)))
-    slots = np.arange(filled)
-    held = layer0(budgeted, np.asarray(pages)[slots // 4], slots % 4)
-    wrote = layer0(plain, np.asarray(plain_pages)[positions // 4], positions % 4)
-    for got, expected in zip(held, wrote, strict=True):
-        np.testing.assert_array_equal(got, expected)
+    positions = held_positions(budgeted, seq)  # [L, H_kv, S]
+    assert np.all(positions >= 0) and (choice == "head") == bool(np.any(positions != positions[:1, :1]))
+    pages, plain_pages = (np.asarray(e.kv.pools[0].manager.pages(s.key)) for e, s in ((budgeted, seq), (plain, other)))
+    slots = np.arange(positions.shape[-1])
+    held = kv_leaves(budgeted, pages[slots // 4], slots % 4)  # each [L, S, H_kv, ...]
+    for head, at in enumerate(positions[0]):
+        wrote = kv_leaves(plain, plain_pages[at // 4], at % 4)
+        for got, expected in zip(held, wrote, strict=True):
+            np.testing.assert_array_equal(got[0, :, head], expected[0, :, head])
 
 
-def layer0(engine: Engine, pages: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
-    """Every full-pool leaf of the first layer at slots ``(pages, offsets)``."""
-    groups = [group for group in engine.runner.cache.groups if has(group, PagedStorage) and group.pool == "full"]
-    return [np.asarray(leaf[0, pages, offsets]) for leaf in jax.tree.leaves(groups[0])]
+def kv_leaves(engine: Engine, pages: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """The first full-pool group's K and V leaves (codes and scales when quantized) at slots
+    ``(pages, offsets)`` ``[S]``: each ``[L, S, H_kv, ...]``."""
+    group = next(g for g in engine.runner.cache.groups if has(g, PagedStorage) and g.pool == "full")
+    return [np.asarray(leaf[:, pages, offsets]) for leaf in jax.tree.leaves((group.key_pages, group.value_pages))]
 
 
 @pytest.mark.filterwarnings("ignore:.*is not divisible by mesh axis:UserWarning")
