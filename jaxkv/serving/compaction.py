@@ -143,8 +143,8 @@ class PageBudget:
     def spec(self) -> EvictionSpec:
         """The ``EvictionSpec`` whose ranking a compaction applies (its sinks and window defaults);
         Zipage's: H2O's ranking of its scores with no sinks and the last page always kept (the
-        tokens written since the row's last compaction, which few queries have seen); PyramidKV's:
-        the largest mean budget whose first (largest) layer's fits ``keep_slots``."""
+        tokens written since the row's last compaction, which few queries have seen); PyramidKV's
+        ranks as SnapKV's (its layers' budgets: ``layer_spec``)."""
         if self.policy == "zipage":
             return EvictionSpec("h2o", budget=self.keep_slots, window=self.page_size, sinks=0)
         return EvictionSpec(self.policy, budget=self.keep_slots)
