@@ -35,9 +35,11 @@ next tokens would need one page more than its budget in the full-attention pool 
 first (``allocate`` plans it, the step's moves make it, between the reads and the writes).
 ``room`` caps a chunk so that it fits, and says 0 when the step's compactions are used up (the
 sequence waits a step). Compactions happen only to running sequences, so an admitted sequence is
-below its budget: a prefix hit is used up to ``max_pages - 1`` pages, and a sequence at its
-budget (or compacted in this step) is preempted by recompute, not swapped. A row's compactions
-then happen at the same lengths however it is batched, preempted or resumed. A compacted
+below its budget: a prefix hit is used up to ``max_pages - 1`` pages, and a sequence swapped out
+at its budget takes its pages back with no tokens, then compacts as a running sequence in the
+next step (one compacted in this step is preempted by recompute: a swap would copy its pages out
+before the compaction). A row's compactions then happen at the same lengths however it is
+batched, preempted or resumed. A compacted
 sequence's pages are never registered in the prefix cache (their contents are no longer their
 hash's tokens), and it is never forked (its children are computed like new requests). The
 scheduler admits a sequence only while the pool holds every running sequence's budget and its
@@ -326,9 +328,10 @@ class KVCacheManager:
 
     def room(self, seq: SequenceState, count: int, hit: PrefixHit | None = None) -> int:
         """How many of ``count`` next tokens ``seq`` may compute this step under the page budget
-        (being admitted on ``hit``, always below its budget, or running): up to its budget; at its
-        budget a running sequence compacts first (a chunk then fits the page the compaction
-        leaves), or waits (0) when the step's compactions are used up."""
+        (being admitted on ``hit``, or running): up to its budget; at its budget a running sequence
+        compacts first (a chunk then fits the page the compaction leaves), or waits (0) when the
+        step's compactions are used up; a sequence resumed at its budget (swapped out there) takes
+        its pages back with no tokens (0): running, it compacts in the next step."""
         if self.budget is None:
             return count
         start = seq.num_computed if hit is None else hit.num_tokens
@@ -336,7 +339,7 @@ class KVCacheManager:
         limit = self._limit(seq)
         if slots < limit:
             return min(count, limit - slots)
-        if len(self._moves.compactions) >= MAX_COMPACTIONS:
+        if hit is not None or len(self._moves.compactions) >= MAX_COMPACTIONS:
             return 0
         return min(count, self.budget.limit - self.budget.keep_slots)
 
@@ -379,8 +382,8 @@ class KVCacheManager:
         changed but pages a window had left, when it is to be recomputed instead."""
         if self.preemption == "recompute" or not seq.num_computed or not self.host.capacity:
             return False
-        if self._at_budget(seq):
-            return False  # admitted again, it could not compact before its next token
+        if self._compacting(seq):
+            return False  # a swap would copy out its pages before the compaction is made
         for pool in self.pools:
             pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
         registered = seq.num_registered
@@ -434,13 +437,9 @@ class KVCacheManager:
         """How far the positions of ``seq``'s new tokens run ahead of their full-pool slots."""
         return self.compacted.get(seq.key, 0)
 
-    def _at_budget(self, seq: SequenceState) -> bool:
-        """Does ``seq`` fill its budget, or was it compacted in this step (its pages are read before
-        the step's compactions are made)?"""
-        if self.budget is None:
-            return False
-        compacting = any(compaction.owner == seq.key for compaction in self._moves.compactions)
-        return compacting or seq.num_computed - self._shift(seq) >= self._limit(seq)
+    def _compacting(self, seq: SequenceState) -> bool:
+        """Is ``seq`` compacted in this step (its pages are read before the step's compactions are made)?"""
+        return any(compaction.owner == seq.key for compaction in self._moves.compactions)
 
     def _limit(self, seq: SequenceState) -> int:
         """Full-pool slots ``seq`` may hold before its next compaction (``PageBudget.limit_for``)."""

@@ -95,8 +95,9 @@ class Scheduler:
             if chunk is None:
                 break
             self.waiting.popleft()
-            chunks.append(chunk)
-            budget -= chunk_cost(chunk.count)
+            if chunk.count:  # none: resumed at its page budget, it computes once it has compacted
+                chunks.append(chunk)
+                budget -= chunk_cost(chunk.count)
         return chunks
 
     def _reserve_or_preempt(self, seq: SequenceState, count: int) -> bool:
@@ -111,15 +112,16 @@ class Scheduler:
 
     def _admit(self, seq: SequenceState, budget: int) -> Chunk | None:
         """Start (or resume) a waiting sequence from its longest cached prefix (or, swapped out,
-        from its own pages) with a row and the pages of its first chunk. None (and nothing changed)
-        when its pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
+        from its own pages) with a row and the pages of its first chunk (none for a sequence
+        resumed at its page budget: ``KVCacheManager.room``). None (and nothing changed) when its
+        pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
         hit rate nor the sequence's cached tokens. Under a page budget it waits while the pool does
         not hold every running sequence's budget and its own (``KVCacheManager.holds_budgets``)."""
         if not self.kv.holds_budgets(self.running, seq):
             return None
         hit = self.kv.lookup(seq)
         count = self.kv.room(seq, chunk_length(seq.num_tokens - hit.num_tokens, budget), hit)
-        allocation = self.kv.allocate(seq, count, hit) if count else None
+        allocation = self.kv.allocate(seq, count, hit) if count or hit.resumes else None
         if allocation is None:
             return None
         seq.num_computed = allocation.num_cached_tokens

@@ -336,6 +336,30 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
     assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
 
 
+@pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
+def test_a_sequence_swapped_out_at_its_budget_resumes_and_compacts_there(llama, policy):
+    """Preempted by swap when it fills its budget (compacted before, so its pages hold compacted
+    positions and slot scores): it takes its pages back with no tokens, compacts in its next step
+    as a running sequence, and draws the tokens of a run without the preemption."""
+    prompt = prompts_of(8, [22])[0]
+    options = SMALL | {"prefix_caching": False, "preemption": "swap", "host_kv_memory": 64 * 1024}
+    expected = budgeted_tokens(llama, [prompt], policy, **options)[0]
+    engine = Engine(llama, max_pages_per_request=4, compaction_policy=policy, **options)
+    request = engine.add_request(prompt, max_tokens=NEW_TOKENS + 8, ignore_eos=True)
+    swapped_at = []
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv.check()
+        seq = engine.sequences[request][0]
+        full = seq.num_computed - engine.kv.compacted.get(seq.key, 0) == engine.kv.budget.limit
+        if full and seq.key in engine.kv.compacted and not swapped_at and seq in engine.scheduler.running:
+            engine.scheduler.preempt(seq)
+            assert seq.key in engine.kv.swapped  # not recomputed
+            swapped_at.append(seq.num_computed)
+    assert swapped_at and engine.stats()["swaps"] == 1 and engine.stats()["recomputes"] == 0
+    assert engine.sequences[request][0].output == expected
+
+
 def test_admits_no_more_rows_than_the_pool_holds_budgets(llama):
     """Long outputs under a budget in a pool of a few budgets: the engine runs as many rows as the
     pool holds budgets, never more (no preemption, so no compaction is repeated), and draws the
