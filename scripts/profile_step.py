@@ -288,6 +288,7 @@ def main() -> None:
     )
     parser.add_argument("--max-pages-per-request", type=int, help="a page budget (docs/serving.md 'Compressed pages')")
     parser.add_argument("--compaction-policy", default="streaming_llm", help="what a compaction keeps")
+    parser.add_argument("--compaction-choice", default="pool", help="pool (one for every layer and head) or head")
     parser.add_argument(
         "--retrieval-budget", type=int, help="page retrieval (Quest, minmax): tokens of pages a decode token reads "
         "per K/V head (docs/retrieval.md 'In the engine')"
@@ -299,7 +300,8 @@ def main() -> None:
     engine = Engine(
         model, kv_memory=args.kv_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_pages_per_request=args.max_pages_per_request,
-        compaction_policy=args.compaction_policy, max_model_len=args.max_model_len,
+        compaction_policy=args.compaction_policy, compaction_choice=args.compaction_choice,
+        max_model_len=args.max_model_len,
         retrieval=None if args.retrieval_budget is None else RetrievalSpec(
             args.retrieval_budget, page_size=args.page_size, prefill="dense"
         ),
