@@ -214,6 +214,18 @@ def _slots(found: jax.Array) -> jax.Array:
     return found.reshape(found.shape[0], found.shape[1], -1, *found.shape[4:])
 
 
+def _per_head(x: jax.Array) -> jax.Array:
+    """``[L, M, S, H]`` -> ``[L * M, H, S]``: EvictingLayer's ``[B, H_kv, S]``, a row per layer and row."""
+    layers, rows, num_slots, heads = x.shape
+    return x.transpose(0, 1, 3, 2).reshape(layers * rows, heads, num_slots)
+
+
+def _per_slot(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``_per_head``'s inverse: ``[L * M, H, S]`` -> ``shape`` ``[L, M, S, H]``."""
+    layers, rows, num_slots, heads = shape
+    return x.reshape(layers, rows, heads, num_slots).transpose(0, 1, 3, 2)
+
+
 def _scores(
     group: PagedStorage, budget: PageBudget, sources: jax.Array, positions: jax.Array, lengths: jax.Array
 ) -> jax.Array:
@@ -231,14 +243,13 @@ def _scores(
     if budget.policy == "h2o":
         return attention
     if budget.prefills_whole:  # the window's own slots unscored (kept), then pooled, as EvictingLayer's prefill
-        layers, rows, num_slots, heads = attention.shape
-        spec, rescored = budget.spec, jnp.ones(layers * rows, bool)
-        per_head = lambda x: x.transpose(0, 1, 3, 2).reshape(layers * rows, heads, num_slots)  # noqa: E731
+        layers = attention.shape[0]
+        spec, rescored = budget.spec, jnp.ones(layers * lengths.shape[0], bool)
         pooled = window_scores(
-            per_head(attention), per_head(positions), jnp.tile(lengths, layers), spec.observation_window, rescored,
+            _per_head(attention), _per_head(positions), jnp.tile(lengths, layers), spec.observation_window, rescored,
             spec.kernel_size, 1,
         )  # fmt: skip
-        return pooled.reshape(layers, rows, heads, num_slots).transpose(0, 1, 3, 2)
+        return _per_slot(pooled, attention.shape)
     share = attention / jnp.maximum(jnp.sum(attention, axis=2, keepdims=True), 1e-30)
     return share - REDUNDANCY_WEIGHT * _redundancy(_slots(group.page_keys(sources)), filled)
 
@@ -264,14 +275,12 @@ def _kept(
     ``[M]``, layer l keeping ``budgets[l]`` of ``keep`` slots: the candidate indices in position
     order ``[L, M, keep, H]`` (modulo ``S``) and whether each is kept."""
     layers, rows, num_slots, heads = positions.shape
-    per_head = lambda x: x.transpose(0, 1, 3, 2).reshape(layers * rows, heads, num_slots)  # noqa: E731
     spec = budget.spec
     order, held = kept_order(
-        spec, spec.window_for(keep), per_head(positions), per_head(scores), jnp.tile(lengths, layers),
+        spec, spec.window_for(keep), _per_head(positions), _per_head(scores), jnp.tile(lengths, layers),
         jnp.repeat(budgets, rows), keep,
     )  # fmt: skip
-    back = lambda x: x.reshape(layers, rows, heads, keep).transpose(0, 1, 3, 2)  # noqa: E731
-    return back(order % num_slots), back(held)
+    return _per_slot(order % num_slots, (layers, rows, keep, heads)), _per_slot(held, (layers, rows, keep, heads))
 
 
 def _choices(

@@ -87,16 +87,8 @@ def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
     spec = EvictionSpec(policy, budget=MAX_PAGES - 1)
     prompts = prompts_of(1, [7, 9])
     engine = Engine(one_head, max_pages_per_request=MAX_PAGES, compaction_policy=policy, **ONE_TOKEN_PAGES)
-    kept: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(len(prompts))}
-    for prompt in prompts:
-        engine.add_request(prompt, max_tokens=8, ignore_eos=True)
-    while engine.has_unfinished():
-        engine.step()
-        for seq in engine.scheduler.running:
-            shift = engine.kv.compacted.get(seq.key)
-            if shift is not None:  # after a compaction at length T = shift + kept
-                kept[seq.request_id][shift + MAX_PAGES - 1] = held_positions(engine, seq)[0, 0, : MAX_PAGES - 1]
-    tokens = [engine.sequences[i][0].tokens for i in range(len(prompts))]
+    tokens, kept = run_recording_compactions(engine, prompts)
+    kept = {i: {length: held[0, 0] for length, held in by_length.items()} for i, by_length in kept.items()}
     result = generate(one_head, prompts, max_new_tokens=8, stop_tokens=(), eviction=spec)
     assert [t[len(p) :] for t, p in zip(tokens, prompts)] == [result.row(i) for i in range(len(prompts))]
     for i, by_length in kept.items():
@@ -153,16 +145,7 @@ def test_per_head_choices_keep_what_an_evicting_layer_keeps_in_every_layer_and_h
     engine = Engine(
         llama, max_pages_per_request=MAX_PAGES, compaction_policy=policy, compaction_choice="head", **ONE_TOKEN_PAGES
     )
-    kept: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(len(prompts))}
-    for prompt in prompts:
-        engine.add_request(prompt, max_tokens=8, ignore_eos=True)
-    while engine.has_unfinished():
-        engine.step()
-        for seq in engine.scheduler.running:
-            shift = engine.kv.compacted.get(seq.key)
-            if shift is not None:
-                kept[seq.request_id][shift + MAX_PAGES - 1] = held_positions(engine, seq)[..., : MAX_PAGES - 1]
-    tokens = [engine.sequences[i][0].tokens for i in range(len(prompts))]
+    tokens, kept = run_recording_compactions(engine, prompts)
     result = generate(llama, prompts, max_new_tokens=8, stop_tokens=(), eviction=spec)
     assert [t[len(p) :] for t, p in zip(tokens, prompts)] == [result.row(i) for i in range(len(prompts))]
     differ = False
@@ -224,6 +207,22 @@ def peaked_llama(config: LlamaConfig) -> Llama:
         for name, shape in param_shapes(config).items()
     }
     return Llama(config, params)
+
+
+def run_recording_compactions(engine: Engine, prompts) -> tuple[list[list[int]], dict[int, dict[int, np.ndarray]]]:
+    """Run ``prompts`` (8 new tokens each) on an engine with pages of one token and ``MAX_PAGES``;
+    returns each request's tokens and, per request and length T after a compaction (T = shift +
+    kept), the positions its compacted slots hold ``[L, H_kv, MAX_PAGES - 1]``."""
+    kept: dict[int, dict[int, np.ndarray]] = {i: {} for i in range(len(prompts))}
+    for prompt in prompts:
+        engine.add_request(prompt, max_tokens=8, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            shift = engine.kv.compacted.get(seq.key)
+            if shift is not None:
+                kept[seq.request_id][shift + MAX_PAGES - 1] = held_positions(engine, seq)[..., : MAX_PAGES - 1]
+    return [engine.sequences[i][0].tokens for i in range(len(prompts))], kept
 
 
 def held_positions(engine: Engine, seq) -> np.ndarray:
