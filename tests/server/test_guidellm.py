@@ -1,6 +1,13 @@
 """guidellm 0.8.1, a load-testing tool for OpenAI-compatible servers, against ``jaxkv serve``
 on loopback: a bounded benchmark (concurrent streams, a fixed number of requests) finishes
-with zero errors.
+with zero errors, and the server completed every request it sent.
+
+guidellm's report can leave out the request whose completion ends the run: its coordinator
+stops reading updates once a poll of the update queue times out after shutdown was signalled,
+and the callback that signals shutdown runs before the last update is queued (seen once in
+CI, 7 of 8 reported, none errored). The exact count is therefore taken from the server's
+``/metrics`` (``jaxkv_requests_total{outcome=...}``), and guidellm's report is held to no
+errors, no incomplete requests, all but at most that one, and exactly ``OUTPUT_TOKENS`` each.
 
 guidellm lives in its own virtual environment, not in the test extra: it pins ``click~=8.4``
 (the project's environment has a newer click) and brings sanic, faker, datasets and its own
@@ -19,9 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from jaxkv.models.load import Pretrained
 from jaxkv.models.weight_cache import cache_dir
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import MODEL
 
@@ -76,6 +85,13 @@ def guidellm_command(python: Path, url: str, tokenizer: Path, out: Path, *, stre
     ]  # fmt: skip
 
 
+def request_outcomes(url: str) -> dict[str, float]:
+    """The server's ``jaxkv_requests_total`` by outcome label (outcomes never seen are absent)."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    (family,) = (f for f in families if f.name == "jaxkv_requests")
+    return {s.labels["outcome"]: s.value for s in family.samples if s.name == "jaxkv_requests_total"}
+
+
 def test_a_bounded_guidellm_benchmark_has_no_errors(server, tmp_path):
     python = guidellm_python()
     tokenizer = write_tokenizer_dir(tmp_path / "tokenizer")
@@ -88,6 +104,7 @@ def test_a_bounded_guidellm_benchmark_has_no_errors(server, tmp_path):
     (benchmark,) = json.loads(out.read_text())["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
     assert totals["errored"] == 0 and totals["incomplete"] == 0, totals
-    assert totals["successful"] == REQUESTS, totals
+    assert REQUESTS - 1 <= totals["successful"] == totals["total"] <= REQUESTS, totals
     output = benchmark["metrics"]["output_token_count"]["successful"]
-    assert output["total_sum"] == REQUESTS * OUTPUT_TOKENS, output
+    assert output["total_sum"] == totals["successful"] * OUTPUT_TOKENS, output
+    assert request_outcomes(server[1]) == {"completed": REQUESTS}
