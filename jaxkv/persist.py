@@ -14,8 +14,8 @@ in the pytree (``groups.0.keys``), and string metadata describing the rest:
   round-trips (quantized, linear, encoder-decoder layers too) with no change here.
 * ``jaxkv.layer_types``: the per-layer types, checked against the loading model's.
 * ``jaxkv.model``: the model class, its config (JSON) and a fingerprint of its weights
-  (a SHA-256 over each parameter's shape, dtype and first 4096 values: cheap, and it tells
-  fine-tunes of one architecture apart).
+  (``weights_fingerprint``: a SHA-256 over every parameter's path, shape, dtype and every
+  byte, so two models that differ in any one value never share a cache).
 * ``jaxkv.tokens``: optionally, the token ids each row holds (JSON), so a loader can
   continue the right text.
 
@@ -29,7 +29,8 @@ import dataclasses
 import hashlib
 import importlib
 import json
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import jax
@@ -41,23 +42,71 @@ import safetensors.numpy
 from flax import nnx
 
 FORMAT = "jaxkv.cache/1"
-FINGERPRINT_VALUES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fingerprint:
+    """A model's weights fingerprint and the weight arrays it holds for (weak references: a
+    replaced weight is freed, and its reference then points at nothing)."""
+
+    weights: tuple[weakref.ref, ...]
+    digest: str
+
+    def holds_for(self, weights: list[jax.Array]) -> bool:
+        """Are ``weights`` exactly the arrays this fingerprint was taken of (none replaced)?"""
+        return len(weights) == len(self.weights) and all(ref() is w for ref, w in zip(self.weights, weights))
+
+
+# Each model's last fingerprint, so that a model whose weights did not change is hashed once (an
+# engine's disk tier and every save_cache ask again); dropped with the model.
+_FINGERPRINTS: weakref.WeakKeyDictionary[nnx.Module, _Fingerprint] = weakref.WeakKeyDictionary()
+
+
+def _weights(model: nnx.Module) -> tuple[list[str], list[jax.Array]]:
+    """The model's parameter paths and arrays, in the state's order."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    return [jax.tree_util.keystr(path) for path, _ in leaves], [leaf for _, leaf in leaves]
+
+
+def remember_fingerprint(model: nnx.Module, digest: str) -> None:
+    """Record ``digest`` as the fingerprint of ``model``'s weights as they are now: a loader that
+    already hashed the file the weights came from (``jaxkv.models.load``: the converted-weights
+    cache keeps the digest of every byte it holds) saves hashing them again. It holds until a
+    weight array of the model is replaced (a fine-tuning step), then the weights are hashed."""
+    _FINGERPRINTS[model] = _Fingerprint(tuple(weakref.ref(w) for w in _weights(model)[1]), digest)
+
+
+def weights_fingerprint(model: nnx.Module) -> str:
+    """The hex SHA-256 of every parameter's path, shape, dtype and bytes (``remember_fingerprint``'s
+    digest while none of the arrays it was given for has been replaced)."""
+    paths, weights = _weights(model)
+    known = _FINGERPRINTS.get(model)
+    if known is not None and known.holds_for(weights):
+        return known.digest
+    digest = arrays_digest(zip(paths, weights))
+    remember_fingerprint(model, digest)
+    return digest
+
+
+def arrays_digest(named: Iterable[tuple[str, jax.Array | np.ndarray]]) -> str:
+    """The hex SHA-256 of each ``(name, array)``'s name, shape, dtype and every byte, in order
+    (about 0.5 s per GB)."""
+    digest = hashlib.sha256()
+    for name, array in named:
+        digest.update(f"{name}{array.shape}{array.dtype}".encode())
+        digest.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return digest.hexdigest()
 
 
 def model_identity(model: nnx.Module) -> dict:
-    """The model class, its config as JSON-able data and a fingerprint of its weights."""
+    """The model class, its config as JSON-able data and the fingerprint of its weights."""
     config = model.config
     if isinstance(config, pydantic.BaseModel):
         config = config.model_dump(mode="json")
     elif dataclasses.is_dataclass(config):
         config = dataclasses.asdict(config)
     config = json.loads(json.dumps(config, sort_keys=True, default=str))
-    digest = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        sample = np.asarray(jnp.ravel(leaf)[:FINGERPRINT_VALUES])
-        digest.update(f"{jax.tree_util.keystr(path)}{leaf.shape}{leaf.dtype}".encode())
-        digest.update(sample.tobytes())
-    return {"class": type(model).__name__, "config": config, "weights": digest.hexdigest()}
+    return {"class": type(model).__name__, "config": config, "weights": weights_fingerprint(model)}
 
 
 def _describe(node, name: str, tensors: dict) -> dict:

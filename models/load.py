@@ -8,13 +8,16 @@ A GGUF is converted once: its dequantized float32 weights (with the config) and 
 are cached as checksummed safetensors files under ``jaxkv.models.weight_cache.cache_dir()``,
 keyed by the file's SHA-256 and ``CONVERTER_VERSION``, and later loads read those instead
 (CPU time of a load: SmolLM2 ~1.4 s instead of ~7 s, Gemma 3 270M ~1.6 s instead of ~16 s).
-Other dtypes are cast from the float32 copy.
+Other dtypes are cast from the float32 copy. The cache also keeps the SHA-256 of every byte of
+those weights, so a loaded model's weights fingerprint (``jaxkv.persist.weights_fingerprint``,
+which names its disk tier and saved caches) costs nothing on a warm load.
 ``use_weight_cache=False`` (the CLI's ``--no-cache``) converts every time and touches no cache
 file. A checkpoint directory is safetensors already and is read as it is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import warnings
 from functools import cached_property
@@ -35,10 +38,13 @@ from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.models.tokenizer import Tokenizer
 from jaxkv.models.weight_cache import cache_dir, discard, file_sha256, read_checked, write_checked
 from jaxkv.models.weights import CheckpointConfig, load_gguf, load_safetensors_checkpoint, open_gguf
+from jaxkv.persist import arrays_digest, remember_fingerprint
 
 # Bump whenever load_gguf or Tokenizer.from_gguf would give another result for the same file,
 # or a config class reads its fields differently: older conversions are then not read.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the weights' digest (``WEIGHTS_DIGEST``) is kept with them
+
+WEIGHTS_DIGEST = "weights_sha256"  # the converted weights' metadata key of their digest
 
 Model = Llama | Gemma3 | Gemma4 | Qwen3_5 | DeepseekV32 | Bart
 MODEL_CLASSES: dict[type[CheckpointConfig], type[Model]] = {
@@ -98,8 +104,9 @@ class Pretrained:
         map), and the model places each one: onto huge pages, or each device's share straight
         from the host, never gathered on one device first (``Decoder.param``)."""
         host = lambda name, array: np.asarray(array, dtype=jnp.dtype(dtype))  # noqa: E731
+        digest = None
         if self.is_gguf:
-            config, float32 = self._gguf_float32()
+            config, float32, digest = self._gguf_float32()
             params = {name: host(name, array) for name, array in float32.items()}
         else:
             config, params = load_safetensors_checkpoint(self.path, dtype, host)
@@ -108,10 +115,14 @@ class Pretrained:
             if not issubclass(model_class, Decoder):
                 raise ValueError(f"{model_class.__name__} models do not shard over a mesh yet; load them without mesh=")
             model_kwargs |= {"mesh": mesh, "rules": rules}
-        return model_class(config, params, **model_kwargs)
+        model = model_class(config, params, **model_kwargs)
+        if digest is not None:  # the weights are the float32 ones cast to dtype: named by both
+            remember_fingerprint(model, hashlib.sha256(f"{digest}:{jnp.dtype(dtype).name}".encode()).hexdigest())
+        return model
 
-    def _gguf_float32(self) -> tuple[CheckpointConfig, dict[str, np.ndarray]]:
-        """The GGUF's config and float32 host weights: the cached conversion, or converted now (and cached).
+    def _gguf_float32(self) -> tuple[CheckpointConfig, dict[str, np.ndarray], str]:
+        """The GGUF's config, float32 host weights and their digest (``arrays_digest`` in name
+        order): the cached conversion, or converted now (and cached).
 
         Cache entries are replaced by rename, never rewritten in place, so the memory-mapped
         pages stay valid while another process rebuilds one."""
@@ -120,26 +131,28 @@ class Pretrained:
         if cached is None:
             # Host arrays, contiguous as the cache file stores them (a transposed view would not be).
             host = lambda name, array: np.ascontiguousarray(array)  # noqa: E731
-            cached = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=host)
+            config, params = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=host)
+            cached = config, params, arrays_digest(sorted(params.items()))
             if cache_file:
-                config, params = cached
-                metadata = {"config_class": type(config).__name__, "config": config.model_dump_json()}
-                write_checked(cache_file, params, metadata | {"source": str(self.path)})
+                metadata = {"config_class": type(config).__name__, "config": config.model_dump_json(),
+                            WEIGHTS_DIGEST: cached[2], "source": str(self.path)}  # fmt: skip
+                write_checked(cache_file, params, metadata)
         return cached
 
 
-def _read_weights(cache_file: Path) -> tuple[CheckpointConfig, dict[str, np.ndarray]] | None:
-    """A cached conversion's config and weights; None if there is none, it is corrupt, or it
-    holds a config this code no longer reads (then it is converted again)."""
+def _read_weights(cache_file: Path) -> tuple[CheckpointConfig, dict[str, np.ndarray], str] | None:
+    """A cached conversion's config, weights and their digest; None if there is none, it is
+    corrupt, or it holds a config this code no longer reads (then it is converted again)."""
     entry = read_checked(cache_file)
     if entry is None:
         return None
     tensors, metadata = entry
     try:
         config = CONFIG_CLASSES[metadata["config_class"]].model_validate_json(metadata["config"])
+        digest = metadata[WEIGHTS_DIGEST]
     except (KeyError, ValidationError) as err:
         return discard(cache_file, f"holds a config this version cannot read ({type(err).__name__}: {err})")
-    return config, tensors
+    return config, tensors, digest
 
 
 def _checkpoint_tokenizer(directory: Path, required: bool) -> Tokenizer | None:

@@ -14,20 +14,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxkv import persist
 from jaxkv.cli.main import main
 from jaxkv.models import load
 from jaxkv.models.llama import Llama
 from jaxkv.models.load import Pretrained, load_pretrained
 from jaxkv.models.weight_cache import cache_dir, file_sha256, read_checked, write_checked
 from jaxkv.models.weights import load_gguf
+from jaxkv.persist import weights_fingerprint
 from tests.models.test_tokenizer import TINY_MERGES, TINY_TOKENS
 
 LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM = 2, 16, 32, 2, 1, 8
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def write_tiny_gguf(path, *, seed: int = 0, template: str | None = None):
-    """A llama-architecture GGUF with random float32 weights and a byte-level BPE tokenizer."""
+def write_tiny_gguf(path, *, seed: int = 0, template: str | None = None, bump: str | None = None):
+    """A llama-architecture GGUF with random float32 weights and a byte-level BPE tokenizer;
+    ``bump``: a tensor whose last value is 0.5 more."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, "llama")
     for add, value in [(writer.add_block_count, LAYERS), (writer.add_context_length, 64),
@@ -52,7 +55,9 @@ def write_tiny_gguf(path, *, seed: int = 0, template: str | None = None):
             f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
         }  # fmt: skip
     for name, shape in shapes.items():
-        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+        tensor = (0.1 * rng.standard_normal(shape)).astype(np.float32)
+        tensor.reshape(-1)[-1] += 0.5 if name == bump else 0
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -135,6 +140,18 @@ def test_other_dtypes_cast_from_the_float32_cache(tiny_gguf, monkeypatch):
         expected = np.asarray(jnp.asarray(array, jnp.bfloat16), np.float32)
         np.testing.assert_array_equal(weights(half)[name].astype(np.float32), expected, err_msg=name)
     assert len(cached_files("weights")) == 1
+
+
+def test_the_weights_fingerprint_is_kept_with_the_conversion(tiny_gguf, tmp_path, monkeypatch):
+    """A warm load's fingerprint comes from the cache (no weight is hashed) and equals the cold
+    load's; another dtype, or a file differing in its last layer's last value, has another."""
+    cold = weights_fingerprint(Pretrained(tiny_gguf).model())
+    other_file = write_tiny_gguf(tmp_path / "other.gguf", template=TEMPLATE, bump=f"blk.{LAYERS - 1}.ffn_down.weight")
+    other = weights_fingerprint(Pretrained(other_file).model())
+    no_conversion(monkeypatch)
+    monkeypatch.setattr(persist, "arrays_digest", lambda named: pytest.fail("a warm load hashed the weights"))
+    assert weights_fingerprint(Pretrained(tiny_gguf).model()) == cold
+    assert len({cold, other, weights_fingerprint(Pretrained(tiny_gguf).model(jnp.bfloat16))}) == 3
 
 
 def damage_truncate(data: bytes) -> bytes:

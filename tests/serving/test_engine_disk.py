@@ -7,13 +7,17 @@ or never found, and the engine recomputes with the same tokens."""
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 
+from jaxkv import persist
+from jaxkv.decoding.generate import prefill_prefix
+from jaxkv.persist import load_cache, save_cache, weights_fingerprint
 from jaxkv.quantization import QuantSpec
 from jaxkv.server.api import Metrics
 from jaxkv.serving import Engine, EngineConfig
-from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB
+from tests.cases import TINY_GEMMA, TINY_LLAMA, VOCAB, greedy_reference
 
 MAX_LEN = 128
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -85,6 +89,57 @@ def test_another_models_or_formats_pages_are_never_read(tmp_path):
     assert other.num_cached_tokens == 0 and engine.stats()["tiers"]["disk"]["pages_read"] == 0
     quantized, engine = serve(model, tmp_path, QuantSpec(nbits=8, residual_length=0, q_group_size=8))
     assert quantized.num_cached_tokens == 0 and engine.stats()["tiers"]["disk"]["pages_read"] == 0
+
+
+def altered(model, name: str, index: int):
+    """A copy of ``model`` whose weight ``name`` (its path in the state) differs in one value, the
+    ``index``-th of its flattened array."""
+    graphdef, state = nnx.split(model)
+
+    def change(path, leaf):
+        if jax.tree_util.keystr(path) != name:
+            return leaf
+        return leaf.reshape(-1).at[index].add(0.5).reshape(leaf.shape)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(change, state))
+
+
+# One value of the last layer's last weight (the stacked ``wv``'s last), and one value of an
+# embedding row past the first 4,096 values (row 50 of 128-wide rows starts at value 6,400).
+ALTERATIONS = {"last layer's last weight": ("['layers']['wv'].value", -1), "embedding row 50": ("['embed'].value", 6405)}
+
+
+@pytest.mark.parametrize("alteration", ALTERATIONS)
+def test_a_model_differing_in_one_weight_value_never_shares_a_page_or_a_saved_cache(tmp_path, alteration):
+    """The weights' fingerprint covers every byte: a model that differs from another in one value,
+    even past the first 4,096 of each weight, finds none of its pages on disk (its tokens are its
+    own ``generate``'s) and cannot load its saved cache."""
+    model = Llama(LlamaConfig(**TINY_LLAMA | {"max_position_embeddings": MAX_LEN, "hidden_size": 128}))
+    other = altered(model, *ALTERATIONS[alteration])
+    first_values = [np.asarray(w).reshape(-1)[:4096] for w in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert all(np.array_equal(a, np.asarray(b).reshape(-1)[:4096]) for a, b in
+               zip(first_values, jax.tree.leaves(nnx.state(other, nnx.Param))))  # fmt: skip
+    serve(model, tmp_path)
+    served, engine = serve(other, tmp_path)
+    assert served.num_cached_tokens == 0 and engine.stats()["tiers"]["disk"]["pages_read"] == 0
+    assert served.token_ids == greedy_reference(other, [PROMPT], OPTIONS["max_tokens"])[0]
+    save_cache(tmp_path / "prefix.safetensors", prefill_prefix(model, [PROMPT], max_length=MAX_LEN), model)
+    with pytest.raises(ValueError, match="other weights"):
+        load_cache(tmp_path / "prefix.safetensors", other)
+
+
+def test_a_replaced_weight_changes_the_fingerprint(monkeypatch):
+    """A model's fingerprint is hashed once while its weights stay the arrays it was taken of; a
+    replaced weight (a fine-tuning step) is hashed again."""
+    model = tiny("llama")
+    before = weights_fingerprint(model)
+    hashed = []
+    monkeypatch.setattr(persist, "arrays_digest", lambda named: hashed.append(1) or "rehashed")
+    assert weights_fingerprint(model) == before and hashed == []
+    model.norm[...] = model.norm[...].at[3].add(1.0)
+    assert weights_fingerprint(model) == "rehashed" and hashed == [1]
+    nnx.update(model, jax.tree.map(lambda w: 2 * w, nnx.state(model, nnx.Param)))  # an optimizer's update
+    assert weights_fingerprint(model) == "rehashed" and hashed == [1, 1]
 
 
 def test_salts_hold_on_disk(tmp_path):
