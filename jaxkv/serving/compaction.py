@@ -75,22 +75,27 @@ class PageBudget:
                 f"max_pages_per_request must be an int of at least 2 (a compaction keeps max_pages_per_request - 1 "
                 f"pages and writes on in the last), got {self.max_pages!r}"
             )
-        if self.choice not in COMPACTION_CHOICES:
-            raise ValueError(f"compaction_choice must be one of {COMPACTION_CHOICES}, got {self.choice!r}")
-        if self.policy == "pyramidkv" and self.choice != "head":
-            raise ValueError(
-                "compaction_policy 'pyramidkv' gives each layer its own budget: it needs compaction_choice='head' "
-                "(each layer and K/V head its own tokens), got 'pool'"
-            )
-        if self.policy not in COMPACTION_POLICIES:
-            raise ValueError(
-                f"compaction_policy must be one of {COMPACTION_POLICIES} (the policies scored from the pages alone), "
-                f"got {self.policy!r}"
-            )
+        self.check_options(self.policy, self.choice)
         try:
             self.spec.check_budget(self.keep_slots)
         except ValueError as error:
             raise ValueError(f"max_pages_per_request={self.max_pages}: {error}") from None
+
+    @staticmethod
+    def check_options(policy: str, choice: str) -> None:
+        """``policy`` is a compaction policy and ``choice`` a compaction choice that it takes."""
+        if choice not in COMPACTION_CHOICES:
+            raise ValueError(f"compaction_choice must be one of {COMPACTION_CHOICES}, got {choice!r}")
+        if policy not in COMPACTION_POLICIES:
+            raise ValueError(
+                f"compaction_policy must be one of {COMPACTION_POLICIES} (the policies scored from the pages alone), "
+                f"got {policy!r}"
+            )
+        if policy == "pyramidkv" and choice != "head":
+            raise ValueError(
+                "compaction_policy 'pyramidkv' gives each layer its own budget: it needs compaction_choice='head' "
+                "(each layer and K/V head its own tokens), got 'pool'"
+            )
 
     @property
     def keep_slots(self) -> int:

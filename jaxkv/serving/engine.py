@@ -49,6 +49,29 @@ from jaxkv.serving.sizing import PoolSizes, parse_bytes, pool_sizes
 from jaxkv.serving.speculation import NgramProposer, Speculation, SpeculationStats, SpeculativeConfig
 
 
+_SPEC_FIELDS = {"quantization": QuantSpec, "eviction": EvictionSpec, "speculative": SpeculativeConfig,
+                "retrieval": RetrievalSpec}  # fmt: skip
+
+
+def _check_int(name: str, value, *, low: int, optional: bool = False) -> None:
+    """``EngineConfig.<name>`` is an int of at least ``low`` (or None if ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"EngineConfig.{name} must be {kind}, got {value!r}")
+    if value < low:
+        raise ValueError(f"EngineConfig.{name} must be at least {low}, got {value}")
+
+
+def _check_bytes(name: str, value, low: int) -> None:
+    """``EngineConfig.<name>`` is a size (``"1GiB"`` or an int of bytes) of at least ``low`` bytes."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"EngineConfig.{name} must be a size ('1GiB') or an int of bytes, got {value!r}")
+    if parse_bytes(value, f"EngineConfig.{name}") < low:
+        raise ValueError(f"EngineConfig.{name} must be {'positive' if low else 'not negative'}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizes, one line each.
@@ -63,7 +86,8 @@ class EngineConfig:
     ``QUERY_BLOCK``; also the largest prefill bucket).
     ``max_model_len``: the longest prompt plus output (default: the model's ``max_position_embeddings``).
     ``prefix_caching``: share the pages of equal prompt prefixes between requests.
-    ``max_logprobs``: the most ``logprobs`` a request may ask for.
+    ``max_logprobs``: the most ``logprobs`` a request may ask for (at most the vocabulary: a model
+    with fewer tokens takes at most its vocabulary size).
     ``seed``: a request without a seed draws from ``seed + request id``.
     ``quantization``: store the pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8
     with ``format="e4m3"``).
@@ -134,41 +158,50 @@ class EngineConfig:
     retrieval: RetrievalSpec | None = None
 
     def __post_init__(self):
-        check_backend(self.attention_backend, "EngineConfig.attention_backend")
-        check_layout(self.pool_layout, "EngineConfig.pool_layout")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        self._check_fields()
         if self.max_num_batched_tokens % QUERY_BLOCK:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of {QUERY_BLOCK}: prefill "
                 f"chunks are packed in blocks of {QUERY_BLOCK} tokens"
             )
-        if parse_bytes(self.host_kv_memory, "host_kv_memory") < 0:
-            raise ValueError(f"EngineConfig.host_kv_memory must not be negative, got {self.host_kv_memory!r}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
-        if parse_bytes(self.disk_kv_memory, "disk_kv_memory") < 1:
-            raise ValueError(f"EngineConfig.disk_kv_memory must be positive, got {self.disk_kv_memory!r}")
         if self.kv_cache_dir is not None and not self.prefix_caching:
             raise ValueError("EngineConfig.kv_cache_dir keeps prefix-cache pages on disk: it needs prefix_caching")
-        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise TypeError(
-                f"EngineConfig.speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}"
-            )
         if self.speculative is not None and self.eviction is not None:
             raise ValueError("EngineConfig.speculative cannot roll back evicting layers: pass eviction=None")
         self._check_page_budget()
         self._check_retrieval()
+
+    def _check_fields(self) -> None:
+        """Each field on its own, whether or not the options that use it are set (a compaction
+        policy is checked without a page budget, a disk size without a disk directory)."""
+        check_backend(self.attention_backend, "EngineConfig.attention_backend")
+        check_layout(self.pool_layout, "EngineConfig.pool_layout")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_int(name, getattr(self, name), low=1)
+        _check_int("max_model_len", self.max_model_len, low=1, optional=True)
+        _check_int("max_logprobs", self.max_logprobs, low=0)
+        _check_int("seed", self.seed, low=0)
+        _check_int("max_pages_per_request", self.max_pages_per_request, low=2, optional=True)
+        if not isinstance(self.prefix_caching, bool):
+            raise TypeError(f"EngineConfig.prefix_caching must be a bool, got {self.prefix_caching!r}")
+        for name, low in (("kv_memory", 1), ("host_kv_memory", 0), ("disk_kv_memory", 1)):
+            _check_bytes(name, getattr(self, name), low)
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.kv_cache_dir is not None and not (isinstance(self.kv_cache_dir, str | os.PathLike)
+                                                  and os.fspath(self.kv_cache_dir)):  # fmt: skip
+            raise TypeError(f"EngineConfig.kv_cache_dir must be a directory path or None, got {self.kv_cache_dir!r}")
+        PageBudget.check_options(self.compaction_policy, self.compaction_choice)
+        for name, spec_type in _SPEC_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, spec_type):
+                raise TypeError(f"EngineConfig.{name} must be a {spec_type.__name__} or None, got {type(value).__name__}")
 
     def _check_retrieval(self) -> None:
         """``retrieval`` is a ``RetrievalSpec`` over this pool's pages, alone among the options that
         rewrite or drop K/V."""
         if self.retrieval is None:
             return
-        if not isinstance(self.retrieval, RetrievalSpec):
-            raise TypeError(f"EngineConfig.retrieval must be a RetrievalSpec, got {type(self.retrieval).__name__}")
         if self.retrieval.page_size != self.page_size:
             raise ValueError(
                 f"EngineConfig.retrieval: the pages it chooses are the pool's: its page_size must be page_size "
@@ -254,8 +287,10 @@ class Engine:
                 "evicted K/V): the engine serves it without prefix caching; pass prefix_caching=False to silence this",
                 stacklevel=2,
             )
+        # A request may ask for at most every token of the vocabulary as alternatives.
+        max_logprobs = min(self.config.max_logprobs, model.config.vocab_size)
         self.inputs = InputProcessor(
-            model.config.vocab_size, self.max_model_len, self.config.max_logprobs, default_stop_tokens(model.config),
+            model.config.vocab_size, self.max_model_len, max_logprobs, default_stop_tokens(model.config),
             tokenizer is not None, self.config.seed,
         )  # fmt: skip
         cache = model.init_cache(
@@ -264,7 +299,7 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(
             model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-            max(1, self.config.max_logprobs), self.config.decode_width, budget,
+            max(1, max_logprobs), self.config.decode_width, budget,
             dense_prompts=self.config.retrieval is not None and self.config.retrieval.prefill == "dense",
         )  # fmt: skip
         prefix_caching = self.config.prefix_caching and not self.has_states

@@ -44,8 +44,12 @@ def one_head():
 
 
 def test_options_are_checked_with_named_errors():
-    with pytest.raises(ValueError, match="max_pages_per_request must be an int of at least 2"):
+    with pytest.raises(ValueError, match="max_pages_per_request must be at least 2"):
         EngineConfig(max_pages_per_request=1)
+    with pytest.raises(ValueError, match="compaction_policy must be one of"):
+        EngineConfig(compaction_policy="tova")  # checked without a page budget too
+    with pytest.raises(ValueError, match="compaction_choice must be one of"):
+        EngineConfig(compaction_choice="layer")
     with pytest.raises(ValueError, match="compaction_policy must be one of"):
         EngineConfig(max_pages_per_request=4, compaction_policy="tova")
     with pytest.raises(ValueError, match="'pyramidkv' gives each layer its own budget: it needs compaction_choice"):

@@ -4,6 +4,7 @@ step), stop token ids add to the end-of-sequence token, an abort is reported bef
 ``has_unfinished`` turns False, a step that fails fails only its requests, and the text is
 decoded incrementally with stop strings held back at a cost bounded by the text."""
 
+import dataclasses
 import time
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from jaxkv.models.llama import Llama, LlamaConfig
 
 from jaxkv.decoding.sampling import Sampling
-from jaxkv.serving import Engine
+from jaxkv.serving import Engine, EngineConfig
 from jaxkv.serving.detokenizer import IncrementalDetokenizer, SequenceText
 from jaxkv.serving.requests import RequestError
 from tests.cases import TINY_LLAMA, VOCAB, greedy_reference
@@ -73,6 +74,43 @@ def test_sampling_refuses_non_finite_and_out_of_range_values(options):
         Sampling(**options)
 
 
+# Each EngineConfig field's bad values, every other field at its default (so options that use the
+# field, like the page budget for compaction_policy, are unset): each is refused naming the field.
+BAD_CONFIG = {
+    "kv_memory": ["lots", 0, 1.5],
+    "page_size": [0, "16", True],
+    "max_num_seqs": [0, 2.0],
+    "max_num_batched_tokens": [-16, None],
+    "max_model_len": [0, "512"],
+    "prefix_caching": ["yes", 1],
+    "max_logprobs": [-1, 2.5, None],
+    "seed": [-1, "7"],
+    "quantization": [{"nbits": 8}, "int8"],
+    "eviction": [{"policy": "snapkv"}],
+    "host_kv_memory": [-1, "some"],
+    "preemption": ["sometimes"],
+    "kv_cache_dir": [3, ""],
+    "disk_kv_memory": [0, "big", 2.0],
+    "speculative": [{"method": "ngram"}],
+    "max_pages_per_request": [1, "8"],
+    "compaction_policy": ["tova", None],
+    "compaction_choice": ["layer"],
+    "attention_backend": ["cuda"],
+    "pool_layout": ["rows"],
+    "retrieval": [{"budget": 64}],
+}
+
+
+def test_every_engine_config_field_has_bad_values_checked():
+    assert set(BAD_CONFIG) == {field.name for field in dataclasses.fields(EngineConfig)}
+
+
+@pytest.mark.parametrize("name,value", [(name, value) for name, values in BAD_CONFIG.items() for value in values])
+def test_each_engine_config_field_is_checked_on_its_own(name, value):
+    with pytest.raises((TypeError, ValueError), match=name):
+        EngineConfig(**{name: value})
+
+
 def test_the_largest_top_k_and_seed_run(llama, engine):
     """``top_k = 2**31 - 1`` (past the vocabulary: keeps every token) and ``seed = 2**32 - 1`` are
     valid; a request with them runs beside a greedy one, which keeps generate's tokens."""
@@ -84,6 +122,22 @@ def test_the_largest_top_k_and_seed_run(llama, engine):
             done.setdefault(output.request_id, []).extend(output.new_token_ids)
     assert done[greedy] == greedy_reference(llama, [PROMPT], 5)[0]
     assert all(0 <= t < VOCAB for t in done[greedy + 1])
+
+
+def test_a_vocabulary_smaller_than_max_logprobs_serves(llama):
+    """With the default ``max_logprobs`` (20) and a 12-token vocabulary, a plain engine serves
+    greedy requests (they equal ``generate``'s) and one asking for every token's logprob; asking
+    for more than the vocabulary is refused naming both numbers."""
+    small = Llama(LlamaConfig(**TINY_LLAMA | {"vocab_size": 12, "max_position_embeddings": 256}))
+    engine = Engine(small, **SMALL)
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    done = engine.generate_many(prompts, max_tokens=6, ignore_eos=True)
+    assert [d.finish_reason for d in done] == ["length", "length"]
+    assert [d.token_ids for d in done] == greedy_reference(small, prompts, 6)
+    (every,) = engine.generate_many([prompts[0]], max_tokens=2, ignore_eos=True, logprobs=12)
+    assert every.finish_reason == "length" and all(len(entry["top"]) == 12 for entry in every.logprobs)
+    with pytest.raises(RequestError, match=r"logprobs must be in \[0, 12\], got 13"):
+        engine.add_request(prompts[0], logprobs=13)
 
 
 def test_stop_token_ids_add_to_the_end_of_sequence_token(llama):
