@@ -51,7 +51,13 @@ class EvictionConfig(Strict):
     window: NonNegativeInt | None = None
     sinks: NonNegativeInt | None = None
     kernel_size: PositiveInt = 5
-    beta: float = 20.0
+    beta: Annotated[float, Field(ge=1.0)] = 20.0
+
+    @model_validator(mode="after")
+    def _odd_kernel(self):
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd (SnapKV pools over a centred window), got {self.kernel_size}")
+        return self
 
     def spec(self, budget: int) -> EvictionSpec:
         """The policy keeping ``budget`` slots per row, K/V head and layer."""

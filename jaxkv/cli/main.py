@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -38,7 +39,7 @@ from jaxkv.kernels import BACKENDS
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-    from jaxkv.serving import Engine
+    from jaxkv.serving import Engine, EngineConfig
 
 
 class GenerateConfig(Strict):
@@ -52,8 +53,8 @@ class GenerateConfig(Strict):
     cache: CacheConfig = CacheConfig()
     temperature: NonNegativeFloat = 0.0
     top_k: NonNegativeInt = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0  # checked even when greedy (temperature 0) ignores it
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: int = 0
     speculative: Literal["prompt_lookup", "draft", "self"] | None = None  # see jaxkv.decoding.speculative
     num_draft_tokens: PositiveInt = 4
@@ -566,6 +567,22 @@ class ServeConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _engine_accepts(self):
+        """The engine's own checks now, not after the model has loaded (the draft model's name
+        stands in for the model)."""
+        self.engine_config(None if self.speculative is None else self.speculative.draft_model)
+        return self
+
+    def engine_config(self, draft_model=None) -> EngineConfig:
+        """The engine's config as this sets it (``draft_model``: the loaded ``speculative.draft_model``)."""
+        from jaxkv.serving import EngineConfig
+
+        engine_fields = {field.name for field in dataclasses.fields(EngineConfig)} - set(_ENGINE_SECTIONS)
+        sections = {name: None if getattr(self, name) is None else spec(getattr(self, name), draft_model)
+                    for name, spec in _ENGINE_SECTIONS.items()}  # fmt: skip
+        return EngineConfig(**self.model_dump(include=engine_fields), **sections)
+
+    @model_validator(mode="after")
     def _eviction_without_prefix_caching(self):
         if self.eviction is not None and self.prefix_caching:
             raise ValueError(
@@ -574,6 +591,14 @@ class ServeConfig(Strict):
             )
         return self
 
+
+# ServeConfig's sections that become engine specs: each section's spec (given the loaded draft model).
+_ENGINE_SECTIONS = {
+    "quantization": lambda section, _: section.spec(),
+    "eviction": lambda section, _: section.budgeted_spec(),
+    "speculative": lambda section, draft_model: section.engine_config(draft_model),
+    "retrieval": lambda section, _: section.spec(),
+}
 
 SERVE_FLAGS = tuple(
     name for name in ServeConfig.model_fields
@@ -677,19 +702,7 @@ def serving_engine(config: ServeConfig, model, tokenizer=None, draft_model=None)
     loaded ``speculative.draft_model``)."""
     from jaxkv.serving import Engine
 
-    speculative = None if config.speculative is None else config.speculative.engine_config(draft_model)
-    return Engine(
-        model, tokenizer=tokenizer, kv_memory=config.kv_memory, host_kv_memory=config.host_kv_memory,
-        kv_cache_dir=config.kv_cache_dir, disk_kv_memory=config.disk_kv_memory, page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, prefix_caching=config.prefix_caching,
-        quantization=None if config.quantization is None else config.quantization.spec(),
-        eviction=None if config.eviction is None else config.eviction.budgeted_spec(), speculative=speculative,
-        max_pages_per_request=config.max_pages_per_request, compaction_policy=config.compaction_policy,
-        compaction_choice=config.compaction_choice,
-        attention_backend=config.attention_backend, pool_layout=config.pool_layout,
-        retrieval=None if config.retrieval is None else config.retrieval.spec(),
-    )  # fmt: skip
+    return Engine(model, config.engine_config(draft_model), tokenizer=tokenizer)
 
 
 def run_serve(args) -> int:

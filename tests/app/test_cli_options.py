@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from jaxkv.cli.main import build_parser, main, resolve_config, resolve_serve_config, serving_engine
-from jaxkv.config import QuantizationConfig
+from jaxkv.config import EvictionConfig, QuantizationConfig
 from jaxkv.eviction import EvictionSpec
 from jaxkv.models.llama import Llama, LlamaConfig
 from tests.cases import TINY_LLAMA
@@ -87,3 +87,29 @@ def test_serve_config_eviction(tmp_path):
     config.write_text("eviction: {policy: h2o}\nprefix_caching: false\n")
     with pytest.raises(ValueError, match="eviction.*exactly one of budget"):
         resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["serve", "--compaction-policy", "tova"], "compaction_policy"),  # without --max-pages-per-request
+        (["serve", "--disk-kv-memory", "lots"], "disk_kv_memory"),  # without --kv-cache-dir
+        (["serve", "--host-kv-memory", "-1"], "host_kv_memory"),
+        (["serve", "--kv-memory", "0"], "kv_memory"),
+        (["generate", "--top-p", "5"], "top_p"),  # greedy: top_p unused, still checked
+        (["generate", "--min-p", "-1"], "min_p"),
+    ],
+)
+def test_settings_used_only_beside_others_are_checked_on_their_own(argv, named):
+    """A setting is checked when the config is resolved, before any model loads, whether or not
+    the option that uses it is set."""
+    resolve = resolve_serve_config if argv[0] == "serve" else resolve_config
+    with pytest.raises(ValueError, match=named):
+        resolve(build_parser().parse_args(argv))
+
+
+def test_eviction_sections_check_their_policy_options():
+    with pytest.raises(ValueError, match="kernel_size must be odd"):
+        EvictionConfig(policy="snapkv", kernel_size=4)
+    with pytest.raises(ValueError, match="beta"):
+        EvictionConfig(policy="pyramidkv", beta=0.5)
