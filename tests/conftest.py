@@ -60,6 +60,7 @@ OPTIMIZED_FILES = {
     "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
     "test_sharding_smollm2.py", "test_gemma3_gguf.py", "test_beam_smollm2.py",
     "test_experiment_smoke.py", "test_server_speculation.py", "test_server_speculation_draft.py",
+    "test_eviction_smollm2.py",
 }  # fmt: skip
 
 
@@ -127,7 +128,7 @@ def drop_compiled_executables():
 # last big files for minutes; longest first (the files not listed follow in their usual order)
 # keeps both busy to the end.
 FILE_SECONDS = {
-    "test_speculative.py": 169, "test_sharding.py": 135, "test_gemma3.py": 50, "test_engine.py": 120,
+    "test_speculative.py": 169, "test_sharding.py": 135, "test_eviction_smollm2.py": 50, "test_gemma3.py": 50, "test_engine.py": 120,
     "test_eviction.py": 140, "test_engine_models.py": 152, "test_properties.py": 98, "test_quantized.py": 90,
     "test_engine_sharding.py": 98, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 112,
     "test_bench_smoke.py": 87, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
@@ -235,6 +236,9 @@ SLOW: dict[str, set[str]] = {
     "test_engine_sharding.py": {
         "test_greedy_tokens_equal_generate", "test_quantized_pages_on_a_mesh_equal_generate",
         "test_rows_need_not_divide_the_data_axis_without_per_row_slots", "test_speculation_on_a_mesh_equals_generate",
+    },
+    "test_eviction_smollm2.py": {
+        "test_a_row_within_the_budget_equals_the_plain_cache", "test_plain_caches_read_in_other_shapes_differ_as_much",
     },
     "test_eviction.py": {
         "test_attention_slot_mass_sums_to_the_weighted_queries", "test_compression_ratio_zero_builds_the_full_cache",
