@@ -128,7 +128,8 @@ def drop_compiled_executables():
 # last big files for minutes; longest first (the files not listed follow in their usual order)
 # keeps both busy to the end.
 FILE_SECONDS = {
-    "test_speculative.py": 169, "test_sharding.py": 135, "test_eviction_smollm2.py": 50, "test_gemma3.py": 50, "test_engine.py": 120,
+    "test_speculative.py": 169, "test_sharding.py": 135, "test_gemma3.py": 50, "test_engine.py": 120,
+    "test_eviction_smollm2.py": 50,
     "test_eviction.py": 140, "test_engine_models.py": 152, "test_properties.py": 98, "test_quantized.py": 90,
     "test_engine_sharding.py": 98, "test_beam.py": 25, "test_server.py": 100, "test_bench_serving.py": 112,
     "test_bench_smoke.py": 87, "test_smollm2.py": 94, "test_experiment.py": 24, "test_mqar.py": 82,
