@@ -69,8 +69,35 @@ from jaxkv.sizing import bucket, human_bytes
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
-    """Everything a layer builder may need; each builder checks the fields it uses. Options that
-    concern every layer are checked here, ``dtype`` and ``state_shapes`` normalized."""
+    """Everything a layer builder may need (``Cache.from_layer_types`` builds every layer from
+    one); each builder checks the fields it uses. Options that concern every layer are checked
+    here, ``dtype`` and ``state_shapes`` normalized.
+
+    ``full_attention``: 'static' (preallocated ``max_length``) or 'dynamic' (grows).
+    ``rollback_slots``: extra ring slots, so windowed layers can undo that many tokens plus one
+    (a bare ring already allows one); linear-attention layers keep the states of that many past
+    tokens and undo exactly that many.
+    ``conv_width``, ``conv_channels``, ``state_shapes``: the linear-attention state (conv of
+    width K over C channels, recurrent states of per-row shapes), for the ``linear_attention``,
+    ``conv`` and ``hybrid*`` layer types.
+    ``quantization``: a ``QuantSpec`` stores full (static) and sliding attention layers as
+    ``QuantizedLayer`` (int8/4/2 or fp8 codes, group scales, a residual).
+    ``paging``: a ``Paging`` stores full and sliding attention layers as ``PagedLayer`` (page
+    pools read through block tables; ``batch_size`` is then the block table's rows), quantized
+    pages with ``quantization`` too.
+    ``eviction``: an ``EvictionSpec`` keeps full-attention layers in a budget of slots, evicting
+    by its policy (``EvictingLayer``; models attend through ``cached_attention``); a compression
+    ratio of 0 builds the uncompressed layers. With ``paging`` (the serving engine) they are
+    ``PackedEvictingLayer``: a budget of slots per engine row, no pages.
+    ``retrieval``: a ``RetrievalSpec`` keeps every token of full-attention layers (static,
+    ``max_length``) and has each query read a budget of pages (``RetrievalLayer``); the other
+    layer types (Gemma 3's sliding rings) are unchanged.
+    ``latent``: a ``LatentSpec``, what ``latent_attention`` (MLA) and ``indexed_attention`` (DSA)
+    layers store per token (``jaxkv.layers.latent``, ``jaxkv.layers.indexed``), static or dynamic.
+    ``attention_backend``: what reads the decode tokens of static full-attention layers
+    (``jaxkv.kernels``: 'xla', 'pallas_gpu', 'pallas_tpu', 'auto'; docs/kernels.md); the other
+    layers are read by XLA, paged ones by ``paging.attention_backend``.
+    """
 
     batch_size: int
     num_kv_heads: int
@@ -539,6 +566,17 @@ def first_entry_shapes(group: CacheLayer) -> CacheLayer:
 _PAGED_FIX = "build the cache with paging= (the serving engine's layers)"
 
 
+def _layer_spec(spec: LayerSpec | None, fields: dict, num_layers: int) -> LayerSpec:
+    """``spec``, or the ``LayerSpec`` of ``fields``, for ``num_layers`` layers, its attention
+    backend resolved (``'auto'``: the platform's kernel)."""
+    if spec is not None and fields:
+        raise TypeError(
+            f"from_layer_types: pass spec=LayerSpec(...) or its fields as keywords, not both (got {sorted(fields)})"
+        )
+    spec = spec or LayerSpec(**fields)
+    return dataclasses.replace(spec, num_layers=num_layers, attention_backend=resolve_backend(spec.attention_backend))
+
+
 def _check_offload(spec: LayerSpec, mesh, kv_sources: Sequence[int]) -> None:
     """``offload`` covers a one-device cache of plain, quantized or retrieval layers, each storing its own K/V."""
     other = {"paging": spec.paging, "eviction": spec.eviction, "mesh": mesh, "kv_sources": kv_sources or None}
@@ -624,58 +662,24 @@ class Cache:
     def from_layer_types(
         cls,
         layer_types: Sequence[str],
+        spec: LayerSpec | None = None,
         *,
-        batch_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype=jnp.float32,
-        max_length: int | None = None,
-        sliding_window: int | None = None,
-        attention_chunk_size: int | None = None,
-        full_attention: str = "static",
-        rollback_slots: int = 0,
         stacked: bool = False,
-        conv_width: int | None = None,
-        conv_channels: int | None = None,
-        state_shapes: tuple[tuple[int, ...], ...] = (),
-        quantization: QuantSpec | None = None,
-        paging: Paging | None = None,
-        eviction: EvictionSpec | None = None,
-        retrieval: RetrievalSpec | None = None,
-        latent: LatentSpec | None = None,
         layer_builder: LayerBuilder | None = None,
         mesh: jax.sharding.Mesh | None = None,
         rules: Mapping[str, str | None] | None = None,
         offload=None,
         kv_sources: Sequence[int] = (),
         kv_shapes: Mapping[str, tuple[int, int]] | None = None,
-        attention_backend: str = XLA,
+        **fields,
     ) -> Cache:
-        """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``).
+        """One layer per entry of ``layer_types`` (keys of ``LAYER_TYPES``), each built from
+        ``spec`` (a ``LayerSpec``: sizes, dtype, storage options; what each field sets is said
+        there), or from ``LayerSpec``'s fields given as keywords (``batch_size=2, ...``), not both.
+        ``num_layers`` is ``len(layer_types)``.
 
-        ``full_attention``: 'static' (preallocated ``max_length``) or 'dynamic' (grows).
-        ``rollback_slots``: extra ring slots, so windowed layers can undo that many tokens
-        plus one (a bare ring already allows one); linear-attention layers keep the
-        states of that many past tokens and undo exactly that many.
-        ``conv_width``, ``conv_channels``, ``state_shapes``: the linear-attention state
-        (conv of width K over C channels, recurrent states of per-row shapes), for the
-        ``linear_attention``, ``conv`` and ``hybrid*`` layer types.
-        ``quantization``: a ``QuantSpec`` stores full (static) and sliding attention
-        layers as ``QuantizedLayer`` (int8/4/2 or fp8 codes, group scales, a residual).
-        ``paging``: a ``Paging`` stores full and sliding attention layers as ``PagedLayer``
-        (page pools read through block tables; ``batch_size`` is then the block table's rows),
-        quantized pages with ``quantization`` too.
-        ``eviction``: an ``EvictionSpec`` keeps full-attention layers in a budget of slots,
-        evicting by its policy (``EvictingLayer``; models attend through ``cached_attention``);
-        a compression ratio of 0 builds the uncompressed layers. With ``paging`` (the serving
-        engine) they are ``PackedEvictingLayer``: a budget of slots per engine row, no pages.
-        ``retrieval``: a ``RetrievalSpec`` keeps every token of full-attention layers (static,
-        ``max_length``) and has each query read a budget of pages (``RetrievalLayer``); the other
-        layer types (Gemma 3's sliding rings) are unchanged.
-        ``latent``: a ``LatentSpec``, what ``latent_attention`` (MLA) and ``indexed_attention`` (DSA)
-        layers store per token (``jaxkv.layers.latent``, ``jaxkv.layers.indexed``), static or dynamic.
         ``layer_builder``: builds every layer in place of ``LAYER_TYPES``' builders
-        (``LayerBuilder``: ``layer_builder.build(layer_type, spec)``, the options above in ``spec``).
+        (``LayerBuilder``: ``layer_builder.build(layer_type, spec)``).
         ``stacked``: store the repeats of the layer pattern stacked (``period`` = pattern
         length), for models that scan over their layers. Unstacked (``period`` = number
         of layers), each layer is its own buffer, which unrolled models read without a
@@ -690,19 +694,9 @@ class Cache:
         ``kv_sources``: per layer, the layer whose K/V it attends over (``kv_sources_of``): its own
         index, or an earlier storing layer of its type, whose K/V it reuses with no storage of its
         own; empty: every layer stores its own. ``kv_shapes``: per layer type, its
-        ``(num_kv_heads, head_dim)`` where it differs from the arguments (``kv_shapes_of``).
-        ``attention_backend``: what reads the decode tokens of static full-attention layers
-        (``jaxkv.kernels``: 'xla', 'pallas_gpu', 'pallas_tpu', 'auto'; docs/kernels.md); the other
-        layers are read by XLA, paged ones by ``paging.attention_backend``.
+        ``(num_kv_heads, head_dim)`` where it differs from the spec's (``kv_shapes_of``).
         """
-        spec = LayerSpec(
-            batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, max_length=max_length,
-            sliding_window=sliding_window, attention_chunk_size=attention_chunk_size, full_attention=full_attention,
-            rollback_slots=rollback_slots, conv_width=conv_width, conv_channels=conv_channels,
-            state_shapes=state_shapes, quantization=quantization, paging=paging, eviction=eviction,
-            retrieval=retrieval, latent=latent, num_layers=len(layer_types),
-            attention_backend=resolve_backend(attention_backend),
-        )  # fmt: skip
+        spec = _layer_spec(spec, fields, len(layer_types))
         check_layer_types(layer_types)
         check_kv_sources(kv_sources, layer_types)
         if kv_sources and spec.eviction is not None:

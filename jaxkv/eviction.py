@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from pydantic import ConfigDict
 
 POLICIES = ("streaming_llm", "snapkv", "pyramidkv", "h2o", "key_norm")
 # Policies whose scores come from attention weights (the layer asks attention for slot mass).
@@ -56,26 +58,29 @@ SCORES = {
 
 @dataclasses.dataclass(frozen=True)
 class EvictionSpec:
-    """Which policy an ``EvictingLayer`` evicts by and how many slots it keeps; see the module docstring.
+    """Which policy an ``EvictingLayer`` evicts by and how many slots it keeps; see the module
+    docstring and each field's. Give exactly one of ``budget`` and ``compression_ratio``."""
 
-    ``budget``: slots per row, K/V head and layer (the mean over layers for ``pyramidkv``), or
-    ``compression_ratio`` in [0, 1): the fraction of ``max_length`` evicted. ``window``: the
-    most recent positions always kept (None: the policy's default: everything after the sinks
-    for ``streaming_llm``, 64 for ``snapkv``/``pyramidkv``, half the budget for ``h2o``, 0 for
-    ``key_norm``). ``sinks``: the first positions always kept (StreamingLLM's 4 by default, 0
-    for the others). ``kernel_size``: SnapKV's pooling (odd). ``beta``: PyramidKV's steepness.
-    ``prompt_length``: PyramidKV's only, the prompt length its schedule is planned for (kvpress's
-    ``q_len``; None: the cache's ``max_length``, set by ``resolved``, or with neither no cap).
-    """
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a config key that is no field is an error
 
-    policy: str
+    policy: Literal[POLICIES]
+    """The policy that ranks the tokens: one of ``POLICIES``."""
     budget: int | None = None
+    """Slots per row, K/V head and layer (the mean over layers for ``pyramidkv``)."""
     compression_ratio: float | None = None
+    """The fraction of ``max_length`` evicted, in [0, 1) (instead of ``budget``)."""
     window: int | None = None
+    """The most recent positions always kept (None: the policy's default: everything after the sinks
+    for ``streaming_llm``, 64 for ``snapkv``/``pyramidkv``, half the budget for ``h2o``, 0 for ``key_norm``)."""
     sinks: int | None = None
+    """The first positions always kept (None: StreamingLLM's 4, 0 for the others)."""
     kernel_size: int = 5
+    """SnapKV's pooling window over the scores (odd)."""
     beta: float = 20.0
+    """PyramidKV's steepness (at least 1)."""
     prompt_length: int | None = None
+    """PyramidKV's only: the prompt length its schedule is planned for (kvpress's ``q_len``; None: the
+    cache's ``max_length``, set by ``resolved``, or with neither no cap)."""
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+from pydantic import ConfigDict
 
 from jaxkv.sharding import HEAD_DIM, Axes
 
@@ -23,21 +25,22 @@ SCALE_DTYPE = jnp.float16
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """How a ``QuantizedLayer`` stores K/V; see the module docstring.
+    """How a ``QuantizedLayer`` stores K/V; see the module docstring and each field's."""
 
-    ``format``: 'int' (``nbits`` 2, 4 or 8, asymmetric) or 'e4m3' / 'e5m2' (fp8,
-    symmetric; ``nbits`` must be 8 or None). ``nbits=None`` means 4 for 'int' (the
-    reference default) and 8 for fp8. ``axis_key`` / ``axis_value``: 0 per token, -1 per
-    channel. ``residual_length``: full-precision tokens kept per row (a multiple of
-    ``q_group_size`` when an axis is per channel).
-    """
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a config key that is no field is an error
 
     nbits: int | None = None
-    format: str = "int"
+    """Bits per value: 2, 4 or 8 for 'int' (None: 4, the reference default); 8 or None for fp8."""
+    format: Literal[FORMATS] = "int"
+    """'int' (asymmetric, with a zero point) or 'e4m3' / 'e5m2' (fp8, symmetric)."""
     axis_key: int = PER_TOKEN
+    """How keys are grouped: 0 per token, -1 per channel."""
     axis_value: int = PER_TOKEN
+    """How values are grouped: 0 per token, -1 per channel."""
     q_group_size: int = 64
+    """Values per scale group."""
     residual_length: int = 128
+    """Full-precision tokens kept per row (a multiple of ``q_group_size`` when an axis is per channel)."""
 
     def __post_init__(self):
         if self.format not in FORMATS:

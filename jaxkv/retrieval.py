@@ -6,9 +6,11 @@ query and the pages each query reads. Pure functions over arrays: the layers bri
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from pydantic import ConfigDict
 
 SUMMARIES = ("minmax", "centroid")
 PAGE_ORDERS = ("sequential", "clustered")
@@ -18,24 +20,32 @@ _SUMMARY_ROWS = {"minmax": 2, "centroid": 1}  # C: vectors per page summary
 
 @dataclasses.dataclass(frozen=True)
 class RetrievalSpec:
-    """What a ``RetrievalLayer`` reads per query and K/V head: ``budget`` tokens (a multiple of
-    ``page_size``), of which the ``sink`` first pages and the ``recent`` pages up to the query's own
-    (at least 1) always, the rest chosen by ``summary`` ('minmax' or 'centroid'). ``pages``:
-    'sequential' (page i holds positions ``[i·page_size, (i+1)·page_size)``) or 'clustered'
-    (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys). ``prefill``: 'retrieve' (every
-    query reads its pages, so any chunking gives token-by-token decoding's outputs) or 'dense' (the
-    queries of an update of more than ``page_size`` tokens per row read every token: Quest's prefill).
-    ``dense_layers``: the model's first N layers read every token at every query (Quest leaves its first
-    two layers dense: their attention is not sparse); the others retrieve."""
+    """What a ``RetrievalLayer`` reads per query and K/V head: ``budget`` tokens, of which the
+    ``sink`` first pages and the ``recent`` pages up to the query's own always, the rest chosen by
+    their ``summary``; each field's docstring says the rest."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a config key that is no field is an error
 
     budget: int
+    """Tokens each query reads per K/V head (a multiple of ``page_size``)."""
     page_size: int = 16
+    """Tokens per page."""
     sink: int = 1
+    """The first pages every query reads."""
     recent: int = 1
-    summary: str = "minmax"
-    pages: str = "sequential"
-    prefill: str = "retrieve"
+    """The pages up to the query's own that every query reads (at least 1)."""
+    summary: Literal[SUMMARIES] = "minmax"
+    """How a page's keys are summarised for scoring: 'minmax' (Quest) or 'centroid'."""
+    pages: Literal[PAGE_ORDERS] = "sequential"
+    """'sequential' (page i holds positions ``[i·page_size, (i+1)·page_size)``) or 'clustered'
+    (``ClusteredRetrievalLayer``: a prefill's pages hold similar keys)."""
+    prefill: Literal[PREFILLS] = "retrieve"
+    """'retrieve' (every query reads its pages, so any chunking gives token-by-token decoding's
+    outputs) or 'dense' (the queries of an update of more than ``page_size`` tokens per row read
+    every token: Quest's prefill)."""
     dense_layers: int = 0
+    """The model's first N layers read every token at every query (Quest leaves its first two layers
+    dense: their attention is not sparse); the others retrieve."""
 
     def __post_init__(self):
         if self.page_size < 1:

@@ -8,6 +8,9 @@ Two sources:
   (SentencePiece BPE with byte fallback, e.g. Gemma 3).
 * ``Tokenizer.from_file(tokenizer.json, tokenizer_config.json)`` for a transformers checkpoint.
 
+``save_pretrained(directory)`` writes either back as a transformers tokenizer directory (for
+tools that load one with ``AutoTokenizer``; ``jaxkv tokenizer`` on the command line).
+
 ``apply_chat_template`` renders the model's Jinja chat template the way transformers does
 (sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``), returning the prompt text.
 """
@@ -278,6 +281,27 @@ class Tokenizer:
     def from_state(cls, state: Mapping[str, str]) -> Tokenizer:
         """The tokenizer ``state()`` described (e.g. read back from a cache file)."""
         return cls(tokenizers.Tokenizer.from_str(state["tokenizer"]), **json.loads(state["tokenizer_config"]))
+
+    def save_pretrained(self, directory: str | Path) -> list[Path]:
+        """Write this tokenizer as a transformers tokenizer directory (created if missing; its
+        files replaced), which ``AutoTokenizer.from_pretrained`` and ``from_file`` read back:
+        ``tokenizer.json`` (the backend, BOS/EOS insertion included) and ``tokenizer_config.json``
+        (``PreTrainedTokenizerFast``, the BOS and EOS tokens, the chat template). transformers
+        takes one EOS token: the first of ``eos_tokens`` (the others, end-of-turn tokens, are
+        generation settings). Returns the files written."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_tokens[0] if self.eos_tokens else None,
+            "chat_template": self.chat_template,
+        }
+        config = {key: value for key, value in config.items() if value is not None}
+        files = {"tokenizer.json": self.backend.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
+        for name, text in files.items():
+            (directory / name).write_text(text, encoding="utf-8")
+        return [directory / name for name in files]
 
     @property
     def bos_token_id(self) -> int | None:

@@ -71,11 +71,12 @@ import httpx
 import openai
 import psutil
 
-from jaxkv.bench.decode import cpu_cores, fmt, worker_env
+from jaxkv.bench.common import cpu_cores, fmt, worker_env
 from jaxkv.bench.serving import (
     Clock, ServingRequest, WorkloadShape, make_workload, percentile, token_source, workload_summary,
 )  # fmt: skip
 from jaxkv.bench.vllm_env import VENV, VllmUnavailable, engine_args, ensure_checkpoint, ensure_venv, server_flags
+from jaxkv.engine_args import add_engine_flags, engine_argv, engine_config, load_engine
 from jaxkv.serving.sizing import parse_bytes
 
 LOOPBACK_NAMES = ("localhost",)  # and every loopback address (127.0.0.0/8, ::1)
@@ -168,21 +169,21 @@ def free_port() -> int:
 
 
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:
-    command = [
+    """``jaxkv serve`` on 127.0.0.1 with this run's engine settings (``args.engine``)."""
+    return [
         sys.executable, "-m", "jaxkv.cli", "serve", "--model", args.model, "--host", "127.0.0.1", "--port",
-        str(port), "--kv-memory", args.kv_memory, "--page-size", str(args.page_size), "--max-num-seqs",
-        str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--max-waiting", str(args.max_waiting),
+        str(port), "--max-waiting", str(args.max_waiting), *engine_argv(args.engine),
     ]  # fmt: skip
-    return command + ([] if args.max_model_len is None else ["--max-model-len", str(args.max_model_len)])
 
 
 def vllm_serve_command(args: argparse.Namespace, port: int, server: str) -> list[str]:
     """vLLM's OpenAI server from its venv, on the float32 checkpoint, with ``engine_args``' settings."""
-    settings = engine_args(server, args.model, kv_memory_bytes=parse_bytes(args.kv_memory), page_size=args.page_size,
-                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
-    if args.max_model_len is not None:
-        settings["max_model_len"] = args.max_model_len
+    engine = args.engine
+    settings = engine_args(server, args.model, kv_memory_bytes=parse_bytes(engine.kv_memory),
+                           page_size=engine.page_size, max_num_seqs=engine.max_num_seqs,
+                           max_num_batched_tokens=engine.max_num_batched_tokens)  # fmt: skip
+    if engine.max_model_len is not None:
+        settings["max_model_len"] = engine.max_model_len
     return [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
             str(port), *server_flags(settings)]  # fmt: skip
 
@@ -319,17 +320,9 @@ def run_http(url: str, requests: list[ServingRequest], args: argparse.Namespace)
 
 
 def build_engine(args: argparse.Namespace):
-    """The engine ``jaxkv serve`` builds for these options, warmed up (every step shape compiled)."""
-    from jaxkv.models.load import load_pretrained
-
-    from jaxkv.serving import Engine
-
-    model, tokenizer = load_pretrained(args.model)
-    engine = Engine(
-        model, tokenizer=tokenizer, kv_memory=args.kv_memory, page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-    )  # fmt: skip
+    """The engine ``jaxkv serve`` builds for these settings (``load_engine``), warmed up (every
+    step shape compiled)."""
+    engine, _ = load_engine(args.model, args.engine)
     engine.warmup()
     return engine
 
@@ -445,13 +438,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128, help="per request; end-of-sequence may stop it sooner")
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-memory", default="512MiB", help="engine option (server and in-process)")
-    parser.add_argument("--page-size", type=int, default=16, help="engine option")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine option")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256, help="engine option")
-    parser.add_argument("--max-model-len", type=int, help="engine option (default: the model's)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
     parser.add_argument("--max-waiting", type=int, default=64, help="the started server's --max-waiting")
+    add_engine_flags(parser, skip=("seed",))  # the server's and the in-process engine's settings
+    parser.set_defaults(kv_memory="512MiB")
     parser.add_argument("--timeout", type=float, default=600, help="seconds each run (HTTP, in-process) may take")
     parser.add_argument("--request-timeout", type=float, default=300, help="seconds one request may take")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds the started server may take")
@@ -461,6 +451,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
     check_args(parser, args)
+    args.engine = engine_config(args)
     return args
 
 
@@ -532,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{args.min_prompt}-{args.max_prompt} tokens, max_tokens {args.max_tokens}, seed {args.seed}")  # fmt: skip
     print_report(title, table, cost, report)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}  # vllm_python too
+    settings["engine"] = dataclasses.asdict(args.engine)
     report.update(settings=settings, workload=workload_summary(requests), rows=rows, overhead=cost,
                   table_markdown=table, total_seconds=time.perf_counter() - start)  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

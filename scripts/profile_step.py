@@ -14,8 +14,9 @@ decoding; ``prefill``, ``rows - 1`` rows decoding and one row prefilling a long 
 
 Per step (medians over the traced steps, milliseconds):
 
-* host stages, from the engine's trace annotations: ``engine.schedule`` (scheduler and block
-  tables), ``runner.prepare`` (packing the inputs), ``runner.dispatch`` (the call of the
+* host stages, from the engine's trace annotations: ``engine.schedule`` (scheduler and the step
+  plan: the block-table rows that changed), ``engine.apply`` (the plan's page moves and copies,
+  its rows written into the runner's block tables), ``runner.prepare`` (packing the inputs), ``runner.dispatch`` (the call of the
   compiled step: argument handling and host-to-device transfer; it returns before the device
   is done), ``runner.wait`` (waiting for the device and copying the outputs back),
   ``engine.outputs`` (appending tokens, detokenizing, stops, metrics);
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import re
@@ -46,10 +48,10 @@ import jax
 import numpy as np
 from jaxkv.models.load import load_pretrained
 
-from jaxkv.retrieval import RetrievalSpec
-from jaxkv.serving.engine import Engine
+from jaxkv.engine_args import add_engine_flags, engine_config, load_engine
+from jaxkv.serving import Engine
 
-HOST_STAGES = ("engine.schedule", "runner.prepare", "runner.dispatch", "runner.wait", "engine.outputs")
+HOST_STAGES = ("engine.schedule", "engine.apply", "runner.prepare", "runner.dispatch", "runner.wait", "engine.outputs")
 # First match wins, innermost function first: (category, functions on the op's stack, needs a dot).
 CATEGORY_RULES = (
     ("attention: retrieval (scores, top-k)", ("PagedKVView._chosen_columns",), False),
@@ -202,7 +204,7 @@ def _start_case(engine: Engine, args, rows: int, prefill: bool) -> None:
     while any(not seq.output for seqs in engine.sequences.values() for seq in seqs):
         engine.step()
     if prefill:
-        long_prompt = rng.integers(100, vocab - 100, args.max_num_batched_tokens * (args.steps + 2)).tolist()
+        long_prompt = rng.integers(100, vocab - 100, engine.config.max_num_batched_tokens * (args.steps + 2)).tolist()
         engine.add_request(long_prompt, max_tokens=1, ignore_eos=True)
         engine.step()  # the first chunk: from here on every step has a full chunk
 
@@ -218,7 +220,8 @@ def profile_case(engine: Engine, args, rows: int, prefill: bool) -> dict:
                 walls.append(1000 * (time.perf_counter() - start))
         events = _events(Path(trace_dir))
     runner = engine.runner
-    shape = (args.max_num_seqs, args.max_num_batched_tokens) if prefill else runner.prepare_shape(rows, 0)
+    config = engine.config
+    shape = (config.max_num_seqs, config.max_num_batched_tokens) if prefill else runner.prepare_shape(rows, 0)
     shape = (*shape, 1)
     executable = runner.executables[shape]
     hlo = executable.as_text()
@@ -278,34 +281,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--kv-memory", default="1GiB")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--top", type=int, default=12, help="list this many of the slowest ops per case")
     parser.add_argument(
         "--unrolled", action="store_true", help="the model with its layers unrolled (scan_layers=False)"
     )
-    parser.add_argument("--max-pages-per-request", type=int, help="a page budget (docs/serving.md 'Compressed pages')")
-    parser.add_argument("--compaction-policy", default="streaming_llm", help="what a compaction keeps")
-    parser.add_argument("--compaction-choice", default="pool", help="pool (one for every layer and head) or head")
-    parser.add_argument(
-        "--retrieval-budget", type=int, help="page retrieval (Quest, minmax): tokens of pages a decode token reads "
-        "per K/V head (docs/retrieval.md 'In the engine')"
-    )
-    parser.add_argument("--max-model-len", type=int, help="the engine's (default: the model's)")
     parser.add_argument("--out", type=Path)
+    add_engine_flags(parser)  # a page budget, retrieval, ... (docs/serving.md); --max-num-seqs defaults to 32 here
+    parser.set_defaults(max_num_seqs=32)
     args = parser.parse_args()
-    model, _ = load_pretrained("smollm2", **({"scan_layers": False} if args.unrolled else {}))
-    engine = Engine(
-        model, kv_memory=args.kv_memory, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_pages_per_request=args.max_pages_per_request,
-        compaction_policy=args.compaction_policy, compaction_choice=args.compaction_choice,
-        max_model_len=args.max_model_len,
-        retrieval=None if args.retrieval_budget is None else RetrievalSpec(
-            args.retrieval_budget, page_size=args.page_size, prefill="dense"
-        ),
-    )  # fmt: skip
+    load = functools.partial(load_pretrained, **({"scan_layers": False} if args.unrolled else {}))
+    engine, _ = load_engine("smollm2", engine_config(args), load=load)
     engine.warmup()
     results = [profile_case(engine, args, rows, prefill) for rows in args.rows for prefill in (False, True)]
     print(markdown(results))

@@ -24,7 +24,6 @@ import time
 from collections.abc import Sequence
 
 from jaxkv.cache import layer_types_of
-from jaxkv.config import EvictionConfig
 from jaxkv.eviction import EvictionSpec
 from jaxkv.research.experiment import CacheChoice
 from jaxkv.research.tasks import KVRetrievalTask, PasskeyTask, RetrievalExample, RetrievalTask, parse_number
@@ -70,7 +69,7 @@ def runner_row(task: RetrievalTask, model, tokenizer, data, context: int, seed: 
                slots: int | None) -> dict:  # fmt: skip
     """The experiment runner's cell (``task.run`` with ``CacheChoice.options``): full K/V for
     ``policy`` None, else ``EvictingLayer`` keeping ``slots`` tokens ranked by ``policy``."""
-    cache = CacheChoice(name="cache", eviction=None if policy is None else EvictionConfig(policy=policy))
+    cache = CacheChoice(name="cache", eviction=None if policy is None else {"policy": policy})
     budget = 1.0 if slots is None else slots / context
     options = cache.options(budget, context, task.prompt_length(context))
     metrics, _ = task.run(model, tokenizer, data, context, seed, options)

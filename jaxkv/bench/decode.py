@@ -6,11 +6,11 @@
     jaxkv bench decode --long                            # + the 4k vs 32k cache capacity experiment
 
 Every configuration (system x cache x batch) runs in a fresh subprocess (this module again,
-``python -m jaxkv.bench.decode`` with a hidden ``--worker JSON`` argument), so its peak RSS
-and its compile caches are its own; the worker prints one ``BENCH_RESULT {...}`` line that the parent collects. All
-configurations use the same model file, the same prompt (a fixed English text tokenized by
-the model's tokenizer, cut or repeated to ``--prompt-tokens``, the same for every row) and
-generate exactly ``--new-tokens`` tokens per row, greedily, with no stop token.
+``python -m jaxkv.bench.decode`` with a hidden ``--worker SPEC`` argument: ``jaxkv.bench.common``'s
+``run_worker``), so its peak RSS and its compile caches are its own. All configurations use the
+same model file, the same prompt (a fixed English text tokenized by the model's tokenizer, cut or
+repeated to ``--prompt-tokens``, the same for every row) and generate exactly ``--new-tokens``
+tokens per row, greedily, with no stop token.
 
 Both systems get a warm-up: jaxkv calls ``generate`` twice in its process, the first call
 (cold: it compiles) gives compile s and TTFT, the second the rates; transformers runs a
@@ -62,17 +62,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-MODULE = "jaxkv.bench.decode"  # workers run as `python -m MODULE --worker SPEC`
+from jaxkv.bench.bandwidth import measure_bandwidth
+from jaxkv.bench.common import (
+    DEVICES, TINY, TINY_CONFIG, cpu_cores, environment, fmt, hf_model, hf_sizes, jaxkv_model, jaxkv_sizes,
+    median_run, print_targets, run_as_worker, run_worker,
+)  # fmt: skip
 
-RESULT_PREFIX = "BENCH_RESULT "
+MODULE = "jaxkv.bench.decode"  # workers run as `python -m MODULE --worker SPEC`
 # name -> (system, cache kind, jaxkv model options); the order is the table's.
 CONFIGS = {
     "jaxkv-static": ("jaxkv", "static", {}),
@@ -100,15 +100,6 @@ QUANTIZED_FORMATS = {
 }
 PERPLEXITY_CHUNK = 128
 
-DEVICES = ("cpu", "gpu")  # --device: where the systems run
-
-# A random Llama small enough for tests (no download, no tokenizer): --model tiny-random.
-TINY = "tiny-random"
-TINY_CONFIG = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
-)  # fmt: skip  head_dim 64: the quantized formats' groups of 64 channels fit
-
 PROMPT_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a wooden screw press into a system that could "
@@ -123,18 +114,6 @@ PROMPT_TEXT = (
 
 # ----------------------------------------------------------------------------------------------
 # helpers shared by parent and workers
-
-
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
-def peak_rss_mib() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def bucket(n: int) -> int:
@@ -171,18 +150,6 @@ def random_ids(vocab_size: int, num_tokens: int, seed: int = 0) -> list[int]:
 # workers: each runs in its own process and returns a dict
 
 
-def jaxkv_model(spec):
-    import jax.numpy as jnp
-
-    if spec["model"] == TINY:
-        from jaxkv.models.llama import Llama, LlamaConfig
-
-        return Llama(LlamaConfig(**TINY_CONFIG), dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])
-    from jaxkv.models.load import load_pretrained
-
-    return load_pretrained(spec["model"], dtype=jnp.dtype(spec["dtype"]), **spec["model_kwargs"])[0]  # Llama options
-
-
 def worker_jaxkv(spec: dict) -> dict:
     """One ``generate`` call; with ``spec['long']`` the prompt is random ids of ``spec['prompt_tokens']``."""
     import jax
@@ -191,7 +158,7 @@ def worker_jaxkv(spec: dict) -> dict:
     import jaxkv.decoding.generate  # noqa: F401  imported before the load timer: load_s times the model alone
 
     start = time.perf_counter()
-    model = jaxkv_model(spec)
+    model = jaxkv_model(spec["model"], spec["dtype"], **spec["model_kwargs"])
     load_seconds = time.perf_counter() - start
     new = spec["new_tokens"]
     prompt = spec.get("prompt") or random_ids(model.config.vocab_size, spec["prompt_tokens"])
@@ -242,19 +209,6 @@ def _check_jaxkv_runs(cold, result, new: int) -> None:
         raise RuntimeError(f"jaxkv generated {result.num_generated.tolist()} tokens, expected {new} per row")
 
 
-def jaxkv_sizes(model, dtype: str) -> dict:
-    """Parameter bytes and K/V bytes per cached token of ``model`` in ``dtype``."""
-    import jax
-    from flax import nnx
-
-    config = model.config
-    itemsize = jax.numpy.dtype(dtype).itemsize
-    return dict(
-        param_bytes=int(sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-        kv_bytes_per_token=2 * config.num_hidden_layers * config.kv_heads * config.dim_per_head * itemsize,
-    )
-
-
 def worker_quantized(spec: dict) -> dict:
     """One ``--quantized`` format: ``generate`` after a ``spec['prompt_tokens']``-token prompt of
     random ids (twice; the second call is timed) and one perplexity window of that length in
@@ -265,7 +219,7 @@ def worker_quantized(spec: dict) -> dict:
     from jaxkv.research.tasks import perplexity_through_cache
     from jaxkv.quantization import QuantSpec
 
-    model = jaxkv_model(spec)
+    model = jaxkv_model(spec["model"], spec["dtype"])
     options = {} if spec["quantization"] is None else {"quantization": QuantSpec(**spec["quantization"])}
     prompt = random_ids(model.config.vocab_size, spec["prompt_tokens"])
     spec = spec | {"prompt": prompt, "cache": "static", "batch": 1}
@@ -282,24 +236,6 @@ def worker_quantized(spec: dict) -> dict:
         cache_bytes=int(result.cache_bytes), perplexity=float(perplexity[0]), tokens_head=result.tokens[0, :16].tolist(),
         backend=jax.default_backend(),
     )  # fmt: skip
-
-
-def hf_model(spec):
-    import torch
-    import transformers
-
-    dtype = getattr(torch, spec["dtype"])
-    if spec["model"] == TINY:
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_CONFIG)).to(dtype).eval()
-    from jaxkv.models.defaults import resolve_model
-
-    path = resolve_model(spec["model"])
-    if path.suffix == ".gguf":
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    return model.eval()
 
 
 def _hf_cache_bytes(cache) -> int:
@@ -323,7 +259,7 @@ def worker_transformers(spec: dict) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device gpu: torch sees no CUDA device (a CUDA build of torch and a GPU are needed)")
     start = time.perf_counter()
-    model = hf_model(spec).to(device)
+    model = hf_model(spec["model"], spec["dtype"]).to(device)
     load_seconds = time.perf_counter() - start
     new = spec["new_tokens"]
     ids = torch.tensor([spec["prompt"]] * spec["batch"], dtype=torch.long, device=device)
@@ -399,112 +335,15 @@ def _hf_generate(model, ids, cache: str, max_new_tokens: int):
     return out, start, timer.times, end
 
 
-def hf_sizes(model) -> dict:
-    """Parameter bytes and K/V bytes per cached token of a transformers model."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return dict(
-        param_bytes=int(sum(p.numel() * p.element_size() for p in model.parameters())),
-        kv_bytes_per_token=2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size(),
-    )
-
-
-def worker_membw(spec: dict) -> dict:
-    """Memory bandwidth, GB/s: best of a numpy copy (read + write) and a jitted jax sum (read);
-    on ``--device gpu`` the sum over the GPU's memory alone."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    n = spec["mib"] * 2**20 // 4
-    x = jnp.ones(n, jnp.float32)
-    if spec.get("device") == "gpu":
-        if jax.default_backend() != "gpu":
-            raise RuntimeError(f"JAX runs on {jax.default_backend()}")
-        return _jax_sum_bandwidth(x, spec["mib"], numpy_copy=None)
-    src = np.ones(n, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    copy_s = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
-    return _jax_sum_bandwidth(x, spec["mib"], numpy_copy=2 * src.nbytes / copy_s / 1e9)
-
-
-def _jax_sum_bandwidth(x, mib: int, numpy_copy: float | None) -> dict:
-    """The bandwidth of a jitted sum over ``x`` (best of 5), next to the numpy copy's (None on a GPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    sum_s = min(_timed(lambda: total(x).block_until_ready()) for _ in range(5))
-    jax_sum = x.nbytes / sum_s / 1e9
-    return dict(array_mib=mib, numpy_copy_gbps=numpy_copy, jax_sum_gbps=jax_sum, gbps=max(numpy_copy or 0, jax_sum))
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def worker_main(spec: dict) -> int:
-    kind = spec["kind"]
-    if kind == "membw":
-        result = worker_membw(spec)
-    elif kind == "quantized":
-        result = worker_quantized(spec)
-    elif spec["system"] == "jaxkv":
-        result = worker_jaxkv(spec)
-    else:
-        result = worker_transformers(spec)
-    result["peak_rss_mib"] = peak_rss_mib()
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
-    return 0
+def run_spec(spec: dict) -> dict:
+    """A worker's configuration: the ``--quantized`` experiment's, jaxkv's or transformers' ``generate``."""
+    if spec["kind"] == "quantized":
+        return worker_quantized(spec)
+    return worker_jaxkv(spec) if spec["system"] == "jaxkv" else worker_transformers(spec)
 
 
 # ----------------------------------------------------------------------------------------------
 # parent
-
-
-def worker_env(device: str = "cpu") -> dict:
-    """A worker's environment: offline hub, quiet tokenizers and progress bars; JAX on the GPU
-    only for ``--device gpu`` (else JAX's default)."""
-    env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if device == "gpu":
-        env["JAX_PLATFORMS"] = "cuda"
-    return env
-
-
-def run_worker(spec: dict, *, timeout: float | None, verbose: bool) -> dict:
-    env = worker_env(spec.get("device", "cpu"))
-    label = spec.get("label", spec["kind"])
-    print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", MODULE, "--worker", json.dumps(spec)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=None if verbose else subprocess.PIPE,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        print(f"[bench] {label}: timed out after {timeout} s", file=sys.stderr)
-        return {"error": f"timed out after {timeout} s"}
-    wall = time.perf_counter() - start
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or "")[-3000:] + proc.stdout[-1000:]
-        print(f"[bench] {label}: worker failed (exit {proc.returncode}):\n{tail}", file=sys.stderr)
-        return {"error": f"exit {proc.returncode}: {tail.strip().splitlines()[-1] if tail.strip() else ''}"}
-    result = json.loads(lines[-1][len(RESULT_PREFIX) :])
-    result["worker_wall_s"] = wall
-    print(f"[bench] {label}: done in {wall:.1f} s", file=sys.stderr, flush=True)
-    return result
 
 
 def add_rates(row: dict) -> None:
@@ -514,11 +353,6 @@ def add_rates(row: dict) -> None:
     row["prefill_tok_s"] = row["prompt_tokens"] * batch / row["prefill_s"]
     row["decode_tok_s"] = batch * (new - 1) / row["decode_s"]
     row["decode_ms_per_step"] = 1000 * row["decode_s"] / (new - 1)
-
-
-def fmt(value: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
-    """A table cell: ``value * scale`` in ``spec``, or '-' when there is none."""
-    return "-" if value is None else format(value * scale, spec)
 
 
 def decode_cell(row: dict) -> str:
@@ -707,8 +541,8 @@ def parse_args(argv):
     parser.add_argument(
         "--repeat", type=int, default=1, help="fresh worker runs per configuration; rows show the median, min-max"
     )
-    parser.add_argument("--verbose", action="store_true", help="show the workers' stderr")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--verbose", action="store_true", help="show the workers' output")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--"]:  # `jaxkv bench -- --batch 1 8`: the CLI passes the separator through
         argv = argv[1:]
@@ -724,50 +558,25 @@ def parse_args(argv):
     return args
 
 
-# The vector instruction sets a CPU kernel may pick (vLLM's CPU attention and GEMMs have AVX-512 and AMX paths).
-VECTOR_ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+def run_config(args, spec: dict) -> dict:
+    """``spec`` run by a fresh worker (this module again)."""
+    return run_worker([sys.executable, "-m", MODULE, "--worker"], spec, label=spec["label"], device=spec["device"],
+                      timeout=args.worker_timeout, verbose=args.verbose)  # fmt: skip
 
 
-def cpu_vector_isa() -> list[str]:
-    """Which of ``VECTOR_ISA`` this CPU has (``/proc/cpuinfo``'s flags; empty where unreadable)."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split()
-    except (OSError, StopIteration):
-        return []
-    return [isa for isa in VECTOR_ISA if isa in flags]
-
-
-def environment(args) -> dict:
-    import importlib.metadata
-
-    versions = {}
-    for dist in ("jax", "jaxlib", "flax", "torch", "transformers", "numpy"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = None
-    cpu = platform.processor()
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        pass
-    return dict(
-        cpu=cpu, cpu_vector_isa=cpu_vector_isa(), cores=cpu_cores(), torch_threads=args.threads,
-        platform=platform.platform(),
-        python=platform.python_version(), versions=versions,
-        load_average=os.getloadavg() if hasattr(os, "getloadavg") else None,
-    )  # fmt: skip
-
-
-def median_run(runs: list[dict]) -> dict:
-    """The run of median decode speed among ``runs`` of one configuration (fresh processes), with
-    every successful run's decode tok/s in ``decode_tok_s_runs`` (sorted); the first failure if none ran."""
-    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["decode_tok_s"])
-    if not ok:
+def repeated(args, spec: dict, **fields) -> dict:
+    """``--repeat`` fresh workers of ``spec``, each result with ``fields`` and its rates: the run of
+    median decode speed, with every successful run's decode tok/s in ``decode_tok_s_runs`` (sorted);
+    the first failure if none ran."""
+    runs = []
+    for _ in range(args.repeat):
+        row = dict(fields, **run_config(args, spec))
+        add_rates(row)
+        runs.append(row)
+    middle = median_run(runs, "decode_tok_s")
+    if middle is None:
         return runs[0]
-    return ok[(len(ok) - 1) // 2] | {"decode_tok_s_runs": [r["decode_tok_s"] for r in ok]}
+    return middle | {"decode_tok_s_runs": sorted(r["decode_tok_s"] for r in runs if "error" not in r)}
 
 
 def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
@@ -781,14 +590,8 @@ def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
                 kind="generate", system=system, cache=cache, model_kwargs=model_kwargs, batch=batch, prompt=prompt,
                 new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
             )  # fmt: skip
-            runs = []
-            for _ in range(args.repeat):
-                result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
-                row = dict(name=name, system=system, cache=cache, batch=batch, prompt_tokens=len(prompt),
-                           new_tokens=args.new_tokens, **result)  # fmt: skip
-                add_rates(row)
-                runs.append(row)
-            rows.append(median_run(runs))
+            rows.append(repeated(args, spec, name=name, system=system, cache=cache, batch=batch,
+                                 prompt_tokens=len(prompt), new_tokens=args.new_tokens))  # fmt: skip
     for row in rows:
         base = next((r for r in rows if r["name"] == BASELINE and r["batch"] == row["batch"]), None)
         if "error" not in row and base is not None and "error" not in base:
@@ -810,7 +613,7 @@ def run_long(args, common: dict) -> dict:
             prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens, max_length=capacity,
             label=f"long jaxkv-static capacity {capacity or small_capacity}", **common,
         )  # fmt: skip
-        result = run_worker(spec, timeout=args.worker_timeout, verbose=args.verbose)
+        result = run_config(args, spec)
         result.update(batch=1, prompt_tokens=args.long_prompt, new_tokens=args.long_new_tokens)
         add_rates(result)
         long[which] = result
@@ -829,14 +632,8 @@ def run_quantized(args, common: dict) -> list[dict]:
             kind="quantized", system="jaxkv", model_kwargs={}, prompt_tokens=args.quantized_context,
             new_tokens=args.quantized_new_tokens, label=f"quantized K/V {name}", **common,
         )  # fmt: skip
-        runs = []
-        for _ in range(args.repeat):
-            row = dict(name=name, batch=1, prompt_tokens=args.quantized_context,
-                       new_tokens=args.quantized_new_tokens, **run_worker(spec, timeout=args.worker_timeout,
-                       verbose=args.verbose))  # fmt: skip
-            add_rates(row)
-            runs.append(row)
-        rows.append(median_run(runs))
+        rows.append(repeated(args, spec, name=name, batch=1, prompt_tokens=args.quantized_context,
+                             new_tokens=args.quantized_new_tokens))  # fmt: skip
     full = rows[0]
     for row in rows:
         if "error" not in row and "error" not in full:
@@ -882,13 +679,6 @@ def print_long(long: dict) -> None:
         print(f"- capacity {cap}: {value}")
     if long.get("ratio") is not None:
         print(f"- ratio {long['large_capacity']}/{long['small_capacity']}: {long['ratio']:.3f}")
-
-
-def print_targets(targets: list[dict]) -> None:
-    print("\n### Targets\n")
-    for t in targets:
-        mark = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
-        print(f"- [{mark}] {t['target']}: {t['display']}")
 
 
 def print_bound(bound: dict | None) -> None:
@@ -947,13 +737,13 @@ def write_outputs(args, report: dict, title: str) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        return worker_main(json.loads(args.worker))
+        return run_as_worker(args.worker, run_spec)
 
     start = time.perf_counter()
     prompt = prompt_ids(args.model, args.prompt_tokens)
     common = dict(model=args.model, dtype=args.dtype, threads=args.threads, device=args.device)
-    membw_spec = dict(kind="membw", mib=args.membw_mib, label="memory bandwidth", device=args.device)
-    membw = run_worker(membw_spec, timeout=args.worker_timeout, verbose=args.verbose)
+    membw = measure_bandwidth(args.membw_mib, args.device, label="memory bandwidth", timeout=args.worker_timeout,
+                              verbose=args.verbose)  # fmt: skip
     if args.device == "gpu" and "error" in membw:
         print(f"jaxkv bench decode: --device gpu, but JAX found no GPU ({membw['error']}); install a CUDA jax "
               '(pip install "jax[cuda12]") on a machine with an NVIDIA GPU', file=sys.stderr)  # fmt: skip
@@ -976,7 +766,7 @@ def main(argv=None) -> int:
             model=args.model, dtype=args.dtype, device=args.device, batch=args.batch, new_tokens=args.new_tokens,
             prompt_tokens=len(prompt), systems=args.systems, prompt_ids=prompt,
         ),
-        environment=environment(args), rows=rows, long=long, quantized=quantized, targets=targets,
+        environment=environment(args.threads), rows=rows, long=long, quantized=quantized, targets=targets,
         memory_bandwidth=membw,
         bandwidth_bound=bound, greedy_agreement=agree, table_markdown=table,
         total_seconds=time.perf_counter() - start,

@@ -17,7 +17,7 @@ a step without its marker runs again (pip then keeps what it already installed).
   (``config.json``, safetensors, the tokenizer) vLLM and ``jaxkv.models.load_pretrained`` both
   load, so both run the same weights. transformers refuses to ``save_pretrained`` a model loaded
   from a GGUF; the model is built from its config, given the GGUF's dequantized state dict
-  (``jaxkv.bench.decode.hf_model``'s load) and saved. A directory given as the model is used as is.
+  (``jaxkv.bench.common.hf_model``'s load) and saved. A directory given as the model is used as is.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def ensure_venv(venv: Path = VENV) -> Path:
 
 def checkpoint_name(model: str) -> str:
     """The folder name for ``model``'s float32 checkpoint: the GGUF file's stem, or the test model's name."""
-    from jaxkv.bench.decode import TINY
+    from jaxkv.bench.common import TINY
     from jaxkv.models.defaults import resolve_model
 
     return f"{model if model == TINY else resolve_model(model).stem}-float32"
@@ -111,10 +111,10 @@ def save_float32_checkpoint(model: str, directory: Path) -> None:
     tokenizer when it has one (a GGUF does; the test model does not)."""
     import transformers
 
-    from jaxkv.bench.decode import TINY, hf_model
+    from jaxkv.bench.common import TINY, hf_model
     from jaxkv.models.defaults import resolve_model
 
-    loaded = hf_model(dict(model=model, dtype="float32"))
+    loaded = hf_model(model, "float32")
     settings = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}  # not GGUF any more
     config = type(loaded.config).from_dict(settings)
     fresh = transformers.AutoModelForCausalLM.from_config(config, dtype=loaded.dtype)

@@ -133,7 +133,7 @@ class Worker:
         return "\n".join(f"    {line}" for line in lines) or "    (nothing)"
 
 
-def run_launch(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Start the processes, wait for them all (or the first failure, or the timeout), stop the
     rest, then forward process 0's output or report what went wrong."""
     command = launched_command(args.program)

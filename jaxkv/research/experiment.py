@@ -16,9 +16,9 @@ A config (YAML, validated: an unknown key or a wrong type names the key and the 
       - {kind: perplexity, contexts: [1024]}
     caches:
       - {name: full}                                             # the uncompressed cache
-      - {name: int4, quantization: {nbits: 4, axis_key: -1}}     # jaxkv.config.QuantizationConfig
-      - {name: snapkv, eviction: {policy: snapkv, window: 32}}   # EvictionConfig below
-      - {name: quest, retrieval: {budget: 256, page_size: 16}}   # jaxkv.config.RetrievalConfig
+      - {name: int4, quantization: {nbits: 4, axis_key: -1}}     # jaxkv.quantization.QuantSpec
+      - {name: snapkv, eviction: {policy: snapkv, window: 32}}   # EvictionSpec but its budget, below
+      - {name: quest, retrieval: {budget: 256, page_size: 16}}   # jaxkv.retrieval.RetrievalSpec
 
 Cells: the plain, quantized and retrieval caches (the last at their own budget of tokens per query)
 run once per model, task context and seed; an eviction cache runs once per budget below 1.0, keeping
@@ -57,7 +57,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from jaxkv.config import EvictionConfig, QuantizationConfig, RetrievalConfig, Strict, load_config
+from jaxkv.config import EvictionPolicy, Strict, eviction_spec, load_config
+from jaxkv.quantization import QuantSpec
+from jaxkv.retrieval import RetrievalSpec
 from jaxkv.research.tasks import KVRetrievalTask, MQARTask, PasskeyTask, PerplexityTask
 
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -68,9 +70,9 @@ class CacheChoice(Strict):
     """One cache of the grid: plain (no option), quantized, evicting or retrieving pages."""
 
     name: str
-    quantization: QuantizationConfig | None = None
-    eviction: EvictionConfig | None = None
-    retrieval: RetrievalConfig | None = None
+    quantization: QuantSpec | None = None
+    eviction: EvictionPolicy | None = None  # an EvictionSpec's fields but its budget (the grid's budgets)
+    retrieval: RetrievalSpec | None = None
 
     @model_validator(mode="after")
     def _one_kind(self):
@@ -95,13 +97,13 @@ class CacheChoice(Strict):
         fraction of ``context`` tokens, eviction caches only); PyramidKV's schedule planned for
         ``prompt_length`` tokens (``Task.prompt_length``; None: the cache's length)."""
         if self.quantization is not None:
-            return {"quantization": self.quantization.spec()}
+            return {"quantization": self.quantization}
         if self.retrieval is not None:
-            return {"retrieval": self.retrieval.spec()}
+            return {"retrieval": self.retrieval}
         if self.eviction is None or budget >= 1.0:
             return {}
-        spec = self.eviction.spec(slots(budget, context))
-        if self.eviction.policy == "pyramidkv":
+        spec = eviction_spec(self.eviction, slots(budget, context))
+        if self.eviction["policy"] == "pyramidkv":
             spec = dataclasses.replace(spec, prompt_length=prompt_length)
         return {"eviction": spec}
 
@@ -137,7 +139,7 @@ class ExperimentConfig(Strict):
         contexts = {context for task in self.tasks for context in task.contexts}
         for cache, context, budget in itertools.product(evicting, sorted(contexts), fractions):
             try:  # a budget too small for the sinks and the window fails here, not mid-run
-                cache.eviction.spec(slots(budget, context)).check_budget(slots(budget, context))
+                eviction_spec(cache.eviction, slots(budget, context)).check_budget(slots(budget, context))
             except ValueError as error:
                 raise ValueError(f"cache {cache.name!r} at budget {budget} of {context}: {error}") from error
         return self
@@ -254,7 +256,7 @@ def run_grids(grids: list[tuple[ExperimentConfig, Path]], *, progress: bool = Tr
         options = cell_options(config, cell)
         metrics, kv_bytes = task.run(model, tokenizer, prepared[index, cell.task], cell.context, cell.seed, options)
         line = dataclasses.asdict(cell) | {
-            "kind": cache.kind, "policy": cache.eviction.policy if cache.eviction else None,
+            "kind": cache.kind, "policy": cache.eviction["policy"] if cache.eviction else None,
             "metric": task.metric, "value": metrics[task.metric], "kv_bytes": kv_bytes,
             "seconds": time.perf_counter() - start, "metrics": metrics, "settings": cell_settings(config, cell),
         }  # fmt: skip

@@ -6,9 +6,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the model's 
 template), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). The engine
 steps in its own thread (``EngineThread``); each request's outputs reach its handler through
 an asyncio queue. The bodies are ``jaxkv.server.schemas``; every error is OpenAI's shape with
-a 4xx naming the field (``jaxkv.server.errors``); past ``max_waiting`` queued requests the
-server answers 503 with ``Retry-After``; a client that disconnects aborts its request; a
-request that fails in the engine answers 500 (or an error event in its stream) and leaves
+a 4xx naming the field (``jaxkv.server.errors``), a body not sent as ``application/json`` a
+415; past ``max_waiting`` queued requests the server answers 503 with ``Retry-After``; a client
+that disconnects aborts its request (one INFO line on the ``jaxkv.server`` logger); a request
+that fails in the engine answers 500 (or an error event in its stream) and leaves
 the others running; ``/health`` answers 503 once the engine thread has stopped. With the
 engine's speculative decoding, a body's ``speculative: false`` opts the request out, and a
 response (a streamed one: each chunk with usage) carries the request's draft counters under
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import signal
 import time
 import uuid
@@ -29,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jaxkv.server.errors import APIError, error_body, install_handlers, parse_json, read_body, validated
+from jaxkv.server.errors import APIError, ClientDisconnected, error_body, install_handlers, read_json, validated
 from jaxkv.server.schemas import ChatRequest, CompletionRequest
 from jaxkv.serving.engine_thread import EngineThread, EngineUnavailable
 from jaxkv.serving.requests import RequestError, RequestOutput
@@ -37,6 +39,8 @@ from jaxkv.serving.speculation import SpeculationStats
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
 ENDED = ("abort", "error")  # finish reasons that end a whole request (every sequence of it)
+DISCONNECT_POLL_S = 0.5  # how often a request in flight checks that its client is still connected
+log = logging.getLogger("jaxkv.server")
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -174,22 +178,9 @@ class Server:
         """Queue the request on the engine; returns its id and prompt length. Errors name the field."""
         prompt = self.prompt_ids(body)
         default = self.max_model_len - len(prompt) if isinstance(body, ChatRequest) else COMPLETION_MAX_TOKENS
-        limit = body.token_limit()
-        options = dict(
-            sampling=body.sampling(),
-            max_tokens=default if limit is None else limit,
-            stop=body.stops(),
-            ignore_eos=body.ignore_eos,
-            seed=body.seed,
-            cache_salt=body.cache_salt,
-            n=body.n,
-            logprobs=body.num_logprobs(),
-            speculative=body.speculative,
-        )
+        options = body.request_options(default)
         try:
-            request_id = self.runner.submit(
-                prompt, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), **options
-            )
+            request_id = self.runner.submit(prompt, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), options)
         except RequestError as error:
             raise APIError(400, str(error), body.api_field(error.param)) from None
         except EngineUnavailable as error:
@@ -197,21 +188,28 @@ class Server:
         return request_id, len(prompt)
 
     async def outputs(self, request: Request, request_id: int, queue: asyncio.Queue, n: int) -> AsyncIterator:
-        """The request's outputs until all ``n`` sequences finished; aborts it if the client leaves."""
-        finished = 0
+        """The request's outputs until all ``n`` sequences finished. Every ``DISCONNECT_POLL_S``,
+        whether outputs arrive or not, it checks that the client is still connected, and raises
+        ``ClientDisconnected`` if not (a stream's client leaving cancels the task instead). Either
+        way the request is aborted, counted as ``disconnected`` and logged as one INFO line: a
+        client leaving is ordinary, not a fault to log with a traceback."""
+        finished, check_at = 0, time.monotonic()
         try:
             while finished < n:
-                try:
-                    output = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except TimeoutError:
+                if time.monotonic() >= check_at:
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
+                        raise ClientDisconnected(request_id)
+                    check_at = time.monotonic() + DISCONNECT_POLL_S
+                try:
+                    output = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                except TimeoutError:
                     continue
                 finished = n if output.finish_reason in ENDED else finished + output.finished
                 yield output
-        except (asyncio.CancelledError, GeneratorExit):
+        except (ClientDisconnected, asyncio.CancelledError, GeneratorExit):
             self.runner.abort(request_id)
             self.metrics.requests.labels("disconnected").inc()
+            log.info("request %d: the client disconnected before its answer; aborted", request_id)
             raise
 
 
@@ -286,12 +284,12 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = validated(CompletionRequest, parse_json(await read_body(request)))
+        body = validated(CompletionRequest, await read_json(request))
         return await respond(server, body, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = validated(ChatRequest, parse_json(await read_body(request)))
+        body = validated(ChatRequest, await read_json(request))
         return await respond(server, body, request, chat=True)
 
     return app
@@ -368,15 +366,18 @@ async def stream_chunks(server: Server, body, response_id, streams, outputs, pro
             [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None} for i in range(body.n)]
         )
     first_token = failure = None
-    async for output in outputs:
-        text = streams[output.index].take(output)
-        if first_token is None and output.new_token_ids:
-            first_token = time.perf_counter()
-            server.metrics.ttft.observe(first_token - started)
-        if output.finish_reason == "error":
-            failure = engine_error(output)
-        elif text or output.finished:
-            yield event([chunk_choice(server.tokenizer, body, output, text, chat)])
+    try:
+        async for output in outputs:
+            text = streams[output.index].take(output)
+            if first_token is None and output.new_token_ids:
+                first_token = time.perf_counter()
+                server.metrics.ttft.observe(first_token - started)
+            if output.finish_reason == "error":
+                failure = engine_error(output)
+            elif text or output.finished:
+                yield event([chunk_choice(server.tokenizer, body, output, text, chat)])
+    except ClientDisconnected:
+        return  # ``outputs`` aborted and logged the request; nobody is left to read the rest
     if failure is not None:
         server.metrics.requests.labels("error_500").inc()
         yield f"data: {json.dumps(error_body(failure.message, failure.param, failure.kind))}\n\n"

@@ -1,7 +1,8 @@
 """Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, for every
-way a request can fail: a body that is too large, not UTF-8, not JSON (or nested too deeply
-to parse), or not a valid request (the field named as ``param``); an unknown path (404) or
-method (405); a refusal by the engine; a bug (500, no traceback).
+way a request can fail: a body not declared as JSON (415), too large, not UTF-8, not JSON (or
+nested too deeply to parse), or not a valid request (the field named as ``param``); an unknown
+path (404) or method (405); a refusal by the engine; a bug (500, no traceback). A client that
+disconnects is no error: its request ends with an empty 499 that nobody reads.
 
 The body is read and parsed here rather than by FastAPI, so that each of these is a 4xx
 naming what is wrong, never a 500 or a framework's ``{"detail": ...}``.
@@ -9,7 +10,10 @@ naming what is wrong, never a 500 or a framework's ``{"detail": ...}``.
 
 from __future__ import annotations
 
+import codecs
 import json
+from email.message import Message
+from email.utils import collapse_rfc2231_value
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -19,6 +23,8 @@ from pydantic import BaseModel, ValidationError
 from jaxkv.server.schemas import FIELD_NAMES
 
 MAX_BODY_BYTES = 8 * 2**20  # a prompt of a model's whole context is a few hundred KiB
+JSON_TYPE = "application/json"  # the one Content-Type a POST body may have (any parameters, a UTF-8 charset)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client left before the answer
 ENDPOINTS = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
 
 B = TypeVar("B", bound=BaseModel)
@@ -30,6 +36,11 @@ class APIError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+class ClientDisconnected(Exception):
+    """The client closed its connection before its answer (``Server.outputs`` raises it, having
+    aborted the request and logged it): an ordinary event, not a fault."""
+
+
 def error_body(message: str, param: str | None, kind: str) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
@@ -38,6 +49,48 @@ def error_response(status: int, message: str, param: str | None, kind: str, head
     """The error as JSON; non-ASCII is escaped, so text a client sent (a lone surrogate in a
     field name) cannot break the encoding of the answer."""
     return Response(json.dumps(error_body(message, param, kind)), status, headers, media_type="application/json")
+
+
+async def read_json(request: Request):
+    """The request's JSON body: its Content-Type checked before a byte of it is read (a 415),
+    then read (``read_body``) and parsed (``parse_json``)."""
+    _require_json(request.headers.getlist("content-type"))
+    return parse_json(await read_body(request))
+
+
+def _require_json(content_types: list[str]) -> None:
+    """A 415 naming the Content-Type received unless there is exactly one, ``application/json``
+    (case-insensitive, any parameters) with no charset or UTF-8 (JSON is UTF-8).
+
+    Every other type is refused, a missing one too: a web page can make a visitor's browser
+    send a POST to a server on localhost without a CORS preflight only with a text/plain, form
+    or multipart Content-Type, or with none (``fetch`` of a Blob body), so a server that ran
+    such a body would run any page's request."""
+    if not content_types:
+        raise APIError(415, f"the request has no Content-Type; its body must be JSON, sent as {JSON_TYPE}")
+    if len(content_types) > 1:
+        received = ", ".join(repr(value) for value in content_types)
+        raise APIError(415, f"the request has {len(content_types)} Content-Types ({received}); send one, {JSON_TYPE}")
+    (received,) = content_types
+    # The standard library's parser of MIME types and their parameters (its lenient compat32
+    # form: EmailMessage's stricter parser raises IndexError on some malformed parameters).
+    header = Message()
+    header["content-type"] = received
+    if header.get_content_type() != JSON_TYPE:
+        raise APIError(415, f"Content-Type {received!r} is not accepted: the body must be JSON, sent as {JSON_TYPE}")
+    charset = header.get_param("charset")
+    if charset is not None and _codec_name(collapse_rfc2231_value(charset)) != "utf-8":
+        raise APIError(
+            415, f"Content-Type {received!r} is not accepted: JSON is UTF-8; send {JSON_TYPE} (charset=utf-8 or none)"
+        )
+
+
+def _codec_name(charset: str) -> str | None:
+    """Python's name of the codec ``charset`` names (``utf8``, ``UTF-8``: ``utf-8``); None if it knows none."""
+    try:
+        return codecs.lookup(charset).name
+    except LookupError:
+        return None
 
 
 async def read_body(request: Request) -> bytes:
@@ -123,6 +176,12 @@ def install_handlers(app: FastAPI, count) -> None:
 
     for status in (404, 405):
         app.add_exception_handler(status, routing_error)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_disconnected(_, error: ClientDisconnected):
+        """An empty 499, sent to nobody: the request was aborted, counted and logged where the
+        disconnect was found, and an exception escaping the app would be logged as a fault."""
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def internal(_, error: Exception):

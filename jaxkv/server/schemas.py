@@ -26,6 +26,7 @@ from pydantic import (
 
 from jaxkv.decoding.sampling import MAX_TOP_K, Sampling
 from jaxkv.serving.input_processor import MAX_SEED
+from jaxkv.serving.requests import RequestOptions
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -111,6 +112,15 @@ class CommonParams(Body):
     def token_limit(self) -> int | None:
         """The output tokens the client asked for (None: the endpoint's default)."""
         return self.max_tokens
+
+    def request_options(self, default_max_tokens: int) -> RequestOptions:
+        """The engine's options for this body (``default_max_tokens`` when it sets no limit)."""
+        limit = self.token_limit()
+        return RequestOptions(
+            sampling=self.sampling(), max_tokens=default_max_tokens if limit is None else limit, stop=self.stops(),
+            ignore_eos=self.ignore_eos, seed=self.seed, cache_salt=self.cache_salt, n=self.n,
+            logprobs=self.num_logprobs(), speculative=self.speculative,
+        )  # fmt: skip
 
     def api_field(self, param: str | None) -> str | None:
         """The body field an engine argument named by a ``RequestError`` came from."""

@@ -17,249 +17,32 @@ further sequences (``parallel_sampling``). ``generate_many`` runs a list of prom
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import jax
 
-from jaxkv.batch import QUERY_BLOCK
 from jaxkv.decoding.model import DecoderModel, check_model
 from jaxkv.decoding.sampling import GREEDY, Sampling
 from jaxkv.decoding.speculative import DraftModel
-from jaxkv.eviction import EvictionSpec
-from jaxkv.kernels import TOKENS_LAYOUT, XLA, check_backend, check_layout, resolve_backend
+from jaxkv.kernels import resolve_backend
 from jaxkv.layers.paged import Paging
-from jaxkv.retrieval import RetrievalSpec
 from jaxkv.persist import model_identity
-from jaxkv.quantization import QuantSpec
-from jaxkv.serving.compaction import PageBudget
 from jaxkv.serving.disk_link import DiskTier, pool_formats
 from jaxkv.serving.draft_proposer import DraftProposer
+from jaxkv.serving.engine_config import EngineConfig
 from jaxkv.serving.input_processor import InputProcessor
-from jaxkv.serving.kv_manager import PREEMPTION_MODES, KVCacheManager
-from jaxkv.serving.model_runner import ModelRunner, prefill_buckets, step_shapes
+from jaxkv.serving.kv_manager import KVCacheManager
+from jaxkv.serving.model_runner import ModelRunner
 from jaxkv.serving.output_processor import OutputProcessor
 from jaxkv.serving.parallel_sampling import fork_sequences
-from jaxkv.serving.requests import Completion, RequestError, RequestOutput, SequenceState
+from jaxkv.serving.plan import StepPlan, plan_step
+from jaxkv.serving.requests import Completion, RequestError, RequestOptions, RequestOutput, SequenceState
 from jaxkv.serving.scheduler import Chunk, Scheduler
 from jaxkv.serving.sizing import PoolSizes, parse_bytes, pool_sizes
-from jaxkv.serving.speculation import NgramProposer, Speculation, SpeculationStats, SpeculativeConfig
-
-
-_SPEC_FIELDS = {"quantization": QuantSpec, "eviction": EvictionSpec, "speculative": SpeculativeConfig,
-                "retrieval": RetrievalSpec}  # fmt: skip
-
-
-def _check_int(name: str, value, *, low: int, optional: bool = False) -> None:
-    """``EngineConfig.<name>`` is an int of at least ``low`` (or None if ``optional``)."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        kind = "an int or None" if optional else "an int"
-        raise TypeError(f"EngineConfig.{name} must be {kind}, got {value!r}")
-    if value < low:
-        raise ValueError(f"EngineConfig.{name} must be at least {low}, got {value}")
-
-
-def _check_bytes(name: str, value, low: int) -> None:
-    """``EngineConfig.<name>`` is a size (``"1GiB"`` or an int of bytes) of at least ``low`` bytes."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"EngineConfig.{name} must be a size ('1GiB') or an int of bytes, got {value!r}")
-    if parse_bytes(value, f"EngineConfig.{name}") < low:
-        raise ValueError(f"EngineConfig.{name} must be {'positive' if low else 'not negative'}, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizes, one line each.
-
-    ``kv_memory``: bytes for the page pools (``"1GiB"``, ``512 * 2**20``); under a mesh, over all
-    devices (each holds its share: pages over ``data``, K/V heads over ``model``).
-    ``page_size``: tokens per page.
-    ``max_num_seqs``: rows running at once (under a mesh a multiple of the ``data`` axis); a step
-    that prefills has a decode slot per row, a decode-only step the smallest of the halvings of
-    ``max_num_seqs`` down to 8 that holds its rows (``step_shapes``).
-    ``max_num_batched_tokens``: prefill-chunk tokens per step besides the decodes (a multiple of
-    ``QUERY_BLOCK``; also the largest prefill bucket).
-    ``max_model_len``: the longest prompt plus output (default: the model's ``max_position_embeddings``).
-    ``prefix_caching``: share the pages of equal prompt prefixes between requests.
-    ``max_logprobs``: the most ``logprobs`` a request may ask for (at most the vocabulary: a model
-    with fewer tokens takes at most its vocabulary size).
-    ``seed``: a request without a seed draws from ``seed + request id``.
-    ``quantization``: store the pages quantized (``QuantSpec(nbits=8, residual_length=0)``, fp8
-    with ``format="e4m3"``).
-    ``eviction``: keep full-attention K/V in a budget of slots per row, evicting by a policy
-    (``EvictionSpec``; a ``compression_ratio`` is a fraction of ``max_model_len``): those layers
-    take no pages, the engine serves without prefix caching, and each prefill chunk is one
-    update of the policy.
-    ``host_kv_memory``: bytes of host memory under the page pools (``"512MiB"``; 0: none). Cached
-    pages evicted from a pool are demoted there (least recently demoted leave first) and promoted
-    back on a prefix hit; preempted sequences may be swapped there (``jaxkv.serving.host_tier``).
-    ``preemption``: 'auto' (swap a preempted sequence's pages to the host tier when the cost rule of
-    ``jaxkv.serving.kv_manager`` says it pays), 'swap' (whenever the host tier has room) or
-    'recompute' (never swap).
-    ``kv_cache_dir``: a directory for the disk tier of the prefix cache (None: none). Every page
-    the prefix cache registers is saved there once, so an engine started later on the same model
-    and page format finds the prefixes (``jaxkv.serving.disk_tier``: keyed by the weights'
-    fingerprint, the page format and the salted hash chain; corrupt or foreign files are ignored
-    and removed). Needs ``prefix_caching``.
-    ``disk_kv_memory``: the disk tier's size limit per pool (``"16GiB"``); the least recently
-    used pages leave first.
-    ``speculative``: draft tokens proposed for decoding sequences and verified in the step
-    (``jaxkv.serving.speculation.SpeculativeConfig``; None: none).
-    ``max_pages_per_request``: at most this many pages of the full-attention pool per sequence
-    (None: unbounded; at least 2): a sequence that needs one more is compacted first, keeping
-    the best ``(max_pages_per_request - 1) * page_size`` tokens by ``compaction_policy``
-    (``jaxkv.serving.compaction``: 'streaming_llm', 'key_norm', 'h2o', 'zipage', 'snapkv' or
-    'pyramidkv'; all but 'zipage' with ``EvictionSpec``'s defaults; the last four keep each slot's
-    attention mass in the pages; 'snapkv' and 'pyramidkv' prefill a prompt longer than the budget
-    whole, then compact it once by the attention its last 64 queries give each token), chosen
-    for every layer and K/V head of the pool at once or for each on its own
-    (``compaction_choice``: 'pool', their mean score, or 'head', ``EvictingLayer``'s choice;
-    'pyramidkv', whose layers keep different budgets, needs 'head').
-    ``attention_backend``: what reads the paged decode tokens: 'xla' (jaxkv's own reads),
-    'pallas_gpu' / 'pallas_tpu' (JAX's Pallas paged-attention kernels; interpreted off their
-    platform) or 'auto' (the platform's kernel, else 'xla'); what a kernel lacks (prefill chunks,
-    windows, drafts, compacted rows, int pages) is read by XLA (``jaxkv.kernels``, docs/kernels.md).
-    ``pool_layout``: how the pages are stored (``Paging.layout``): 'tokens' ``[P, page, H_kv, D]``
-    or 'heads' ``[P, H_kv, page, D]``, which the kernels read in place page by page.
-    ``retrieval``: page retrieval attention (Quest) over the full-attention pool
-    (``jaxkv.retrieval.RetrievalSpec`` with this ``page_size`` and sequential pages): each
-    page keeps a summary of its keys and each decode token reads ``budget`` tokens of its row per
-    K/V head (sink pages, recent pages and the best scored in between); under ``prefill='dense'``
-    prompt tokens read every page (wherever a step packs them: a prompt's last token after a prefix
-    hit rides in a decode slot), under 'retrieve' they retrieve too. Every token stays in the pool:
-    it saves each step's reads, not pages.
-    """
-
-    kv_memory: int | str = "1GiB"
-    page_size: int = 16
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    max_model_len: int | None = None
-    prefix_caching: bool = True
-    max_logprobs: int = 20
-    seed: int = 0
-    quantization: QuantSpec | None = None
-    eviction: EvictionSpec | None = None
-    host_kv_memory: int | str = 0
-    preemption: str = "auto"
-    kv_cache_dir: str | os.PathLike | None = None
-    disk_kv_memory: int | str = "16GiB"
-    speculative: SpeculativeConfig | None = None
-    max_pages_per_request: int | None = None
-    compaction_policy: str = "streaming_llm"
-    compaction_choice: str = "pool"
-    attention_backend: str = XLA
-    pool_layout: str = TOKENS_LAYOUT
-    retrieval: RetrievalSpec | None = None
-
-    def __post_init__(self):
-        self._check_fields()
-        if self.max_num_batched_tokens % QUERY_BLOCK:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be a multiple of {QUERY_BLOCK}: prefill "
-                f"chunks are packed in blocks of {QUERY_BLOCK} tokens"
-            )
-        if self.kv_cache_dir is not None and not self.prefix_caching:
-            raise ValueError("EngineConfig.kv_cache_dir keeps prefix-cache pages on disk: it needs prefix_caching")
-        if self.speculative is not None and self.eviction is not None:
-            raise ValueError("EngineConfig.speculative cannot roll back evicting layers: pass eviction=None")
-        self._check_page_budget()
-        self._check_retrieval()
-
-    def _check_fields(self) -> None:
-        """Each field on its own, whether or not the options that use it are set (a compaction
-        policy is checked without a page budget, a disk size without a disk directory)."""
-        check_backend(self.attention_backend, "EngineConfig.attention_backend")
-        check_layout(self.pool_layout, "EngineConfig.pool_layout")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_int(name, getattr(self, name), low=1)
-        _check_int("max_model_len", self.max_model_len, low=1, optional=True)
-        _check_int("max_logprobs", self.max_logprobs, low=0)
-        _check_int("seed", self.seed, low=0)
-        _check_int("max_pages_per_request", self.max_pages_per_request, low=2, optional=True)
-        if not isinstance(self.prefix_caching, bool):
-            raise TypeError(f"EngineConfig.prefix_caching must be a bool, got {self.prefix_caching!r}")
-        for name, low in (("kv_memory", 1), ("host_kv_memory", 0), ("disk_kv_memory", 1)):
-            _check_bytes(name, getattr(self, name), low)
-        if self.preemption not in PREEMPTION_MODES:
-            raise ValueError(f"EngineConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
-        if self.kv_cache_dir is not None and not (isinstance(self.kv_cache_dir, str | os.PathLike)
-                                                  and os.fspath(self.kv_cache_dir)):  # fmt: skip
-            raise TypeError(f"EngineConfig.kv_cache_dir must be a directory path or None, got {self.kv_cache_dir!r}")
-        PageBudget.check_options(self.compaction_policy, self.compaction_choice)
-        for name, spec_type in _SPEC_FIELDS.items():
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, spec_type):
-                raise TypeError(f"EngineConfig.{name} must be a {spec_type.__name__} or None, got {type(value).__name__}")
-
-    def _check_retrieval(self) -> None:
-        """``retrieval`` is a ``RetrievalSpec`` over this pool's pages, alone among the options that
-        rewrite or drop K/V."""
-        if self.retrieval is None:
-            return
-        if self.retrieval.page_size != self.page_size:
-            raise ValueError(
-                f"EngineConfig.retrieval: the pages it chooses are the pool's: its page_size must be page_size "
-                f"({self.page_size}), got {self.retrieval.page_size}"
-            )
-        clashes = {
-            "max_pages_per_request": "compacted pages hold non-contiguous positions",
-            "eviction": "evicting layers keep no pages",
-            "speculative": "rejected drafts would stay in the page summaries",
-        }
-        for name, why in clashes.items():
-            if getattr(self, name) is not None:
-                raise ValueError(f"EngineConfig.retrieval does not combine with {name} ({why}): pass one of the two")
-
-    def _check_page_budget(self) -> None:
-        """``max_pages_per_request``, ``compaction_policy`` and ``compaction_choice`` are valid
-        (``PageBudget``) and combine with the other options."""
-        if self.max_pages_per_request is None:
-            return
-        self.page_budget()
-        if self.speculative is not None:
-            raise ValueError(
-                "EngineConfig.max_pages_per_request: compacted pages cannot roll back rejected drafts; pass "
-                "speculative=None"
-            )
-        if self.eviction is not None:
-            raise ValueError(
-                "EngineConfig.max_pages_per_request evicts inside the pages; eviction keeps full-attention K/V "
-                "outside them: pass one of the two"
-            )
-
-    @property
-    def scores_slots(self) -> bool:
-        """Do the full-attention pages keep each slot's attention mass (an attention-ranked compaction)?"""
-        budget = self.page_budget()
-        return budget is not None and budget.scored
-
-    def page_budget(self, max_model_len: int | None = None) -> PageBudget | None:
-        """The page budget of ``max_pages_per_request`` (None: none) for sequences of up to
-        ``max_model_len`` tokens (the engine's; a prompt prefilled whole may hold that many)."""
-        if self.max_pages_per_request is None:
-            return None
-        return PageBudget(
-            self.max_pages_per_request, self.page_size, self.compaction_policy, max_model_len, self.compaction_choice
-        )
-
-    def prefill_buckets(self) -> tuple[int, ...]:
-        """Sizes of a step's prefill section (``model_runner.prefill_buckets``)."""
-        return prefill_buckets(self.max_num_batched_tokens)
-
-    def step_shapes(self) -> tuple[tuple[int, int, int], ...]:
-        """The compiled steps' ``(decode slots, prefill size, decode width)`` (``model_runner.step_shapes``)."""
-        return step_shapes(self.max_num_seqs, self.max_num_batched_tokens, self.decode_width)
-
-    @property
-    def decode_width(self) -> int:
-        """Tokens of a decode slot in a step that verifies drafts: ``1 + k`` (1 without speculation)."""
-        return 1 if self.speculative is None else 1 + self.speculative.num_tokens
+from jaxkv.serving.speculation import NgramProposer, Speculation, SpeculationStats
+from jaxkv.serving.step import StepOutputs, page_formats
 
 
 class Engine:
@@ -297,15 +80,15 @@ class Engine:
             self.config.max_num_seqs, paging=self._paging(self.sizes), quantization=self.config.quantization,
             eviction=self.config.eviction, rollback_slots=self.config.decode_width - 1,
         )  # fmt: skip
-        self.runner = ModelRunner(
-            model, cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-            max(1, max_logprobs), self.config.decode_width, budget,
-            dense_prompts=self.config.retrieval is not None and self.config.retrieval.prefill == "dense",
-        )  # fmt: skip
         prefix_caching = self.config.prefix_caching and not self.has_states
         self.kv = KVCacheManager(
             self.sizes, prefix_caching, parse_bytes(self.config.host_kv_memory, "host_kv_memory"),
-            self.config.preemption, self._disk_tier() if prefix_caching else None, budget,
+            self.config.preemption, self._disk_tier(page_formats(cache)) if prefix_caching else None, budget,
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            model, cache, self.config.max_num_seqs, self.kv.table_widths(self.max_model_len),
+            self.config.max_num_batched_tokens, max(1, max_logprobs), self.config.decode_width, budget,
+            dense_prompts=self.config.retrieval is not None and self.config.retrieval.prefill == "dense",
         )  # fmt: skip
         self.scheduler = Scheduler(self.kv, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.speculation = self._speculation()
@@ -316,11 +99,12 @@ class Engine:
         self.slots_allocated = self.slots_unused = 0
         self.final_outputs: list[RequestOutput] = []  # aborted or failed sequences, reported by the next step
 
-    def _disk_tier(self) -> DiskTier | None:
-        """The disk tier under ``kv_cache_dir`` for this model and these pools' page format, or None."""
+    def _disk_tier(self, group_formats) -> DiskTier | None:
+        """The disk tier under ``kv_cache_dir`` for this model and its pools' page format (their paged
+        groups' ``page_formats``), or None."""
         if self.config.kv_cache_dir is None:
             return None
-        formats = pool_formats(self.runner.page_formats, page_size=self.config.page_size,
+        formats = pool_formats(group_formats, page_size=self.config.page_size,
                                quantization=self.config.quantization, layout=self.config.pool_layout)  # fmt: skip
         return DiskTier(self.config.kv_cache_dir, identity=model_identity(self.model), formats=formats,
                         max_bytes=parse_bytes(self.config.disk_kv_memory, "disk_kv_memory"))  # fmt: skip
@@ -351,34 +135,22 @@ class Engine:
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: Sampling = GREEDY,
-        *,
-        max_tokens: int = 16,
-        stop_token_ids: Iterable[int] | None = None,
-        stop: Sequence[str] | str = (),
-        ignore_eos: bool = False,
-        cache_salt: str | None = None,
-        seed: int | None = None,
-        logprobs: int = 0,
-        n: int = 1,
-        speculative: bool = True,
+        self, prompt_ids: Sequence[int], sampling: Sampling = GREEDY, options: RequestOptions | None = None, **fields
     ) -> int:
-        """Queue a request; returns its id. ``stop_token_ids``: tokens that end it besides the
-        model's end-of-sequence tokens (those unless ``ignore_eos``; the stop token is part of
-        the output tokens); ``stop``: strings that end it (needs the engine's tokenizer; the
-        text ends before them); ``cache_salt``: only requests with the same salt share prefix
-        pages; ``seed``: its sequences' random stream, in ``[0, 2**32)`` (default: the engine
-        seed plus the request id); ``n``: sequences of the prompt, sharing its pages;
-        ``speculative``: False keeps the engine's speculation (``EngineConfig.speculative``) from
-        drafting for it.
-        Raises ``RequestError`` (a ``ValueError``) naming the argument at fault."""
+        """Queue a request; returns its id. ``options``: its ``RequestOptions`` (what each field
+        asks: ``jaxkv.serving.requests``), or their fields as keywords (``max_tokens=64``, with
+        ``sampling`` positional); not both.
+        Raises ``RequestError`` (a ``ValueError``) naming the field at fault."""
+        if options is None:
+            options = RequestOptions(sampling, **fields)
+        elif fields or sampling is not GREEDY:
+            raise TypeError("add_request: pass options=RequestOptions(...) or its fields as keywords, not both")
+        return self._add(prompt_ids, options)
+
+    def _add(self, prompt_ids: Sequence[int], options: RequestOptions) -> int:
         request_id = self.next_request_id
-        prompt, options = self.inputs.process(
-            request_id, prompt_ids, sampling, max_tokens=max_tokens, stop_token_ids=stop_token_ids, stop=stop,
-            ignore_eos=ignore_eos, cache_salt=cache_salt, seed=seed, logprobs=logprobs, n=n, speculative=speculative,
-        )  # fmt: skip
+        prompt, options = self.inputs.process(request_id, prompt_ids, options)
+        n = options.n
         if n > self.config.max_num_seqs:
             raise RequestError(f"add_request: n={n} sequences exceed max_num_seqs={self.config.max_num_seqs} rows", "n")
         self.kv.check_fits(len(prompt), len(prompt) + options.max_tokens, n, self.config.max_num_batched_tokens)
@@ -436,23 +208,41 @@ class Engine:
         """Schedule, run one compiled step, process its outputs. A failure while the step is
         prepared or run fails the requests it held, each with finish reason 'error' and the
         error's message; the engine takes the next request as before."""
+        plan = self._schedule()
+        outputs = self._run(plan)
+        return self._take_final() if outputs is None else self._process(plan, outputs)
+
+    def _schedule(self) -> StepPlan:
+        """This step's plan (``jaxkv.serving.plan``): the scheduler's chunks, with the drafts
+        speculation gives them, and what changed in the pages since the last plan."""
         with jax.profiler.TraceAnnotation("engine.schedule"):
             chunks = self.scheduler.schedule()
             if self.speculation is not None:
                 chunks = self.speculation.plan(chunks)
-        self._move_pages()  # even without chunks: the pages read may be written later
-        if not chunks:
-            return self._take_final()
-        block_tables = self._block_tables()
+            return plan_step(self.scheduler, chunks)
+
+    def _run(self, plan: StepPlan) -> StepOutputs | None:
+        """Apply ``plan`` (even without chunks: the pages read may be written later), then run its
+        chunks; their outputs, or None when nothing ran (no chunks, or the step failed: its
+        requests were failed)."""
+        self._apply(plan)
+        if not plan.chunks:
+            return None
         start, compiled = time.perf_counter(), len(self.runner.executables)
         try:
-            outputs = self.runner.run(chunks, block_tables, self._row_shifts())
+            outputs = self.runner.run(plan.chunks)
         except Exception as error:  # noqa: BLE001 - reported per request, the engine goes on
-            self._fail({chunk.seq.request_id for chunk in chunks}, error)
-            return self._take_final()
+            self._fail({chunk.seq.request_id for chunk in plan.chunks}, error)
+            return None
         if self.speculation is not None and len(self.runner.executables) == compiled:  # a compile is not a step's time
-            self.speculation.observe(chunks, time.perf_counter() - start)
+            self.speculation.observe(plan.chunks, time.perf_counter() - start)
+        return outputs
+
+    def _process(self, plan: StepPlan, outputs: StepOutputs) -> list[RequestOutput]:
+        """Append each chunk's drawn tokens, advance the sequences, fork, finish the stopped ones;
+        the step's outputs."""
         with jax.profiler.TraceAnnotation("engine.outputs"):
+            chunks = plan.chunks
             drawn = [self._append(chunk, outputs, slot) for slot, chunk in enumerate(chunks)]
             self.scheduler.computed(chunks, outputs.num_accepted[: len(chunks)])
             self._fork()  # before a first sequence can finish and free its pages
@@ -460,23 +250,20 @@ class Engine:
             return self._take_final() + [self._finish(chunk.seq, *new) for chunk, new in zip(chunks, drawn)]
 
     def _fork(self) -> None:
-        """Start the further sequences of ``n > 1`` requests and copy their pages now (after the
-        host copies of pages their allocations evicted), so that a child preempted by swap before
-        its first step swaps out its copied page."""
+        """Start the further sequences of ``n > 1`` requests and copy their pages now, in a plan of
+        their own (after the host copies of pages their allocations evicted), so that a child
+        preempted by swap before its first step swaps out its copied page."""
         forks = fork_sequences(self.scheduler, self.sequences, not self.has_states)
         for child in forks.children:
             self.outputs.add(child)
-        self._move_pages()
-        self.runner.copy_pages(forks.copies)
+        self._apply(plan_step(self.scheduler, copies=forks.copies))
 
-    def _move_pages(self) -> None:
-        """Make the copies between the device pools and the host tier decided since the last call,
-        then save the pages read for the disk tier."""
-        with jax.profiler.TraceAnnotation("engine.move_pages"):
-            moves = self.kv.take_moves()
-            if moves:
-                self.runner.move_pages(moves)
-            for key, page in moves.persist:
+    def _apply(self, plan: StepPlan) -> None:
+        """Make ``plan``'s page moves and copies and write its block-table rows
+        (``ModelRunner.apply``), then save the pages read for the disk tier."""
+        with jax.profiler.TraceAnnotation("engine.apply"):
+            self.runner.apply(plan)
+            for key, page in plan.moves.persist:
                 self._save(key, page)
 
     def _save(self, key, page) -> None:
@@ -492,12 +279,6 @@ class Engine:
         for request_id in sorted(request_ids):
             self._end(request_id, "error", message)
         warnings.warn(f"engine step failed for requests {sorted(request_ids)}: {message}", stacklevel=3)
-
-    def _block_tables(self):
-        return self.kv.block_tables(self.scheduler.running, self.config.max_num_seqs, self.max_model_len)
-
-    def _row_shifts(self):
-        return self.kv.row_shifts(self.scheduler.running, self.config.max_num_seqs)
 
     def _take_final(self) -> list[RequestOutput]:
         final, self.final_outputs = self.final_outputs, []
@@ -531,7 +312,7 @@ class Engine:
     def warmup(self) -> None:
         """Compile the step for every step shape (and, with a host or disk tier, its page copies for
         every bucket up to a pool's size), so no request waits for a compile."""
-        self.runner.warmup(self._block_tables(), self._row_shifts())
+        self.runner.warmup()
         if self.speculation is not None:
             self.speculation.proposer.warmup()
         if (self.kv.host.capacity or self.kv.disk is not None) and self.kv.pools:

@@ -2,7 +2,7 @@
 requests, abort them and receive their outputs.
 
     thread = EngineThread(engine, max_waiting=64).start()
-    request_id = thread.submit(prompt_ids, sink, max_tokens=32)   # sink(output) per step, on the engine's thread
+    request_id = thread.submit(prompt_ids, sink, RequestOptions(max_tokens=32))  # sink(output) per step, on its thread
     thread.abort(request_id)
     thread.stop()                                                 # finishes what is in flight, then returns
 
@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 from jaxkv.serving.engine import Engine
-from jaxkv.serving.requests import RequestOutput
+from jaxkv.serving.requests import RequestOptions, RequestOutput
 
 Sink = Callable[[RequestOutput], None]
 
@@ -62,13 +62,13 @@ class EngineThread:
         """Is the thread stepping the engine (started, not stopped, not failed)?"""
         return self._thread.is_alive()
 
-    def submit(self, prompt_ids: Sequence[int], sink: Sink, **options) -> int:
-        """Queue a request (``Engine.add_request``'s keywords; its errors are raised here);
-        ``sink`` receives each of its outputs. Raises ``EngineUnavailable`` past ``max_waiting``,
-        while shutting down, or after a failure."""
+    def submit(self, prompt_ids: Sequence[int], sink: Sink, options: RequestOptions = RequestOptions()) -> int:
+        """Queue a request (``Engine.add_request``; its errors are raised here); ``sink``
+        receives each of its outputs. Raises ``EngineUnavailable`` past ``max_waiting``, while
+        shutting down, or after a failure."""
         with self._engine_lock:
             self._check_available()
-            request_id = self.engine.add_request(prompt_ids, **options)
+            request_id = self.engine.add_request(prompt_ids, options=options)
             self._sinks[request_id] = sink
             self._stats = self.engine.stats()
         self._wakeup.set()

@@ -6,12 +6,11 @@ argument, so one bad request never reaches a step, where it would fail the other
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from jaxkv.decoding.sampling import Sampling
-from jaxkv.serving.pages import salt_key
 from jaxkv.serving.requests import RequestError, RequestOptions, RequestTypeError
 
 MAX_SEED = 2**32 - 1  # a request's seed keys its random stream as a uint32
@@ -73,34 +72,20 @@ class InputProcessor:
     seed: int
 
     def process(
-        self,
-        request_id: int,
-        prompt_ids: Sequence[int],
-        sampling: Sampling,
-        *,
-        max_tokens: int,
-        stop_token_ids: Iterable[int] | None,
-        stop: Sequence[str] | str,
-        ignore_eos: bool,
-        cache_salt: str | None,
-        seed: int | None,
-        logprobs: int,
-        n: int,
-        speculative: bool = True,
+        self, request_id: int, prompt_ids: Sequence[int], options: RequestOptions
     ) -> tuple[list[int], RequestOptions]:
-        """The prompt as a list of ints and the request's options (``Engine.add_request``'s
-        keywords); raises ``RequestError`` naming the first argument at fault."""
+        """The prompt as a list of ints and the options as the engine keeps them (the model's
+        end-of-sequence tokens among ``stop_token_ids`` unless ``ignore_eos``, ``stop`` a tuple,
+        ``seed`` drawn from the engine's); raises ``RequestError`` naming the first field at fault."""
         prompt = _token_ids("prompt_ids", prompt_ids, self.vocab_size)
         if not prompt:
             raise RequestError(
                 "add_request: prompt_ids is empty; a request needs at least one prompt token", "prompt_ids"
             )
-        if not isinstance(sampling, Sampling):
-            raise RequestTypeError(
-                f"add_request: sampling must be a Sampling, got {type(sampling).__name__}", "sampling"
-            )
-        max_tokens, n = _int("max_tokens", max_tokens, 1), _int("n", n, 1)
-        logprobs = _int("logprobs", logprobs, 0, self.max_logprobs)
+        _check_types(options)
+        max_tokens = _int("max_tokens", options.max_tokens, 1)
+        _int("n", options.n, 1)
+        _int("logprobs", options.logprobs, 0, self.max_logprobs)
         total = len(prompt) + max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -108,27 +93,34 @@ class InputProcessor:
                 f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens",
                 "max_tokens",
             )
-        stops = _stop_strings(stop)
+        stops = _stop_strings(options.stop)
         if stops and not self.has_tokenizer:
             raise RequestError("add_request: stop strings need the text: build the Engine with tokenizer=", "stop")
-        if not isinstance(ignore_eos, bool):
-            raise RequestTypeError(
-                f"add_request: ignore_eos must be a bool, got {type(ignore_eos).__name__}", "ignore_eos"
-            )
-        if not isinstance(speculative, bool):
-            raise RequestTypeError(
-                f"add_request: speculative must be a bool, got {type(speculative).__name__}", "speculative"
-            )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestTypeError(
-                f"add_request: cache_salt must be a string or None, got {type(cache_salt).__name__}", "cache_salt"
-            )
-        if isinstance(stop_token_ids, set | frozenset):
-            stop_token_ids = list(stop_token_ids)
-        extra = [] if stop_token_ids is None else _token_ids("stop_token_ids", stop_token_ids, self.vocab_size)
+        stop_ids = options.stop_token_ids
+        extra = [] if stop_ids is None else _token_ids("stop_token_ids", _listed(stop_ids), self.vocab_size)
+        seed = options.seed
         seed = (self.seed + request_id) % (MAX_SEED + 1) if seed is None else _int("seed", seed, 0, MAX_SEED)
-        return prompt, RequestOptions(
-            sampling=sampling, max_tokens=max_tokens,
-            stop_token_ids=frozenset(extra) | (frozenset() if ignore_eos else self.eos_token_ids), stop=stops,
-            cache_salt=salt_key(cache_salt), seed=seed, logprobs=logprobs, n=n, speculative=speculative,
-        )  # fmt: skip
+        eos = frozenset() if options.ignore_eos else self.eos_token_ids
+        return prompt, dataclasses.replace(options, stop_token_ids=frozenset(extra) | eos, stop=stops, seed=seed)
+
+
+def _listed(ids):
+    """A set of token ids as a list (sets are accepted; other iterables are checked as given)."""
+    return list(ids) if isinstance(ids, set | frozenset) else ids
+
+
+def _check_types(options: RequestOptions) -> None:
+    """The fields that are checked by type alone: ``sampling``, the two flags and the salt."""
+    if not isinstance(options.sampling, Sampling):
+        raise RequestTypeError(
+            f"add_request: sampling must be a Sampling, got {type(options.sampling).__name__}", "sampling"
+        )
+    for name in ("ignore_eos", "speculative"):
+        if not isinstance(getattr(options, name), bool):
+            raise RequestTypeError(
+                f"add_request: {name} must be a bool, got {type(getattr(options, name)).__name__}", name
+            )
+    if options.cache_salt is not None and not isinstance(options.cache_salt, str):
+        raise RequestTypeError(
+            f"add_request: cache_salt must be a string or None, got {type(options.cache_salt).__name__}", "cache_salt"
+        )

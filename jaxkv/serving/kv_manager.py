@@ -58,7 +58,7 @@ from jaxkv.layers.paged import FULL_POOL, NULL_PAGE, pool_name, table_width
 from jaxkv.serving.compaction import MAX_COMPACTIONS, Compaction, PageBudget
 from jaxkv.serving.disk_link import DiskTier
 from jaxkv.serving.host_tier import HostKey, HostPage, HostTier
-from jaxkv.serving.pages import Owner, PageManager, page_hashes
+from jaxkv.serving.pages import Owner, PageManager, page_hashes, salt_key
 from jaxkv.serving.requests import RequestError, SequenceState
 from jaxkv.serving.sizing import PoolSizes
 
@@ -258,6 +258,9 @@ class KVCacheManager:
         self.compacted: dict[Owner, int] = {}
         self.num_compactions = 0  # planned since start
         self._moves = PageMoves()
+        # Per pool name: the owners whose pages changed in place since the last take_edits, each with
+        # the first logical page that changed (appends, pages a window left, compactions).
+        self._edits: dict[str, dict[Owner, int]] = {pool.name: {} for pool in self.pools}
 
     # --- what a request needs, checked when it arrives -----------------------------------------------
     def check_fits(self, num_prompt: int, num_tokens: int, n: int, chunk_tokens: int) -> None:
@@ -314,16 +317,16 @@ class KVCacheManager:
         if hit is not None:
             return self._admit(seq, num_new_tokens, hit)
         for pool in self.pools:  # pages a window has left go first: they may be what the others need
-            pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
+            self._drop_leading(pool, seq, seq.num_computed)
         end = seq.num_computed + num_new_tokens
-        if self.budget is not None and end - self._shift(seq) > self._limit(seq):
+        if self.budget is not None and end - self.shift(seq) > self._limit(seq):
             return self._compact(seq, num_new_tokens)
         needed = {pool.name: self._pages_needed(pool, seq, end) for pool in self.pools}
         if not all(pool.manager.can_allocate(needed[pool.name]) for pool in self.pools):
             return None
         for pool in self.pools:
             self._demote_evictions(pool, needed[pool.name])
-            pool.manager.allocate(seq.key, needed[pool.name])
+            self._allocate(pool, seq, needed[pool.name])
         return Allocation(needed)
 
     def room(self, seq: SequenceState, count: int, hit: PrefixHit | None = None) -> int:
@@ -335,7 +338,7 @@ class KVCacheManager:
         if self.budget is None:
             return count
         start = seq.num_computed if hit is None else hit.num_tokens
-        slots = start - (self._shift(seq) if hit is None or hit.resumes else 0)
+        slots = start - (self.shift(seq) if hit is None or hit.resumes else 0)
         limit = self._limit(seq)
         if slots < limit:
             return min(count, limit - slots)
@@ -385,7 +388,7 @@ class KVCacheManager:
         if self._compacting(seq):
             return False  # a swap would copy out its pages before the compaction is made
         for pool in self.pools:
-            pool.manager.drop_leading(seq.key, pool.first_needed_page(seq.num_computed))
+            self._drop_leading(pool, seq, seq.num_computed)
         registered = seq.num_registered
         tails = {pool.name: pool.manager.pages(seq.key)[registered:] for pool in self.pools}
         num_pages = sum(page != NULL_PAGE for tail in tails.values() for page in tail)
@@ -432,11 +435,15 @@ class KVCacheManager:
         moves, self._moves = self._moves, PageMoves()
         return moves
 
-    # --- helpers ------------------------------------------------------------------------------------
-    def _shift(self, seq: SequenceState) -> int:
-        """How far the positions of ``seq``'s new tokens run ahead of their full-pool slots."""
-        return self.compacted.get(seq.key, 0)
+    def take_edits(self) -> dict[str, dict[Owner, int]]:
+        """Per pool name, the owners whose pages changed since the last call (pages appended, pages a
+        window left, a compaction), each with the first logical page that changed: its pages from
+        there on are new. An owner that gained its pages from none (an admission, a fork) may be
+        missing (``jaxkv.serving.plan`` sends a row that changed hands whole)."""
+        edits, self._edits = self._edits, {pool.name: {} for pool in self.pools}
+        return edits
 
+    # --- helpers ------------------------------------------------------------------------------------
     def _compacting(self, seq: SequenceState) -> bool:
         """Is ``seq`` compacted in this step (its pages are read before the step's compactions are made)?"""
         return any(compaction.owner == seq.key for compaction in self._moves.compactions)
@@ -463,7 +470,7 @@ class KVCacheManager:
 
     def _pages_needed(self, pool: PagePool, seq: SequenceState, end: int) -> int:
         """Pages ``pool`` gives ``seq`` to hold its tokens up to position ``end``."""
-        return pool.pages_needed(seq, end - (self._shift(seq) if pool.window is None else 0))
+        return pool.pages_needed(seq, end - (self.shift(seq) if pool.window is None else 0))
 
     def _compact(self, seq: SequenceState, num_new_tokens: int) -> Allocation | None:
         """``allocate`` for a running ``seq`` over its budget: plan its compaction into
@@ -479,16 +486,17 @@ class KVCacheManager:
         taken = {**needed, full.name: fresh + extra}
         if not all(pool.manager.can_allocate(taken[pool.name]) for pool in self.pools):
             return None
-        filled = seq.num_computed - self._shift(seq)
+        filled = seq.num_computed - self.shift(seq)
         for pool in self.pools:
             self._demote_evictions(pool, taken[pool.name])
         sources, destinations = full.manager.compact(seq.key, keep_pages, prompt_pages)
+        self._edited(full, seq.key, 0)
         self._moves.compactions.append(Compaction(seq.key, sources, destinations, filled, seq.num_computed))
         self.num_compactions += 1
         self.compacted[seq.key] = seq.num_computed - budget.keep_slots
         seq.num_registered = 0
         for pool in self.pools:
-            pool.manager.allocate(seq.key, needed[pool.name])
+            self._allocate(pool, seq, needed[pool.name])
         return Allocation(needed)
 
     def _admit(self, seq: SequenceState, num_new_tokens: int, hit: PrefixHit) -> Allocation | None:
@@ -497,7 +505,7 @@ class KVCacheManager:
         for pool in self.pools:
             sources = hit.pages.get(pool.name, [])
             pool.manager.share(seq.key, [NULL_PAGE if isinstance(page, HostSource) else page for page in sources])
-            pool.manager.drop_leading(seq.key, pool.first_needed_page(hit.num_tokens))
+            self._drop_leading(pool, seq, hit.num_tokens)
         promoted = {pool.name: self._host_sources(pool, hit) for pool in self.pools}
         if not hit.resumes:  # computed again from the start: no compaction holds
             self.compacted.pop(seq.key, None)
@@ -517,7 +525,7 @@ class KVCacheManager:
         for pool in self.pools:  # the host pages are out of the tier before demotions make room there
             self._demote_evictions(pool, len(promoted[pool.name]) + new[pool.name])
             self._promote(pool, seq, promoted[pool.name], taken[pool.name])
-            pool.manager.allocate(seq.key, new[pool.name])
+            self._allocate(pool, seq, new[pool.name])
         if not hit.resumes:
             self._count_hit(hit, len(from_disk))
         self._forget_swap(seq)  # promoted, or (a hit that does not resume) of no use any more
@@ -598,6 +606,28 @@ class KVCacheManager:
             sources.append(HostSource(key, None))
         return sources
 
+    def _allocate(self, pool: PagePool, seq: SequenceState, n: int) -> None:
+        """Append ``n`` fresh pages to ``seq``'s pages in ``pool``."""
+        if pool.manager.allocate(seq.key, n):
+            self._edited(pool, seq.key, len(pool.manager.pages(seq.key)) - n)
+
+    def _drop_leading(self, pool: PagePool, seq: SequenceState, position: int) -> None:
+        """Release ``seq``'s pages of ``pool`` that a query at ``position`` no longer reads
+        (``NULL_PAGE`` in their place)."""
+        first = pool.first_needed_page(position)
+        if not first:
+            return
+        leading = pool.manager.pages(seq.key)[:first]
+        if leading.count(NULL_PAGE) == len(leading):
+            return
+        self._edited(pool, seq.key, next(logical for logical, page in enumerate(leading) if page != NULL_PAGE))
+        pool.manager.drop_leading(seq.key, first)
+
+    def _edited(self, pool: PagePool, owner: Owner, first: int) -> None:
+        """``owner``'s pages in ``pool`` changed from logical page ``first`` on (``take_edits``)."""
+        edits = self._edits[pool.name]
+        edits[owner] = min(first, edits.get(owner, first))
+
     def _demote_evictions(self, pool: PagePool, n: int) -> None:
         """Before ``n`` pages are taken from ``pool``: demote the cached pages that evicts to the host
         tier (read before the next step; dropped when the tier is off or full of pinned pages)."""
@@ -627,7 +657,7 @@ class KVCacheManager:
         if num_pages > have:
             parent = seq.page_hashes[-1] if have else None
             tokens = seq.tokens[have * self.page_size : num_pages * self.page_size]
-            seq.page_hashes += page_hashes(tokens, self.page_size, seq.options.cache_salt, parent)
+            seq.page_hashes += page_hashes(tokens, self.page_size, salt_key(seq.options.cache_salt), parent)
         return seq.page_hashes[:num_pages]
 
     def check(self) -> None:
@@ -674,34 +704,51 @@ class KVCacheManager:
             raise AssertionError(f"compacted owners {cached} hold pages registered in the prefix cache")
 
     # --- what the model runner and the metrics read ---------------------------------------------------
+    def table_widths(self, max_model_len: int) -> dict[str, int]:
+        """Block-table columns per pool name for sequences of up to ``max_model_len`` tokens: a
+        budgeted full pool's rows hold at most what a compaction reads."""
+        widths = {}
+        for pool in self.pools:
+            length = max_model_len
+            if pool.window is None and self.budget is not None:
+                length = min(max_model_len, self.budget.source_pages * pool.page_size)
+            widths[pool.name] = table_width(length, pool.page_size)
+        return widths
+
+    def pages(self, pool: str, seq: SequenceState) -> list[int]:
+        """``seq``'s pages in the pool named ``pool`` by logical page (``NULL_PAGE`` where a window
+        left one; none for a sequence without pages)."""
+        return self._pool(pool).manager.pages(seq.key)
+
+    def shift(self, seq: SequenceState) -> int:
+        """How far the positions of ``seq``'s new tokens run ahead of their full-pool slots (its
+        row's entry of ``PackedBatch.shifts`` under a page budget)."""
+        return self.compacted.get(seq.key, 0)
+
     def block_tables(
         self, running: Sequence[SequenceState], num_rows: int, max_model_len: int
     ) -> dict[str, np.ndarray]:
-        """Per pool name ``[R, W]`` int32: each running sequence's pages in its row, the null page elsewhere."""
+        """Per pool name ``[R, W]`` int32: each running sequence's pages in its row, the null page
+        elsewhere, rebuilt whole: the oracle of the model runner's block tables, which the step
+        plans change row by row (``jaxkv.serving.plan``)."""
         tables = {}
         for pool in self.pools:
-            table = np.full((num_rows, self._table_width(pool, max_model_len)), NULL_PAGE, np.int32)
+            table = np.full((num_rows, self.table_widths(max_model_len)[pool.name]), NULL_PAGE, np.int32)
             for seq in running:
                 pages = pool.manager.pages(seq.key)
                 table[seq.row, : len(pages)] = pages
             tables[pool.name] = table
         return tables
 
-    def _table_width(self, pool: PagePool, max_model_len: int) -> int:
-        """Block-table columns of ``pool``: a budgeted full pool's rows hold at most what a
-        compaction reads."""
-        if pool.window is None and self.budget is not None:
-            max_model_len = min(max_model_len, self.budget.source_pages * pool.page_size)
-        return table_width(max_model_len, pool.page_size)
-
     def row_shifts(self, running: Sequence[SequenceState], num_rows: int) -> dict[str, np.ndarray]:
         """``PackedBatch.shifts``: ``[R]`` each running row's shift in the full pool under a budget
-        (0 for the other rows); empty without one."""
+        (0 for the other rows); empty without one. Rebuilt whole: the oracle of the model runner's
+        shifts, like ``block_tables``."""
         if self.budget is None or not self.pools or self.pools[0].window is not None:
             return {}
         shifts = np.zeros(num_rows, np.int32)
         for seq in running:
-            shifts[seq.row] = self._shift(seq)
+            shifts[seq.row] = self.shift(seq)
         return {FULL_POOL: shifts}
 
     def usage(self) -> Usage:
@@ -720,5 +767,5 @@ class KVCacheManager:
         for seq in running:
             slots = sum(page != NULL_PAGE for page in pool.manager.pages(seq.key)) * pool.page_size
             allocated += slots
-            unused += max(slots - seq.num_computed + (self._shift(seq) if pool.window is None else 0), 0)
+            unused += max(slots - seq.num_computed + (self.shift(seq) if pool.window is None else 0), 0)
         return allocated, unused

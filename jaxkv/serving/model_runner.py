@@ -15,7 +15,7 @@ compiles after it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from jaxkv.layers.paged import NULL_PAGE
 from jaxkv.serving.compaction import COMPACTION_ROWS, Compaction, PageBudget, compact_pages, compaction_inputs
 from jaxkv.serving.host_tier import HostPage
 from jaxkv.serving.kv_manager import PageMoves
+from jaxkv.serving.plan import BlockTables, StepPlan
 from jaxkv.serving.scheduler import Chunk, chunk_cost
 from jaxkv.serving.step import (
     StepInputs,
@@ -37,7 +38,6 @@ from jaxkv.serving.step import (
     read_pages,
     write_pages,
 )
-
 
 # The fewest decode slots a decode-only step is given (fewer saves too little to compile for).
 MIN_DECODE_SLOTS = 8
@@ -89,20 +89,23 @@ def step_shapes(num_rows: int, max_num_batched_tokens: int, width: int = 1) -> t
 
 
 class ModelRunner:
-    """The model's parameters and paged cache on the device, and the compiled steps over them.
-    ``num_rows``: the engine's rows (block-table rows, the most decode slots); ``num_top``: top
-    log-probabilities computed per sample slot (at least 1); ``width``: ``1 + k`` for an engine
-    that verifies ``k`` drafts per row (1: none); ``budget``: the page budget whose compactions
-    ``move_pages`` makes (None: none); ``dense_prompts``: prompt tokens read every page of the
-    retrieving pool (``PackedBatch.dense_queries``; ``RetrievalSpec.prefill='dense'``)."""
+    """The model's parameters and paged cache on the device, the block tables (``tables``, kept
+    from step to step and changed by each step plan's rows: ``apply``), and the compiled steps
+    over them. ``num_rows``: the engine's rows (block-table rows, the most decode slots);
+    ``table_widths``: block-table columns per pool name (``KVCacheManager.table_widths``);
+    ``num_top``: top log-probabilities computed per sample slot (at least 1); ``width``: ``1 + k``
+    for an engine that verifies ``k`` drafts per row (1: none); ``budget``: the page budget whose
+    compactions ``move_pages`` makes (None: none); ``dense_prompts``: prompt tokens read every
+    page of the retrieving pool (``PackedBatch.dense_queries``; ``RetrievalSpec.prefill='dense'``)."""
 
     def __init__(
-        self, model, cache, num_rows: int, max_num_batched_tokens: int, num_top: int, width: int = 1,
-        budget: PageBudget | None = None, dense_prompts: bool = False,
+        self, model, cache, num_rows: int, table_widths: dict[str, int], max_num_batched_tokens: int, num_top: int,
+        width: int = 1, budget: PageBudget | None = None, dense_prompts: bool = False,
     ):  # fmt: skip
         self.graphdef, self.state = nnx.split(model)
         self.cache = cache
         self.num_rows = num_rows
+        self.tables = BlockTables(num_rows, table_widths, shifted=budget is not None)
         self.width = width
         self.shapes = step_shapes(num_rows, max_num_batched_tokens, width)
         self.prefills = prefill_buckets(max_num_batched_tokens)
@@ -114,19 +117,24 @@ class ModelRunner:
         self.budget = budget
         self.dense_prompts = dense_prompts
 
+    def apply(self, plan: StepPlan) -> None:
+        """Make a step plan's page moves, then its fork copies, and write its changed block-table
+        rows (the step it plans, if any, is ``run`` next)."""
+        if plan.moves:
+            self.move_pages(plan.moves)
+        self.copy_pages(plan.copies)
+        self.tables.apply(plan)
+
     def copy_pages(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy forks' pages: ``(source, destination)`` pairs per pool name (none: nothing runs)."""
         if any(copies.values()):
             self.cache = copy_pages(self.cache, {name: np.asarray(pairs, np.int32) for name, pairs in copies.items()})
 
-    def run(
-        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], shifts: dict[str, np.ndarray] | None = None
-    ) -> StepOutputs:
-        """Run one step over ``chunks`` (with drafts: a verifying step); returns the outputs on the
-        host, chunk ``i``'s in sample slot ``i``. ``shifts``: the packed batch's
-        (``KVCacheManager.row_shifts``)."""
+    def run(self, chunks: Sequence[Chunk]) -> StepOutputs:
+        """Run one step over ``chunks`` (a plan's, applied: ``apply``; with drafts: a verifying
+        step) on the block tables; returns the outputs on the host, chunk ``i``'s in sample slot ``i``."""
         with jax.profiler.TraceAnnotation("runner.prepare"):
-            inputs = self.prepare(chunks, block_tables, shifts)
+            inputs = self.prepare(chunks)
         with jax.profiler.TraceAnnotation("runner.dispatch"):
             outputs, self.cache = self._executable(inputs)(self.state, self.cache, inputs)
         self.num_steps += 1
@@ -200,23 +208,21 @@ class ModelRunner:
             data.append(group)
         return data
 
-    def warmup(self, block_tables: dict[str, np.ndarray], shifts: dict[str, np.ndarray] | None = None) -> None:
+    def warmup(self) -> None:
         """Compile the step for every shape (and the compaction, under a page budget: run on
         padding rows, which write the null page only), so no request waits for a compile."""
         for slots, prefill, width in self.shapes:
-            self._executable(self._packed([], slots, prefill, width, block_tables, shifts))
+            self._executable(self._packed([], slots, prefill, width))
         for rows in COMPACTION_ROWS if self.budget is not None else ():
             self._compact([], rows)
 
-    def prepare(
-        self, chunks: list[Chunk], block_tables: dict[str, np.ndarray], shifts: dict[str, np.ndarray] | None = None
-    ) -> StepInputs:
+    def prepare(self, chunks: Sequence[Chunk]) -> StepInputs:
         """The step's inputs in the smallest shape that holds ``chunks`` (decode slots ``width`` wide
         when a chunk brings drafts)."""
         width = self.width if any(chunk.draft for chunk in chunks) else 1
-        return self._packed(chunks, *self.step_shape(chunks, width), block_tables, shifts)
+        return self._packed(chunks, *self.step_shape(chunks, width))
 
-    def step_shape(self, chunks: list[Chunk], width: int) -> tuple[int, int, int]:
+    def step_shape(self, chunks: Sequence[Chunk], width: int) -> tuple[int, int, int]:
         """``(decode slots, prefill size, width)``: the shape that runs ``chunks`` with decode slots
         ``width`` tokens wide."""
         prefill = sum(chunk_cost(chunk.count) for chunk in chunks)
@@ -247,13 +253,10 @@ class ModelRunner:
             self.executables[shape] = lowered.compile()
         return self.executables[shape]
 
-    def _packed(
-        self, chunks: list[Chunk], slots: int, prefill_size: int, width: int, block_tables: dict[str, np.ndarray],
-        shifts: dict[str, np.ndarray] | None,
-    ) -> StepInputs:  # fmt: skip
+    def _packed(self, chunks: Sequence[Chunk], slots: int, prefill_size: int, width: int) -> StepInputs:
         """``slots`` decode slots of ``width`` tokens, then ``prefill_size`` slots of prefill chunks,
         each starting a query block; chunk ``i`` draws in sample slot ``i``, with its sequence's
-        sampling, at its last token and its drafts."""
+        sampling, at its last token and its drafts; the block tables and shifts as they are."""
         size = slots * width + prefill_size
         tokens, positions, token_rows = np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32)
         prompt_lengths = np.zeros(size, np.int32)
@@ -281,8 +284,8 @@ class ModelRunner:
             slot_sampling[slot] = seq.options.sampling
         # A prefill chunk fills at most what the decode slots leave: the rows' [R, T] layout's T.
         packed = PackedBatch(
-            token_rows, block_tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
-            decode_width=width, shifts=shifts or {},
+            token_rows, self.tables.tables, decode_tokens=slots * width, tokens_per_row=max(width, prefill_size),
+            decode_width=width, shifts=self.tables.shifts,
             score_weights=self._score_weights(positions, prompt_lengths),
             decode_pages=None if self.budget is None else self.budget.max_pages,
             dense_queries=(positions >= 0) & (positions < prompt_lengths) if self.dense_prompts else None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from jaxkv.decoding.sampling import GREEDY, Sampling
 
@@ -31,15 +31,19 @@ class Status(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RequestOptions:
-    """What a caller asks of one request (``Engine.add_request``'s keywords, checked by
-    ``jaxkv.serving.input_processor``)."""
+    """What a caller asks of one request: the one definition of a request's options, passed as it
+    is from the server (``Server.submit``) through ``EngineThread.submit`` and
+    ``Engine.add_request`` to ``InputProcessor.process``, which checks every field (naming it)
+    and returns the options the engine keeps with the sequence: ``stop_token_ids`` then holds the
+    model's end-of-sequence tokens too (unless ``ignore_eos``), ``stop`` a tuple and ``seed`` an int."""
 
     sampling: Sampling = GREEDY
     max_tokens: int = 16
-    stop_token_ids: frozenset[int] = frozenset()
-    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
-    cache_salt: bytes = b""  # extra key of the prefix-cache hash chain (tenant isolation)
-    seed: int = 0  # in [0, 2**32)
+    stop_token_ids: Iterable[int] | None = None  # tokens that end it besides end-of-sequence (kept in the output)
+    stop: Sequence[str] | str = ()  # stop strings: the text ends before the first one (needs a tokenizer)
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end it
+    cache_salt: str | None = None  # only requests with the same salt share prefix pages (tenant isolation)
+    seed: int | None = None  # in [0, 2**32); None: the engine seed plus the request id
     logprobs: int = 0  # top log-probabilities returned per token (0: only the chosen token's)
     n: int = 1  # sequences of the prompt; sequences 1.. fork from sequence 0 after its prefill
     speculative: bool = True  # may the engine's speculation draft tokens for it

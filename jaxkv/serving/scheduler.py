@@ -67,8 +67,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Rows and the order of work; the engine runs what ``schedule`` returns and reports back
-    with ``computed``. Pages come from ``kv``."""
+    """Rows and the order of work; the engine runs what ``schedule`` returns (in a step plan,
+    ``jaxkv.serving.plan``) and reports back with ``computed``. Pages come from ``kv``."""
 
     def __init__(self, kv: KVCacheManager, max_rows: int, token_budget: int):
         self.kv = kv
@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self.free_rows = list(range(max_rows))
         self.stats = SchedulerStats()
+        self._changed_rows: set[int] = set()  # rows that changed hands since the last take_changed_rows
 
     # --- the step's work ------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
@@ -136,6 +137,13 @@ class Scheduler:
     def _start(self, seq: SequenceState) -> None:
         seq.status, seq.row = Status.RUNNING, self.free_rows.pop(0)
         self.running.append(seq)
+        self._changed_rows.add(seq.row)
+
+    def take_changed_rows(self) -> set[int]:
+        """The rows a sequence took or left since the last call (their block-table rows are
+        written whole by the next step plan)."""
+        rows, self._changed_rows = self._changed_rows, set()
+        return rows
 
     # --- after the step -------------------------------------------------------------------
     def computed(self, chunks: list[Chunk], accepted: Sequence[int] | None = None) -> None:
@@ -153,6 +161,7 @@ class Scheduler:
         """Take ``seq``'s row (its pages are the caller's business); it keeps its tokens."""
         if seq.row is not None:
             self.free_rows.append(seq.row)
+            self._changed_rows.add(seq.row)
             seq.row = None
         if seq in self.running:
             self.running.remove(seq)

@@ -50,8 +50,10 @@ import abc
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
+from pydantic import ConfigDict
 
 from jaxkv.serving.kv_manager import KVCacheManager
 from jaxkv.serving.requests import SequenceState
@@ -63,23 +65,26 @@ MAX_NUM_TOKENS = 15  # drafts per step: the sequence's token and its drafts fit 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """The engine's speculation (``EngineConfig.speculative``).
+    """The engine's speculation (``EngineConfig.speculative``); each field's docstring says what it sets."""
 
-    ``method``: 'ngram' (prompt lookup over the sequence's own tokens) or 'draft' (a smaller
-    model, ``draft_model``, with the target's vocabulary). ``num_tokens``: drafts per step
-    (``k``, 1 to ``MAX_NUM_TOKENS``). ``max_ngram`` / ``min_ngram``: the n-gram lengths prompt
-    lookup matches, longest first. ``always_verify``: verify whatever drafts a step's sequences
-    bring, without the measured rule of ``Speculation.plan`` (whether a step verifies then
-    depends on nothing but each sequence's own tokens, so seeded sampling is reproducible).
-    ``draft_model``: the draft model (a ``DecoderModel``) for 'draft'.
-    """
+    __pydantic_config__ = ConfigDict(extra="forbid")  # a config key that is no field is an error
 
-    method: str = "ngram"
+    method: Literal[SPECULATIVE_METHODS] = "ngram"
+    """'ngram' (prompt lookup over the sequence's own tokens) or 'draft' (a smaller model,
+    ``draft_model``, with the target's vocabulary)."""
     num_tokens: int = 4
+    """Drafts verified per step (``k``, 1 to ``MAX_NUM_TOKENS``)."""
     max_ngram: int = 4
+    """ngram: the longest n-gram prompt lookup matches."""
     min_ngram: int = 2
+    """ngram: the shortest n-gram prompt lookup matches."""
     always_verify: bool = False
+    """Verify whatever drafts a step's sequences bring, without the measured rule of
+    ``Speculation.plan`` (whether a step verifies then depends on nothing but each sequence's own
+    tokens, so seeded sampling is reproducible)."""
     draft_model: object | None = None
+    """'draft': the draft model (a ``DecoderModel``; in a config, its name, directory or .gguf,
+    loaded by ``jaxkv.engine_args.load_engine``)."""
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

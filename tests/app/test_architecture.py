@@ -14,7 +14,7 @@ Levels, lowest first (a module may import its own level or lower, never higher):
     memory, persist             sizing formulas and cache files
     models/*  |  decoding/*     model files and decoding strategies (neither imports the other)
     serving/*                   the engine: paged pools, scheduler, compiled step (uses decoding, not models)
-    config                      the YAML configs the applications share
+    config, engine_args         the YAML configs the applications share; engine flags and loading
     server/*  |  research/*     the HTTP server; tasks, experiment grid, MQAR trainer (neither imports the other)
     bench/*                     the benchmarks (the quantized run times the research tasks' perplexity)
     cli/*                       the command line: its subcommands run the server, the benchmarks, the research
@@ -64,6 +64,7 @@ LEVELS = {
     "jaxkv.decoding": 5,
     "jaxkv.serving": 6,
     "jaxkv.config": 7,
+    "jaxkv.engine_args": 7,
     "jaxkv.server": 8,
     "jaxkv.research": 8,
     "jaxkv.bench": 9,
@@ -162,7 +163,7 @@ def test_the_scheduler_never_touches_pages():
     importers = sorted(
         path.stem for path in serving.glob("*.py") if "jaxkv.serving.pages" in imported_modules(path, module_name(path))
     )
-    assert importers == ["input_processor", "kv_manager"]
+    assert importers == ["kv_manager"]
 
 
 def test_only_the_applications_import_research():
@@ -301,7 +302,7 @@ def test_a_command_without_its_extra_says_which_to_install(monkeypatch, capsys, 
     import jaxkv.cli.main as cli
 
     monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
-    monkeypatch.setitem(cli.COMMANDS, argv[0], lambda args: pytest.fail("the command ran without its extra"))
+    monkeypatch.setattr(cli.SUBCOMMANDS[argv[0]], "run", lambda args: pytest.fail("the command ran without its extra"))
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.strip() == (
         f"jaxkv: error: jaxkv {argv[0]} needs the {extra} extra ({missing} not installed): pip install 'jaxkv[{extra}]'"

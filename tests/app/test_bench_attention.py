@@ -4,9 +4,11 @@ XLA's, and a device JAX does not run on is refused."""
 
 import json
 
-from jaxkv.bench import serving as bench_serving
 from jaxkv.bench.attention import PATHS, main
-from jaxkv.cli.main import BENCHMARKS
+from jaxkv.bench.serving.cli import parse_args
+from jaxkv.bench.serving.spec import worker_spec
+from jaxkv.bench.serving.workers import engine_options
+from jaxkv.cli.bench import BENCHMARKS
 
 TINY = ["--batch", "1", "2", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
 TINY += ["--page-size", "4", "--iters", "1", "--bandwidth-mib", "8"]
@@ -32,7 +34,6 @@ def test_bench_serving_passes_the_backend_to_the_engine():
     """``jaxkv bench serving --attention-backend pallas_gpu``: the engine systems' options carry it."""
 
     def backend(argv):
-        spec = bench_serving.system_spec(bench_serving.parse_args(argv), "engine", "random", [], None)
-        return bench_serving.engine_options(spec)["attention_backend"]
+        return engine_options(worker_spec(parse_args(argv), "engine", "random", [], None))["attention_backend"]
 
     assert backend(["--attention-backend", "pallas_gpu"]) == "pallas_gpu" and backend([]) == "xla"

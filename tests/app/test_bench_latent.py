@@ -8,7 +8,7 @@ import json
 import pytest
 
 from jaxkv.bench.latent import CASES, main
-from jaxkv.cli.main import BENCHMARKS
+from jaxkv.cli.bench import BENCHMARKS
 
 TINY = ["--contexts", "8", "24", "--index-topk", "8", "--iters", "1", "--heads", "2", "--rank", "8"]
 TINY += ["--rope-dim", "4", "--nope-dim", "4", "--index-dim", "4", "--index-heads", "2"]

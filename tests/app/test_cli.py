@@ -1,4 +1,5 @@
-"""``jaxkv generate`` end to end, and each kind of bad input giving a clear error."""
+"""``jaxkv generate`` end to end, and each kind of bad input giving a clear error; ``jaxkv
+tokenizer``'s directory loads in transformers as the same tokenizer."""
 
 import importlib
 
@@ -11,6 +12,7 @@ from jaxkv.cli.main import main
 from jaxkv.decoding.generate import generate
 from jaxkv.decoding.sampling import Sampling, sample
 from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.models.load import Pretrained
 
 TINY = LlamaConfig(
     vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -52,6 +54,37 @@ def test_config_typo_names_key_and_file(capsys, tmp_path):
     code, _, err = run(capsys, "generate", "--config", str(config))
     assert code == 2
     assert "typo.yaml" in err and "max_new_tokenz" in err
+
+
+def test_tokenizer_writes_a_directory_transformers_loads_as_the_same_tokenizer(capsys, tmp_path):
+    """``jaxkv tokenizer``: transformers' ``AutoTokenizer`` loads the directory it writes,
+    encodes a sentence to jaxkv's ids, and has the model's special tokens and chat template,
+    rendering a conversation as jaxkv does."""
+    import transformers
+
+    out = tmp_path / "smollm2-tokenizer"
+    code, printed, err = run(capsys, "tokenizer", "--model", "smollm2", "--out", str(out))
+    assert code == 0, err
+    assert printed.split() == [str(out / "tokenizer.json"), str(out / "tokenizer_config.json")]
+    ours, theirs = Pretrained("smollm2").tokenizer(required=True), transformers.AutoTokenizer.from_pretrained(out)
+    sentence = "A KV cache keeps each token's keys and values: 3.14159 tokens, café, 🚀!"
+    assert theirs(sentence)["input_ids"] == ours.encode(sentence)
+    assert (theirs.bos_token, theirs.eos_token) == (ours.bos_token, ours.eos_tokens[0])
+    assert theirs.chat_template == ours.chat_template is not None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+    rendered = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == ours.apply_chat_template(messages)
+
+
+def test_tokenizer_bad_arguments_are_clear_errors(capsys, tmp_path):
+    """An unknown ``--model``, an ``--out`` that is a file: exit status 2 and a message naming the argument."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    cases = [(["--model", "no-such-model", "--out", str(tmp_path / "out")], "--model no-such-model: "),
+             (["--out", str(file)], f"--out {file} exists and is not a directory")]  # fmt: skip
+    for argv, message in cases:
+        code, _, err = run(capsys, "tokenizer", *argv)
+        assert code == 2 and message in err, err
 
 
 def test_prompt_too_long_is_refused_before_compiling():

@@ -6,10 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxkv.cli.main import build_parser, main, resolve_config, resolve_serve_config, serving_engine
-from jaxkv.config import EvictionConfig, QuantizationConfig
+from jaxkv.cli.generate import resolve_config
+from jaxkv.cli.main import build_parser, main
+from jaxkv.cli.serve import resolve_serve_config
+from jaxkv.quantization import QuantSpec
+from jaxkv.research.experiment import CacheChoice
 from jaxkv.eviction import EvictionSpec
 from jaxkv.models.llama import Llama, LlamaConfig
+from jaxkv.serving import Engine
 from tests.cases import TINY_LLAMA
 
 
@@ -25,8 +29,8 @@ def test_defaults_are_static_full_precision():
 def test_full_attention_and_quantization_flags():
     assert resolved("--full-attention", "dynamic").cache.full_attention == "dynamic"
     cache = resolved("--quantization", "--kv-bits", "8", "--kv-axis-key", "-1").cache
-    assert cache.quantization == QuantizationConfig(nbits=8, axis_key=-1)
-    assert cache.quantization_spec().bits == 8
+    assert cache.quantization == QuantSpec(nbits=8, axis_key=-1)
+    assert cache.quantization.bits == 8
 
 
 def test_kv_options_without_quantization_name_the_flag():
@@ -58,14 +62,23 @@ def test_serve_config_file_and_flags():
     parse = build_parser().parse_args
     path = Path(__file__).resolve().parents[2] / "configs" / "serve.yaml"
     config = resolve_serve_config(parse(["serve", "--config", str(path), "--port", "9001"]))
-    assert (config.model, config.kv_memory, config.port, config.prefix_caching) == ("smollm2", "512MiB", 9001, True)
+    engine = config.engine
+    assert (config.model, engine.kv_memory, config.port, engine.prefix_caching) == ("smollm2", "512MiB", 9001, True)
     off = resolve_serve_config(parse(["serve", "--no-prefix-caching"]))
-    assert off.prefix_caching is False and off.host == "127.0.0.1"
+    assert off.engine.prefix_caching is False and off.host == "127.0.0.1"
+
+
+def test_a_serve_config_in_the_old_flat_layout_still_loads_with_a_warning(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: smollm2\nkv_memory: 2MiB\npage_size: 8\nengine: {max_num_seqs: 4}\n")
+    with pytest.warns(DeprecationWarning, match="kv_memory, page_size belong in the engine: section"):
+        served = resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
+    assert (served.engine.kv_memory, served.engine.page_size, served.engine.max_num_seqs) == ("2MiB", 8, 4)
 
 
 def test_serve_config_typo_is_named(tmp_path, capsys):
     bad = tmp_path / "serve.yaml"
-    bad.write_text("model: smollm2\nmax_num_seq: 8\n")
+    bad.write_text("model: smollm2\nengine: {max_num_seq: 8}\n")
     with pytest.raises(ValueError, match="max_num_seq"):
         resolve_serve_config(build_parser().parse_args(["serve", "--config", str(bad)]))
     assert main(["serve", "--config", str(bad)]) == 2
@@ -76,15 +89,16 @@ def test_serve_config_eviction(tmp_path):
     """``eviction:`` in the serve config reaches the engine as its ``EvictionSpec``; it needs
     prefix caching off (an error naming the fix), and exactly one of budget and compression_ratio."""
     config = tmp_path / "serve.yaml"
-    config.write_text("eviction: {policy: snapkv, budget: 32, window: 8}\nprefix_caching: false\nkv_memory: 1MiB\n")
+    config.write_text("engine:\n  eviction: {policy: snapkv, budget: 32, window: 8}\n  prefix_caching: false\n"
+                      "  kv_memory: 1MiB\n")  # fmt: skip
     served = resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
-    engine = serving_engine(served, Llama(LlamaConfig(**TINY_LLAMA)))
+    engine = Engine(Llama(LlamaConfig(**TINY_LLAMA)), served.engine)
     assert engine.config.eviction == EvictionSpec("snapkv", budget=32, window=8)
     assert not engine.config.prefix_caching and engine.sizes.state_bytes > 0
-    config.write_text("eviction: {policy: snapkv, budget: 32}\n")  # prefix caching on, the default
+    config.write_text("engine: {eviction: {policy: snapkv, budget: 32}}\n")  # prefix caching on, the default
     with pytest.raises(ValueError, match="prefix caching cannot share.*prefix_caching: false"):
         resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
-    config.write_text("eviction: {policy: h2o}\nprefix_caching: false\n")
+    config.write_text("engine: {eviction: {policy: h2o}, prefix_caching: false}\n")
     with pytest.raises(ValueError, match="eviction.*exactly one of budget"):
         resolve_serve_config(build_parser().parse_args(["serve", "--config", str(config)]))
 
@@ -109,7 +123,9 @@ def test_settings_used_only_beside_others_are_checked_on_their_own(argv, named):
 
 
 def test_eviction_sections_check_their_policy_options():
-    with pytest.raises(ValueError, match="kernel_size must be odd"):
-        EvictionConfig(policy="snapkv", kernel_size=4)
+    with pytest.raises(ValueError, match="kernel_size must be a positive odd number"):
+        CacheChoice(name="snapkv", eviction={"policy": "snapkv", "kernel_size": 4})
     with pytest.raises(ValueError, match="beta"):
-        EvictionConfig(policy="pyramidkv", beta=0.5)
+        CacheChoice(name="pyramid", eviction={"policy": "pyramidkv", "beta": 0.5})
+    with pytest.raises(ValueError, match="budgets: drop budget"):
+        CacheChoice(name="h2o", eviction={"policy": "h2o", "budget": 8})

@@ -19,7 +19,8 @@ import transformers
 
 from jaxkv.decoding.beam import BeamSettings, beam_search
 from jaxkv.decoding.sampling import Sampling
-from jaxkv.cli.main import GenerateConfig, main
+from jaxkv.cli.generate import GenerateConfig
+from jaxkv.cli.main import main
 from jaxkv.config import load_config
 from jaxkv.sizing import bucket
 from jaxkv.models.llama import Llama

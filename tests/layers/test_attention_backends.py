@@ -18,7 +18,9 @@ from jaxkv.models.llama import Llama, LlamaConfig
 
 import jaxkv.layers.paged as paged_layers
 import jaxkv.kernels.dense as dense_kernels
-from jaxkv.cli.main import build_parser, cache_options, resolve_config, resolve_serve_config, serving_engine
+from jaxkv.cli.generate import cache_options, resolve_config
+from jaxkv.cli.main import build_parser
+from jaxkv.cli.serve import resolve_serve_config
 from jaxkv.decoding.generate import generate
 from jaxkv.kernels import (
     HEADS_LAYOUT,
@@ -317,11 +319,12 @@ def test_engine_greedy_tokens_with_the_gpu_kernel(kind, layout, monkeypatch):
 def test_serve_flags_reach_the_engine(caplog):
     """``jaxkv serve --attention-backend auto --pool-layout heads`` on CPU: the engine's pools are
     stored 'heads' and read with XLA, said once."""
-    args = build_parser().parse_args(["serve", "--attention-backend", "auto", "--pool-layout", "heads"])
+    args = build_parser().parse_args(["serve", "--attention-backend", "auto", "--pool-layout", "heads", "--kv-memory",
+                                      "1MiB"])  # fmt: skip
     served = resolve_serve_config(args)
-    assert served.attention_backend == "auto"
+    assert served.engine.attention_backend == "auto"
     with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
-        engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**TINY_LLAMA)))
+        engine = Engine(Llama(LlamaConfig(**TINY_LLAMA)), served.engine)
     layer = engine.runner.cache.groups[0]
     assert (layer.attention_backend, layer.layout) == (XLA, HEADS_LAYOUT) and len(caplog.records) == 1
     with pytest.raises(ValueError, match="EngineConfig.attention_backend must be one of"):

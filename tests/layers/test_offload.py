@@ -16,7 +16,8 @@ from flax import nnx
 
 from jaxkv import Cache
 from jaxkv.cache import first_entry_shapes
-from jaxkv.cli.main import build_parser, cache_options, resolve_config
+from jaxkv.cli.generate import cache_options, resolve_config
+from jaxkv.cli.main import build_parser
 from jaxkv.decoding.beam import beam_search
 from jaxkv.decoding.generate import generate, prefill_prefix
 from jaxkv.decoding.speculative import SelfSpeculation, generate_speculative

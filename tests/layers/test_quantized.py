@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxkv import Cache, attention
-from jaxkv.cli.main import resolve_config
+from jaxkv.cli.generate import resolve_config
 from jaxkv.config import CacheConfig
 from jaxkv.decoding.generate import generate
 from jaxkv.memory import cache_bytes, layer_bytes
@@ -363,13 +363,13 @@ def test_cli_quantized_options_resolve_to_a_spec(tmp_path):
     def resolve(*argv):
         return resolve_config(build_parser().parse_args(["generate", *argv]))
 
-    spec = resolve("--quantization", "--kv-bits", "2", "--kv-axis-key", "-1").cache.quantization_spec()
+    spec = resolve("--quantization", "--kv-bits", "2", "--kv-axis-key", "-1").cache.quantization
     assert spec == QuantSpec(nbits=2, axis_key=PER_CHANNEL)
-    assert resolve("--quantization").cache.quantization_spec() == QuantSpec()
-    assert resolve("--quantization", "--kv-format", "e5m2").cache.quantization_spec().number_dtype == jnp.float8_e5m2
+    assert resolve("--quantization").cache.quantization == QuantSpec()
+    assert resolve("--quantization", "--kv-format", "e5m2").cache.quantization.number_dtype == jnp.float8_e5m2
     config = tmp_path / "int4.yaml"
     config.write_text("cache:\n  quantization:\n    nbits: 4\n    axis_key: -1\n")
-    assert resolve("--config", str(config)).cache.quantization_spec() == QuantSpec(nbits=4, axis_key=PER_CHANNEL)
+    assert resolve("--config", str(config)).cache.quantization == QuantSpec(nbits=4, axis_key=PER_CHANNEL)
     with pytest.raises(ValueError, match="add --quantization"):
         resolve("--kv-bits", "8")
     assert main(["generate", "--quantization", "--kv-format", "e4m3", "--kv-bits", "4"]) == 2
@@ -408,14 +408,14 @@ def test_shipped_configs_validate():
     (configs/experiments/perplexity.yaml) covers full precision and every quantized format."""
     from pathlib import Path
 
-    from jaxkv.cli.main import GenerateConfig
+    from jaxkv.cli.generate import GenerateConfig
     from jaxkv.config import load_config
     from jaxkv.research.experiment import ExperimentConfig
 
     configs = Path(__file__).resolve().parents[2] / "configs"
-    int4 = load_config(configs / "smollm2-int4.yaml", GenerateConfig).cache.quantization_spec()
+    int4 = load_config(configs / "smollm2-int4.yaml", GenerateConfig).cache.quantization
     assert int4 == QuantSpec(nbits=4, axis_key=PER_CHANNEL, axis_value=PER_TOKEN)
     grid = load_config(configs / "experiments" / "perplexity.yaml", ExperimentConfig)
     assert any(c.kind == "full" for c in grid.caches)
-    specs = {c.quantization.spec() for c in grid.caches if c.quantization}
+    specs = {c.quantization for c in grid.caches if c.quantization}
     assert {(s.format, s.bits) for s in specs} == {("int", 8), ("int", 4), ("int", 2), ("e4m3", 8), ("e5m2", 8)}

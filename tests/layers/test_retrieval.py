@@ -430,7 +430,7 @@ def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
     whose bytes are the formula's; its storage row is registered."""
     spec = CacheConfig.model_validate(
         {"retrieval": {"budget": 32, "page_size": 8, "summary": "centroid"}}
-    ).retrieval_spec()
+    ).retrieval
     assert spec == RetrievalSpec(32, 8, summary="centroid")
     choice = CacheChoice.model_validate({"name": "quest", "retrieval": {"budget": 32, "page_size": 8}})
     assert choice.kind == "retrieval" and choice.options(1.0, 64) == {"retrieval": RetrievalSpec(32, 8)}
@@ -443,7 +443,7 @@ def test_config_paths_build_the_layer_and_its_bytes_follow_the_formula():
     assert ("full_attention", "retrieved", RetrievalLayer) in storage_rows()
     clustered = RetrievalSpec(32, 8, pages="clustered")
     assert (
-        CacheConfig.model_validate({"retrieval": {"budget": 32, "page_size": 8, "pages": "clustered"}}).retrieval_spec()
+        CacheConfig.model_validate({"retrieval": {"budget": 32, "page_size": 8, "pages": "clustered"}}).retrieval
         == clustered
     )
     layer = Cache.from_layer_types(

@@ -58,7 +58,7 @@ def haystack(tokenizer):
     [
         ({"seed": [0]}, "seed"),  # a typo of seeds
         ({"caches": [{"name": "full", "quantisation": {"nbits": 8}}]}, "caches.0.quantisation"),
-        ({"caches": [{"name": "x", "eviction": {"policy": "lru"}}]}, "caches.0.eviction.policy"),
+        ({"caches": [{"name": "x", "eviction": {"policy": "lru"}}]}, "caches.0.eviction: Value error, EvictionSpec: unknown policy 'lru'"),
         ({"tasks": [{"kind": "needle", "contexts": [256]}]}, "tasks.0"),
         ({"tasks": [{"kind": "passkey", "depths": [1.5]}]}, "tasks.0.passkey.depths.0"),
         ({"budgets": [0.0]}, "budgets.0"),

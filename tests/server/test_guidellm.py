@@ -15,8 +15,9 @@ torch requirement, none of which the project's environment should change. ``bash
 scripts/setup.sh test`` creates that environment once (about 1.5 GB, 2 minutes) under the jaxkv
 cache directory (``~/.cache/jaxkv/guidellm-0.8.1``, or under ``$XDG_CACHE_HOME``), so the timed
 test run finds it ready; the test creates it where it is missing. guidellm
-runs offline: its tokenizer is a directory written from the embedded SmolLM2 GGUF's tokenizer
-(``tokenizer.json`` and ``tokenizer_config.json``, which transformers' ``AutoTokenizer`` reads).
+runs offline: its tokenizer is a directory that ``jaxkv tokenizer`` writes from the embedded
+SmolLM2 GGUF's tokenizer (``tokenizer.json`` and ``tokenizer_config.json``, which transformers'
+``AutoTokenizer`` reads), as a user would.
 """
 
 import json
@@ -28,7 +29,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from jaxkv.models.load import Pretrained
 from jaxkv.models.weight_cache import cache_dir
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -58,14 +58,12 @@ def guidellm_python() -> Path:
     return home / "bin" / "python"
 
 
-def write_tokenizer_dir(path: Path, model: str = MODEL) -> Path:
-    """A transformers tokenizer directory for ``model``'s embedded tokenizer (its GGUF's)."""
-    tokenizer = Pretrained(model).tokenizer(required=True)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.bos_token,
-              "eos_token": tokenizer.eos_tokens[0], "chat_template": tokenizer.chat_template}  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+def tokenizer_dir(path: Path) -> Path:
+    """``path``, into which ``jaxkv tokenizer`` (the installed command) wrote ``MODEL``'s tokenizer."""
+    cli = Path(sys.executable).with_name("jaxkv")
+    command = [str(cli), "tokenizer", "--model", MODEL, "--out", str(path)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     return path
 
 
@@ -94,7 +92,7 @@ def request_outcomes(url: str) -> dict[str, float]:
 
 def test_a_bounded_guidellm_benchmark_has_no_errors(server, tmp_path):
     python = guidellm_python()
-    tokenizer = write_tokenizer_dir(tmp_path / "tokenizer")
+    tokenizer = tokenizer_dir(tmp_path / "tokenizer")
     out = tmp_path / "benchmarks.json"
     command = guidellm_command(python, server[1], tokenizer, out, streams=STREAMS, requests=REQUESTS,
                                prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS)  # fmt: skip

@@ -1,7 +1,10 @@
 """``jaxkv serve`` against hostile and malformed requests (one real server for the file): each
 request of ``MALFORMED`` (wrong types, out-of-range values, oversized, badly encoded or deeply
 nested bodies, wrong methods and paths) gets a 4xx in OpenAI's error shape naming the field,
-never a 500; after all of them the server is healthy and answers normally. Also what the
+never a 500; after all of them the server is healthy and answers normally. A body not sent as
+``application/json`` (text/plain, a form, no Content-Type: what a web page can make a browser
+send without a CORS preflight; a charset other than UTF-8) is a 415 on both POST routes and
+never runs, whatever the body holds; JSON with a UTF-8 charset is taken. Also what the
 server promises about its limits: a refused request keeps the connection, ``/health`` stays
 fast while a request holds back text against long stop strings, and a chat request without
 ``max_tokens`` runs to the context limit."""
@@ -13,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxkv.server.errors import MAX_BODY_BYTES
 from jaxkv.server.schemas import MAX_STOP_LENGTH
@@ -181,6 +185,63 @@ def test_the_messages_name_what_is_wrong(server):
     for case, words in checks.items():
         message = send(url, *MALFORMED[case][:3]).json()["error"]["message"]
         assert all(word in message for word in words), (case, message)
+
+
+# Content-Types a POST body is refused with (None: no Content-Type header at all).
+NOT_JSON = [
+    "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    None, "application/json; charset=latin-1", "application/jsonx",
+]  # fmt: skip
+ROUTES = {"completions": (COMPLETIONS, completion()), "chat": (CHATS, chat())}
+
+
+def post_as(url: str, path: str, content: bytes, content_type: str | None) -> httpx.Response:
+    """POST ``content`` with exactly this Content-Type (None: without the header)."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = httpx.post(f"{url}{path}", content=content, headers=headers, timeout=120)
+    assert response.request.headers.get("content-type") == content_type  # httpx added none of its own
+    return response
+
+
+def request_outcomes(url: str) -> dict[str, float]:
+    """The server's ``jaxkv_requests_total`` by outcome label (outcomes never seen are absent)."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    (family,) = (f for f in families if f.name == "jaxkv_requests")
+    return {s.labels["outcome"]: s.value for s in family.samples if s.name == "jaxkv_requests_total"}
+
+
+@pytest.mark.parametrize("content_type", NOT_JSON)
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_body_not_sent_as_json_is_refused_with_415_and_never_runs(server, route, content_type):
+    """A valid request's JSON, sent with another Content-Type (or none): a 415 in OpenAI's shape
+    naming the type received and the one required, and nothing generated."""
+    url, (path, body) = server[1], ROUTES[route]
+    before = request_outcomes(url)
+    response = post_as(url, path, json.dumps(body).encode(), content_type)
+    assert response.status_code == 415, response.text[:500]
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None and error["code"] is None, error
+    received = "no Content-Type" if content_type is None else repr(content_type)
+    assert received in error["message"] and "application/json" in error["message"], error
+    after = request_outcomes(url)
+    assert after.get("completed", 0) == before.get("completed", 0)
+    assert after["error_415"] == before.get("error_415", 0) + 1
+
+
+def test_the_content_type_is_checked_before_the_body_is_read(server):
+    """text/plain over the size limit: a 415, not the 413 that reading it would give."""
+    response = post_as(server[1], COMPLETIONS, b"x" * (MAX_BODY_BYTES + 1), "text/plain")
+    assert response.status_code == 415, response.text[:500]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON; Charset=UTF-8"])
+@pytest.mark.parametrize("route", ROUTES)
+def test_json_with_a_utf8_charset_is_taken(server, route, content_type):
+    path, body = ROUTES[route]
+    response = post_as(server[1], path, json.dumps(body).encode(), content_type)
+    assert response.status_code == 200, response.text[:500]
+    assert response.json()["usage"]["completion_tokens"] == 4
 
 
 def test_after_all_of_them_the_server_is_healthy_and_answers(server):

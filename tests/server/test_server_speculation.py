@@ -11,7 +11,10 @@ import openai
 import pytest
 from jaxkv.models.llama import Llama, LlamaConfig
 
-from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
+from jaxkv.cli.main import build_parser
+from jaxkv.cli.serve import resolve_serve_config
+from jaxkv.engine_args import with_draft_model
+from jaxkv.serving import Engine
 from jaxkv.serving.speculation import SpeculativeConfig
 from tests.cases import TINY_LLAMA
 from tests.server.conftest import MODEL, SERVER_ARGS
@@ -19,7 +22,7 @@ from tests.server.test_server import metric, reference  # noqa: F401 - the fixtu
 
 # Every draft verified, so the counters do not depend on the measured rule's timings.
 SERVER_ARGS = (
-    *SERVER_ARGS, "--speculative-method", "ngram", "--speculative-tokens", "4", "--speculative-always-verify",
+    *SERVER_ARGS, "--speculative-method", "ngram", "--speculative-num-tokens", "4", "--speculative-always-verify",
 )  # fmt: skip
 # Text that repeats itself: prompt lookup finds what follows, and greedy SmolLM2 goes on repeating.
 COPY = "Repeat the list exactly.\nList: red, green, blue, cyan, magenta, yellow, black, white.\nList: red, green,"
@@ -33,22 +36,27 @@ def resolved(*argv, config=None):
 
 def test_flags_and_config_reach_the_engine(tmp_path):
     """The YAML section and the flags on top of it make the engine's ``SpeculativeConfig``; off by default."""
-    assert resolved().speculative is None
+    assert resolved().engine.speculative is None
     config = tmp_path / "serve.yaml"
-    config.write_text("speculative: {method: ngram, num_tokens: 3, always_verify: true}\nkv_memory: 1MiB\n")
-    served = resolved("--speculative-tokens", "5", "--speculative-max-ngram", "6", config=config)
-    engine = serving_engine(served, Llama(LlamaConfig(**TINY_LLAMA)))
+    config.write_text("engine:\n  speculative: {method: ngram, num_tokens: 3, always_verify: true}\n  kv_memory: 1MiB\n")
+    served = resolved("--speculative-num-tokens", "5", "--speculative-max-ngram", "6", config=config)
+    engine = Engine(Llama(LlamaConfig(**TINY_LLAMA)), served.engine)
     assert engine.config.speculative == SpeculativeConfig("ngram", num_tokens=5, max_ngram=6, always_verify=True)
-    assert resolved("--speculative-method", "ngram", "--speculative-min-ngram", "1").speculative.min_ngram == 1
-    assert resolved("--speculative-method", "ngram", "--speculative-always-verify").speculative.always_verify is True
+    assert resolved("--speculative-method", "ngram", "--speculative-min-ngram", "1").engine.speculative.min_ngram == 1
+    verify = resolved("--speculative-method", "ngram", "--speculative-always-verify").engine.speculative
+    assert verify.always_verify is True
 
 
 def test_a_draft_model_is_named_and_loaded_by_the_caller():
-    """``--draft-model`` is a name in the config; ``serving_engine`` takes the loaded model."""
+    """``--speculative-draft-model`` (or its old spelling ``--draft-model``) is a name in the config;
+    ``with_draft_model`` replaces it by the model its loader loads."""
     served = resolved("--speculative-method", "draft", "--draft-model", "smollm2", "--kv-memory", "1MiB")
-    assert served.speculative.draft_model == "smollm2"
+    assert served.engine.speculative.draft_model == "smollm2"
+    assert resolved("--speculative-method", "draft", "--speculative-draft-model", "x").engine.speculative.draft_model == "x"
     tiny = Llama(LlamaConfig(**TINY_LLAMA))
-    engine = serving_engine(served, tiny, draft_model=tiny)
+    loaded = []
+    engine = Engine(tiny, with_draft_model(served.engine, lambda name, mesh=None: loaded.append(name) or (tiny, None)))
+    assert loaded == ["smollm2"]
     assert engine.config.speculative.method == "draft" and engine.config.speculative.draft_model is tiny
 
 
@@ -74,7 +82,7 @@ def test_bad_options_name_the_option(argv, named):
 
 def test_a_config_typo_in_the_section_is_named(tmp_path):
     config = tmp_path / "serve.yaml"
-    config.write_text("speculative: {method: ngram, num_token: 3}\n")
+    config.write_text("engine: {speculative: {method: ngram, num_token: 3}}\n")
     with pytest.raises(ValueError, match="speculative.num_token"):
         resolved(config=config)
 

@@ -1,4 +1,4 @@
-"""``jaxkv serve --speculative-method draft --draft-model smollm2``: the draft model is loaded as
+"""``jaxkv serve --speculative-method draft --speculative-draft-model smollm2``: the draft model is loaded as
 the model is (SmolLM2-135M drafting for itself), and greedy completions equal ``generate``'s with
 its drafts counted in the response and ``/metrics``."""
 
@@ -9,7 +9,7 @@ from tests.server.test_server import metric, reference  # noqa: F401 - the fixtu
 
 # Every draft verified: a draft as large as its target never pays, so the measured rule would stop drafting.
 SERVER_ARGS = (
-    *SERVER_ARGS, "--speculative-method", "draft", "--draft-model", MODEL, "--speculative-tokens", "3",
+    *SERVER_ARGS, "--speculative-method", "draft", "--speculative-draft-model", MODEL, "--speculative-num-tokens", "3",
     "--speculative-always-verify",
 )  # fmt: skip
 

@@ -12,7 +12,8 @@ from flax import nnx
 from jaxkv.models.llama import Llama, LlamaConfig, param_shapes
 
 from jaxkv.batch import PagedStorage
-from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
+from jaxkv.cli.main import build_parser
+from jaxkv.cli.serve import resolve_serve_config
 from jaxkv.decoding.generate import generate
 from jaxkv.eviction import EvictionSpec
 from jaxkv.protocol import has
@@ -66,10 +67,10 @@ def test_options_are_checked_with_named_errors():
 def test_serve_flags_reach_the_engine():
     """``jaxkv serve --max-pages-per-request 6 --compaction-policy key_norm`` builds that budget, and
     ``--compaction-choice head`` chooses per layer and K/V head."""
-    flags = ["serve", "--max-pages-per-request", "6", "--compaction-policy", "key_norm"]
+    flags = ["serve", "--max-pages-per-request", "6", "--compaction-policy", "key_norm", "--kv-memory", "1MiB"]
     for extra, choice in (([], "pool"), (["--compaction-choice", "head"], "head")):
         served = resolve_serve_config(build_parser().parse_args(flags + extra))
-        engine = serving_engine(served.model_copy(update={"kv_memory": "1MiB"}), Llama(LlamaConfig(**LLAMA)))
+        engine = Engine(Llama(LlamaConfig(**LLAMA)), served.engine)
         assert engine.kv.budget == PageBudget(6, 16, "key_norm", LLAMA["max_position_embeddings"], choice)
 
 

@@ -190,13 +190,14 @@ def test_warmup_compiles_the_disk_copies_and_serving_compiles_nothing(tmp_path):
 
 
 def test_disk_options_reach_the_engine_and_its_metrics(tmp_path):
-    from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
+    from jaxkv.cli.main import build_parser
+    from jaxkv.cli.serve import resolve_serve_config
 
     args = build_parser().parse_args(["serve", "--kv-memory", "1MiB", "--kv-cache-dir", str(tmp_path),
                                       "--disk-kv-memory", "1MiB"])  # fmt: skip
-    engine = serving_engine(resolve_serve_config(args), tiny("llama"))
+    engine = Engine(tiny("llama"), resolve_serve_config(args).engine)
     assert {store.max_bytes for store in engine.kv.disk.stores.values()} == {2**20}
     engine.generate_many([PROMPT], **OPTIONS)
     rendered = Metrics().render(engine.stats()).decode()
     assert "jaxkv_disk_bytes_written" in rendered and "jaxkv_disk_prefix_hit_pages" in rendered
-    assert resolve_serve_config(build_parser().parse_args(["serve"])).kv_cache_dir is None
+    assert resolve_serve_config(build_parser().parse_args(["serve"])).engine.kv_cache_dir is None

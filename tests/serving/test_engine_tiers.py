@@ -170,7 +170,8 @@ def test_warmup_compiles_the_copies_and_nothing_compiles_while_serving():
 
 
 def test_host_tier_options_are_checked_and_reach_the_engine():
-    from jaxkv.cli.main import build_parser, resolve_serve_config, serving_engine
+    from jaxkv.cli.main import build_parser
+    from jaxkv.cli.serve import resolve_serve_config
 
     with pytest.raises(ValueError, match="host_kv_memory"):
         EngineConfig(host_kv_memory="lots")
@@ -178,6 +179,6 @@ def test_host_tier_options_are_checked_and_reach_the_engine():
         EngineConfig(preemption="sometimes")
     args = build_parser().parse_args(["serve", "--kv-memory", "64KiB", "--host-kv-memory", "1MiB"])
     config = resolve_serve_config(args)
-    assert config.host_kv_memory == "1MiB"
-    assert serving_engine(config, tiny("llama")).kv.host.capacity == 2**20
-    assert resolve_serve_config(build_parser().parse_args(["serve"])).host_kv_memory == "0"
+    assert config.engine.host_kv_memory == "1MiB"
+    assert Engine(tiny("llama"), config.engine).kv.host.capacity == 2**20
+    assert resolve_serve_config(build_parser().parse_args(["serve"])).engine.host_kv_memory == 0

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jaxkv.models.llama import Llama
 
-from jaxkv.cli.main import ServeConfig, build_parser, resolve_serve_config, serving_engine
+from jaxkv.cli.main import build_parser
+from jaxkv.cli.serve import ServeConfig, resolve_serve_config
 from jaxkv.decoding.generate import generate
 from jaxkv.eviction import EvictionSpec
 from jaxkv.retrieval import RetrievalSpec
@@ -142,11 +143,11 @@ def test_serve_takes_a_retrieval_section_and_budget_flag(tmp_path, llama):
     """``jaxkv serve --retrieval-budget N`` (or a ``retrieval:`` section in the YAML): the engine's
     pages are the retrieval's, at the server's page size."""
     path = tmp_path / "serve.yaml"
-    path.write_text("page_size: 4\nretrieval: {budget: 64, summary: centroid}\n")
+    path.write_text("engine:\n  page_size: 4\n  kv_memory: 64KiB\n  retrieval: {budget: 64, summary: centroid}\n")
     config = resolve_serve_config(build_parser().parse_args(["serve", "--config", str(path), "--retrieval-budget", "16"]))
-    engine = serving_engine(config.model_copy(update={"kv_memory": "64KiB"}), llama)
+    engine = Engine(llama, config.engine)
     assert engine.config.retrieval == RetrievalSpec(16, page_size=4, summary="centroid", prefill="dense")
     flags = build_parser().parse_args(["serve", "--config", str(path), "--page-size", "8"])
-    assert resolve_serve_config(flags).retrieval.spec() == RetrievalSpec(64, page_size=8, summary="centroid", prefill="dense")
-    with pytest.raises(ValueError, match=r"retrieval.page_size \(8\) must be page_size \(4\)"):
-        ServeConfig(page_size=4, retrieval={"budget": 16, "page_size": 8})
+    assert resolve_serve_config(flags).engine.retrieval == RetrievalSpec(64, page_size=8, summary="centroid", prefill="dense")
+    with pytest.raises(ValueError, match=r"its page_size must be page_size \(4\), got 8"):
+        ServeConfig(engine={"page_size": 4, "retrieval": {"budget": 16, "page_size": 8}})

@@ -131,13 +131,13 @@ class TwoTierMachine(RuleBasedStateMachine):
                 if owned[index] != NULL_PAGE:
                     filled = min(end, (index + 1) * PAGE_SIZE)
                     self.device[pool.name][owned[index]] = Held(
-                        seq.options.cache_salt, index, tuple(seq.tokens[:filled])
+                        salt_key(seq.options.cache_salt), index, tuple(seq.tokens[:filled])
                     )
 
     # --- rules -----------------------------------------------------------------------------------
     @rule(prompt=st.lists(TOKENS, min_size=1, max_size=20), salt=SALTS, max_tokens=st.integers(1, 6))
     def add_request(self, prompt, salt, max_tokens):
-        options = RequestOptions(max_tokens=max_tokens, cache_salt=salt_key(salt))
+        options = RequestOptions(max_tokens=max_tokens, cache_salt=salt)
         self.kv.check_fits(len(prompt), len(prompt) + max_tokens, 1, 16)
         seq = SequenceState(self.next_id, 0, prompt, options, 0.0)
         self.next_id += 1
@@ -215,7 +215,7 @@ class TwoTierMachine(RuleBasedStateMachine):
 
     @staticmethod
     def check_holds(held: Held, seq: SequenceState, index: int, end: int) -> None:
-        assert (held.salt, held.index) == (seq.options.cache_salt, index)
+        assert (held.salt, held.index) == (salt_key(seq.options.cache_salt), index)
         assert len(held.prefix) >= end and held.prefix[:end] == tuple(seq.tokens[:end])
 
     @staticmethod

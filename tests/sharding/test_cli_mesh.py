@@ -16,7 +16,9 @@ import tokenizers
 import torch
 import transformers
 
-from jaxkv.cli.main import build_parser, main, resolve_config, resolve_serve_config
+from jaxkv.cli.generate import resolve_config
+from jaxkv.cli.main import build_parser, main
+from jaxkv.cli.serve import resolve_serve_config
 from jaxkv.config import ConfigError, MeshConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
