@@ -36,6 +36,7 @@ from jaxkv.server.schemas import ChatRequest, CompletionRequest
 from jaxkv.serving.engine_thread import EngineThread, EngineUnavailable
 from jaxkv.serving.requests import RequestError, RequestOutput
 from jaxkv.serving.speculation import SpeculationStats
+from jaxkv.serving.stats import EngineStats
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context limit
 ENDED = ("abort", "error")  # finish reasons that end a whole request (every sequence of it)
@@ -52,7 +53,7 @@ class Metrics:
         self.requests = Counter("jaxkv_requests", "requests by outcome", ["outcome"], registry=self.registry)
         self.ttft = Histogram("jaxkv_time_to_first_token_seconds", "time to first token", registry=self.registry)
         self.tpot = Histogram("jaxkv_time_per_output_token_seconds", "time per output token", registry=self.registry)
-        # Speculative decoding: counters of the engine's totals (``Engine.stats()["speculation"]``), by name.
+        # Speculative decoding: counters of the engine's totals (``EngineStats.speculation``), by name.
         self.speculation = self._named(Counter, "jaxkv_speculative_", {
             "proposed_tokens": "draft tokens verified",
             "accepted_tokens": "draft tokens the target model kept",
@@ -85,33 +86,34 @@ class Metrics:
         """A ``kind`` metric (Counter, Gauge) per name of ``helps`` (its help text), named ``prefix + name``."""
         return {name: kind(prefix + name, help_text, registry=self.registry) for name, help_text in helps.items()}
 
-    def render(self, stats: dict) -> bytes:
-        pools, tiers, speculation = stats["pages"].values(), stats["tiers"], stats["speculation"]
+    def render(self, stats: EngineStats) -> bytes:
+        """The metrics in Prometheus' text format, the gauges set and the counters advanced to ``stats``."""
+        pools, host, disk, speculation = stats.pages.values(), stats.host, stats.disk, stats.speculation
         values = {
-            "running_requests": stats["num_running"],
-            "waiting_requests": stats["num_waiting"],
-            "pages_used": sum(p["used"] for p in pools),
-            "pages_free": sum(p["free"] for p in pools),
-            "prefix_cache_hit_rate": stats["prefix_hit_rate"],
-            "preemptions": stats["preemptions"],
-            "swaps": stats["swaps"],
-            "recomputes": stats["recomputes"],
-            "device_prefix_hit_pages": tiers["device"]["hit_pages"],
-            "host_prefix_hit_pages": tiers["host"]["hit_pages"],
-            "host_pages": tiers["host"]["pages"],
-            "host_bytes_in": tiers["host"]["bytes_in"],
-            "host_bytes_out": tiers["host"]["bytes_out"],
-            "disk_prefix_hit_pages": tiers["disk"]["hit_pages"],
-            "disk_pages": tiers["disk"]["pages"],
-            "disk_bytes_written": tiers["disk"]["bytes_written"],
-            "disk_bytes_read": tiers["disk"]["bytes_read"],
-            "speculative_acceptance_rate": speculation["acceptance_rate"],
-            "speculative_mean_accepted_length": speculation["mean_accepted_length"],
+            "running_requests": stats.num_running,
+            "waiting_requests": stats.num_waiting,
+            "pages_used": sum(pool.used for pool in pools),
+            "pages_free": sum(pool.free for pool in pools),
+            "prefix_cache_hit_rate": stats.prefix_cache.hit_rate,
+            "preemptions": stats.preemptions,
+            "swaps": stats.swaps,
+            "recomputes": stats.recomputes,
+            "device_prefix_hit_pages": stats.device.hit_pages,
+            "host_prefix_hit_pages": host.hit_pages,
+            "host_pages": host.pages,
+            "host_bytes_in": host.bytes_written,
+            "host_bytes_out": host.bytes_read,
+            "disk_prefix_hit_pages": disk.hit_pages,
+            "disk_pages": disk.pages,
+            "disk_bytes_written": disk.bytes_written,
+            "disk_bytes_read": disk.bytes_read,
+            "speculative_acceptance_rate": speculation.acceptance_rate,
+            "speculative_mean_accepted_length": speculation.mean_accepted_length,
         }
         for name, value in values.items():
             self.gauges[name].set(value)
-        totals = {"proposed_tokens": speculation["proposed"], "accepted_tokens": speculation["accepted"],
-                  "steps": speculation["steps"]}  # fmt: skip
+        totals = {"proposed_tokens": speculation.proposed, "accepted_tokens": speculation.accepted,
+                  "steps": speculation.steps}  # fmt: skip
         for name, total in totals.items():
             self.speculation[name].inc(total - self.counted[name])
             self.counted[name] = total

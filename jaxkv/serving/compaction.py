@@ -17,12 +17,18 @@ Pages others may read are never written: the destinations are the request's own 
 other request holds, reused in place (those the prefix cache holds only past its prompt: they
 leave the cache), else fresh pages; a shared page, or a cached page of the prompt, is only read
 (its tokens are copied, it keeps its other owners or its cache entry).
+
+The KV manager, which owns the pages, asks one ``CompactionPlanner`` per engine where a sequence
+stands against its budget: how many tokens it may compute this step (``room``), whether its next
+ones take it over (``over``: it compacts first), whether a new sequence fits beside the running
+ones' budgets (``holds``); the planner keeps each compacted sequence's shift and hands the
+compactions the KV manager plans (``plan``) to the next step (``take``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +40,7 @@ from jaxkv.eviction import EvictionSpec, window_scores
 from jaxkv.layers.evicting import kept_order
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE
 from jaxkv.protocol import has
+from jaxkv.serving.requests import SequenceState
 
 # Policies a compaction ranks by: the position, the key, or the attention each slot received
 # (``PagedLayer.slot_scores``, kept by the step: H2O's sum over every query since the token was
@@ -187,6 +194,145 @@ class Compaction:
     destinations: list[int]
     filled: int
     length: int
+
+
+class CompactionPlanner:
+    """The page budgets of one engine's sequences (``budget``; None: unbounded) and the compactions
+    that keep them, for the KV manager, which owns the pages and asks here (the module docstring):
+    each compacted sequence's ``shift`` (its full-pool slot s past its last compaction holds
+    position s + shift; the pool keeps the positions of the slots before,
+    ``PagedLayer.slot_positions``), the compactions planned for the next step (``take``) and the
+    arithmetic of limits and room. ``prefix_caching``: the KV manager's (a compaction copies a
+    cached prompt page rather than overwrite it)."""
+
+    def __init__(self, budget: PageBudget | None, prefix_caching: bool):
+        self.budget = budget
+        self.prefix_caching = prefix_caching
+        self.compacted: dict[Hashable, int] = {}  # each compacted sequence's shift, by key
+        self.num_compactions = 0  # planned since start
+        self._planned: list[Compaction] = []  # for the next step
+
+    def shift(self, key: Hashable) -> int:
+        """How far the positions of the sequence ``key``'s new tokens run ahead of its full-pool slots."""
+        return self.compacted.get(key, 0)
+
+    def over(self, seq: SequenceState, end: int) -> bool:
+        """Would holding ``seq``'s tokens up to position ``end`` take it past its budget (it compacts first)?"""
+        return self.budget is not None and end - self.shift(seq.key) > self._limit(seq)
+
+    def room(self, seq: SequenceState, count: int, admitted_at: int | None = None, resumes: bool = False) -> int:
+        """How many of ``count`` next tokens ``seq`` may compute this step (``KVCacheManager.room``):
+        running (``admitted_at`` None) or being admitted on a hit of ``admitted_at`` tokens (``resumes``:
+        a swapped-out sequence's own pages). Up to its budget; at its budget a running sequence
+        compacts first (a chunk then fits the page the compaction leaves), or waits (0) when the
+        step's compactions are used up; a sequence resumed at its budget takes its pages back with
+        no tokens (0): running, it compacts in the next step."""
+        if self.budget is None:
+            return count
+        running = admitted_at is None
+        slots = (seq.num_computed if running else admitted_at) - (self.shift(seq.key) if running or resumes else 0)
+        limit = self._limit(seq)
+        if slots < limit:
+            return min(count, limit - slots)
+        if not running or len(self._planned) >= MAX_COMPACTIONS:
+            return 0
+        return min(count, self.budget.limit - self.budget.keep_slots)
+
+    def admitted_pages(self, seq: SequenceState, num_pages: int) -> int:
+        """Of ``num_pages`` cached pages of ``seq``'s prompt, how many it may be admitted on: all
+        of them, or under a budget those below it (compactions are the running sequences')."""
+        if self.budget is None:
+            return num_pages
+        return min(num_pages, (self._limit(seq) - 1) // self.budget.page_size)
+
+    def holds(self, running: Sequence[SequenceState], seq: SequenceState, full_pages: int) -> bool:
+        """May ``seq`` join the ``running`` sequences in a full pool of ``full_pages`` usable pages
+        (``KVCacheManager.holds_budgets``)? Under a budget only while the pool holds the most pages
+        each of them may come to hold; always without one, and always into an empty engine."""
+        if self.budget is None or not running:
+            return True
+        return sum(self._most_pages(other) for other in [*running, seq]) <= full_pages
+
+    def fit_pages(self, num_prompt: int, pages: int) -> int:
+        """The full-pool pages a sequence of a ``num_prompt``-token prompt needing ``pages`` holds at
+        once (``KVCacheManager.check_fits``): under a budget its most, and the fresh pages it
+        compacts into."""
+        if self.budget is None:
+            return pages
+        held = -(-self.budget.limit_for(num_prompt, compacted=False) // self.budget.page_size)
+        return min(pages, held + self.budget.max_pages)
+
+    def table_length(self, max_model_len: int) -> int:
+        """Tokens a full-pool block-table row covers: ``max_model_len``, or under a budget at most
+        what a compaction reads."""
+        if self.budget is None:
+            return max_model_len
+        return min(max_model_len, self.budget.source_pages * self.budget.page_size)
+
+    def prompt_pages(self, seq: SequenceState) -> int:
+        """Full pages of ``seq``'s prompt: a compaction copies them when cached (they stay in the
+        prefix cache) and overwrites its later pages in place."""
+        return len(seq.prompt) // self.budget.page_size
+
+    def extra_pages(self, num_new_tokens: int) -> int:
+        """Pages past the kept ``max_pages - 1`` that a compacted sequence's next ``num_new_tokens`` take."""
+        return -(-(self.budget.keep_slots + num_new_tokens) // self.budget.page_size) - (self.budget.max_pages - 1)
+
+    def plan(self, seq: SequenceState, sources: list[int], destinations: list[int]) -> None:
+        """Plan ``seq``'s compaction from its full-pool pages ``sources`` into ``destinations``
+        (made by the next step); its shift then counts the tokens it dropped."""
+        filled = seq.num_computed - self.shift(seq.key)
+        self._planned.append(Compaction(seq.key, sources, destinations, filled, seq.num_computed))
+        self.num_compactions += 1
+        self.compacted[seq.key] = seq.num_computed - self.budget.keep_slots
+
+    def compacting(self, key: Hashable) -> bool:
+        """Is the sequence ``key`` compacted in the next step (its pages are read before the step's
+        compactions are made)?"""
+        return any(compaction.owner == key for compaction in self._planned)
+
+    def take(self) -> list[Compaction]:
+        """The compactions planned since the last call."""
+        planned, self._planned = self._planned, []
+        return planned
+
+    def forget(self, key: Hashable) -> None:
+        """The sequence ``key`` is computed again from its start, or freed: no compaction holds."""
+        self.compacted.pop(key, None)
+
+    def check(self, pages: dict[Hashable, list[int]], page_hash: Callable[[int], bytes | None]) -> None:
+        """Raise ``AssertionError`` unless every owner of full-pool ``pages`` is within its budget (a
+        compacted one) or what a compaction reads (a prompt prefilled whole), and no compacted
+        owner's page is registered in the prefix cache (``page_hash``: a page's hash there, or
+        None). No-op without a budget."""
+        if self.budget is None:
+            return
+        most = {
+            owner: self.budget.max_pages if owner in self.compacted else self.budget.source_pages for owner in pages
+        }
+        over = [owner for owner, held in pages.items() if len(held) > most[owner]]
+        if over:
+            raise AssertionError(
+                f"owners {over} hold more pages than their budget (max_pages_per_request={self.budget.max_pages})"
+            )
+        cached = [owner for owner in self.compacted if any(page_hash(page) for page in pages.get(owner, ()))]
+        if cached:
+            raise AssertionError(f"compacted owners {cached} hold pages registered in the prefix cache")
+
+    def _limit(self, seq: SequenceState) -> int:
+        """Full-pool slots ``seq`` may hold before its next compaction (``PageBudget.limit_for``)."""
+        return self.budget.limit_for(len(seq.prompt), seq.key in self.compacted)
+
+    def _most_pages(self, seq: SequenceState) -> int:
+        """Full-pool pages ``seq`` may come to hold: its limit, or all its tokens when its prompt
+        and ``max_tokens`` take fewer; before its first compaction, with the fresh pages that
+        compaction takes for its cached prompt pages."""
+        length = len(seq.prompt) + seq.options.max_tokens
+        slots = min(self._limit(seq), length)
+        pages = -(-slots // self.budget.page_size)
+        if slots < length and self.prefix_caching and seq.key not in self.compacted:
+            pages += min(self.prompt_pages(seq), self.budget.max_pages - 1)
+        return pages
 
 
 def compaction_inputs(

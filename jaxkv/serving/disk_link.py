@@ -94,6 +94,11 @@ class DiskTier:
         store, _ = self._pool(pool)
         return store.contains(page_hash)
 
+    @property
+    def capacity(self) -> int:
+        """The most bytes the tier holds: each pool's ``max_bytes``."""
+        return sum(store.max_bytes for store in self.stores.values())
+
     def stats(self) -> dict[str, dict]:
         """Each pool's store counters (``DiskPageStore.stats``) with its pages and bytes on disk."""
         return {

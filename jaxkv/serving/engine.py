@@ -17,6 +17,7 @@ further sequences (``parallel_sampling``). ``generate_many`` runs a list of prom
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from jaxkv.serving.requests import Completion, RequestError, RequestOptions, Req
 from jaxkv.serving.scheduler import Chunk, Scheduler
 from jaxkv.serving.sizing import PoolSizes, parse_bytes, pool_sizes
 from jaxkv.serving.speculation import NgramProposer, Speculation, SpeculationStats
+from jaxkv.serving.stats import EngineStats
 from jaxkv.serving.step import StepOutputs, page_formats
 
 
@@ -263,15 +265,7 @@ class Engine:
         (``ModelRunner.apply``), then save the pages read for the disk tier."""
         with jax.profiler.TraceAnnotation("engine.apply"):
             self.runner.apply(plan)
-            for key, page in plan.moves.persist:
-                self._save(key, page)
-
-    def _save(self, key, page) -> None:
-        """Write one prefix page to the disk tier; a failing disk costs a warning, never a request."""
-        try:
-            self.kv.disk.save(key, page)
-        except OSError as error:
-            warnings.warn(f"disk tier: a page could not be saved ({type(error).__name__}: {error})", stacklevel=3)
+            self.kv.persist(plan.moves)
 
     def _fail(self, request_ids: set[int], error: Exception) -> None:
         """End every sequence of ``request_ids`` with finish reason 'error'."""
@@ -315,8 +309,9 @@ class Engine:
         self.runner.warmup()
         if self.speculation is not None:
             self.speculation.proposer.warmup()
-        if (self.kv.host.capacity or self.kv.disk is not None) and self.kv.pools:
-            self.runner.warmup_copies(max(pool.manager.num_pages for pool in self.kv.pools))
+        pages = self.kv.copied_pages()
+        if pages:
+            self.runner.warmup_copies(pages)
 
     # --- convenience and metrics ------------------------------------------------------------------
     def generate_many(
@@ -340,55 +335,20 @@ class Engine:
         self.slots_allocated += allocated
         self.slots_unused += unused
 
-    def stats(self) -> dict:
-        """Counters for metrics and benchmarks (pages, prefix cache, preemptions, compiles)."""
-        pools = self.kv.pools
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_steps": self.runner.num_steps,
-            "num_compiled": len(self.runner.executables),
-            "preemptions": self.scheduler.stats.preemptions,
-            "swaps": self.scheduler.stats.swaps,
-            "recomputes": self.scheduler.stats.recomputes,
-            "compactions": self.kv.num_compactions,
-            "prefix_hit_rate": self.scheduler.stats.prefix_hit_rate,
-            "page_size": self.config.page_size,
-            "page_bytes": sum(pool.page_bytes for pool in pools),
-            "pages": {pool.name: pool.manager.usage() for pool in pools},
-            "peak_pages_used": self.peak_pages_used,
-            "peak_kv_bytes": self.peak_kv_bytes,
-            "wasted_slot_fraction": self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0,
-            "max_concurrent_tokens": self.sizes.max_concurrent_tokens,
-            "tiers": self._tier_stats(),
-            "speculation": (SpeculationStats() if self.speculation is None else self.speculation.stats).as_dict(),
-        }
-
-    def _tier_stats(self) -> dict:
-        """Per tier: pages held now, prefix-cache hits (pages), and for the host tier its bytes
-        (held, pinned by swapped sequences, capacity) and what moved each way since start."""
-        host, counters, hits = self.kv.host, self.kv.host.counters, self.kv.stats
-        return {
-            "device": {"pages": self.kv.usage().pages, "cached_pages": sum(p.manager.num_cached for p in self.kv.pools),
-                       "hit_pages": hits.device_hit_pages},
-            "host": {"pages": host.num_pages, "bytes": host.used, "pinned_bytes": host.pinned_bytes,
-                     "capacity_bytes": host.capacity, "hit_pages": hits.host_hit_pages,
-                     "pages_in": counters.pages_in, "pages_out": counters.pages_out,
-                     "bytes_in": counters.bytes_in, "bytes_out": counters.bytes_out, "dropped_pages": counters.dropped},
-            "disk": self._disk_stats(),
-        }  # fmt: skip
-
-    def _disk_stats(self) -> dict:
-        """The disk tier over its pools: prefix hits (pages), pages and bytes on disk, written and
-        read since start, files refused; zeros without one."""
-        pools = {} if self.kv.disk is None else self.kv.disk.stats()
-        totals = {key: sum(pool[key] for pool in pools.values()) for key in DISK_STAT_KEYS}
-        refused = sum(sum(pool["rejected"].values()) for pool in pools.values())
-        return {"hit_pages": self.kv.stats.disk_hit_pages, **totals, "refused_files": refused}
-
-
-# The disk tier's counters ``stats()`` sums over its pools (``DiskPageStore.stats`` and its size).
-DISK_STAT_KEYS = ("pages", "bytes", "pages_written", "bytes_written", "pages_read", "bytes_read")
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's statistics (``jaxkv.serving.stats``): its sequences, steps and
+        compiles, preemptions and compactions, and the KV manager's pages, prefix cache and tiers."""
+        scheduled = self.scheduler.stats
+        speculation = SpeculationStats() if self.speculation is None else dataclasses.replace(self.speculation.stats)
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_steps=self.runner.num_steps, num_compiled=len(self.runner.executables),
+            preemptions=scheduled.preemptions, swaps=scheduled.swaps, recomputes=scheduled.recomputes,
+            compactions=self.kv.num_compactions, prefix_cache=self.kv.prefix_stats(), page_size=self.config.page_size,
+            pages=self.kv.pool_stats(), peak_pages_used=self.peak_pages_used, peak_kv_bytes=self.peak_kv_bytes,
+            wasted_slot_fraction=self.slots_unused / self.slots_allocated if self.slots_allocated else 0.0,
+            max_concurrent_tokens=self.sizes.max_concurrent_tokens, **self.kv.tier_stats(), speculation=speculation,
+        )  # fmt: skip
 
 
 def default_stop_tokens(config) -> frozenset[int]:

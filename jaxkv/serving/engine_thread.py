@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from jaxkv.serving.engine import Engine
 from jaxkv.serving.requests import RequestOptions, RequestOutput
+from jaxkv.serving.stats import EngineStats
 
 Sink = Callable[[RequestOutput], None]
 
@@ -79,7 +80,7 @@ class EngineThread:
             raise EngineUnavailable(f"the engine stopped after an error ({self.failure}); restart the server")
         if self._closing:
             raise EngineUnavailable("the engine is shutting down and takes no new requests")
-        waiting = self.engine.stats()["num_waiting"]
+        waiting = self.engine.stats().num_waiting
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise EngineUnavailable(f"{waiting} requests are waiting (the limit is {self.max_waiting}); retry later")
 
@@ -88,7 +89,7 @@ class EngineThread:
         self._aborts.append(request_id)  # list.append is atomic: no lock, no wait for a step
         self._wakeup.set()
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         """``Engine.stats`` as of the last step (or the last submission)."""
         return self._stats
 

@@ -12,7 +12,7 @@ The model runner keeps its block tables from step to step (``BlockTables``) and 
 plan's changes row by row instead of rebuilding them: a row that changed hands (a sequence took
 it or left it) is written whole; a row whose sequence kept it is written from its first changed
 page on (pages appended, pages a sliding window left, a compaction); every other row stays as it
-is. ``KVCacheManager.block_tables`` rebuilds them whole, the tests' oracle.
+is. ``block_tables`` and ``row_shifts`` rebuild them whole from the KV manager, the tests' oracle.
 
 A step's plan is made before it runs; the forks that follow its outputs make a plan of their own
 (their copies, no chunks), applied at once (a child swapped out before its first step must find
@@ -27,9 +27,10 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 
 from jaxkv.layers.paged import FULL_POOL, NULL_PAGE
-from jaxkv.serving.kv_manager import KVCacheManager, PageMoves
+from jaxkv.serving.kv_manager import KVCacheManager
 from jaxkv.serving.requests import SequenceState
 from jaxkv.serving.scheduler import Chunk, Scheduler
+from jaxkv.serving.tier_manager import PageMoves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,7 @@ def _shift_updates(
     kv: KVCacheManager, running: Sequence[SequenceState], full: Sequence[RowUpdate]
 ) -> tuple[tuple[int, int], ...]:
     """``(row, shift)`` of the ``full``-pool rows written from column 0, under a page budget."""
-    if kv.budget is None:
+    if kv.compaction.budget is None:
         return ()
     holders = {seq.row: seq for seq in running}
     return tuple(
@@ -137,3 +138,29 @@ def _shift_updates(
         for update in full
         if update.start == 0
     )
+
+
+def block_tables(
+    kv: KVCacheManager, running: Sequence[SequenceState], num_rows: int, max_model_len: int
+) -> dict[str, np.ndarray]:
+    """Per pool name ``[R, W]`` int32: each running sequence's pages in its row, the null page
+    elsewhere, rebuilt whole: the oracle of ``BlockTables``, which the step plans change row by row."""
+    tables = {}
+    for name, width in kv.table_widths(max_model_len).items():
+        table = np.full((num_rows, width), NULL_PAGE, np.int32)
+        for seq in running:
+            pages = kv.pages(name, seq)
+            table[seq.row, : len(pages)] = pages
+        tables[name] = table
+    return tables
+
+
+def row_shifts(kv: KVCacheManager, running: Sequence[SequenceState], num_rows: int) -> dict[str, np.ndarray]:
+    """``PackedBatch.shifts``: ``[R]`` each running row's shift in the full pool under a page budget
+    (0 for the other rows); empty without one. Rebuilt whole: the oracle of ``BlockTables.shifts``."""
+    if kv.compaction.budget is None:
+        return {}
+    shifts = np.zeros(num_rows, np.int32)
+    for seq in running:
+        shifts[seq.row] = kv.shift(seq)
+    return {FULL_POOL: shifts}

@@ -55,15 +55,11 @@ def chunk_cost(count: int) -> int:
 
 @dataclasses.dataclass
 class SchedulerStats:
+    """The scheduler's counters since start (the prefix cache's are the KV manager's)."""
+
     preemptions: int = 0
     swaps: int = 0  # preemptions whose pages went to the host tier
     recomputes: int = 0  # preemptions whose pages were freed
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
 
 class Scheduler:
@@ -116,8 +112,9 @@ class Scheduler:
         from its own pages) with a row and the pages of its first chunk (none for a sequence
         resumed at its page budget: ``KVCacheManager.room``). None (and nothing changed) when its
         pages do not fit. A swap-in is not a prefix-cache hit: it counts in neither the
-        hit rate nor the sequence's cached tokens. Under a page budget it waits while the pool does
-        not hold every running sequence's budget and its own (``KVCacheManager.holds_budgets``)."""
+        hit rate (``KVCacheManager.prefix_stats``) nor the sequence's cached tokens. Under a page
+        budget it waits while the pool does not hold every running sequence's budget and its own
+        (``KVCacheManager.holds_budgets``)."""
         if not self.kv.holds_budgets(self.running, seq):
             return None
         hit = self.kv.lookup(seq)
@@ -129,9 +126,6 @@ class Scheduler:
         self._start(seq)
         if not hit.resumes:
             seq.num_cached_tokens = seq.num_computed
-        if self.kv.prefix_caching and not hit.resumes:
-            self.stats.prefix_queried_tokens += seq.num_tokens
-            self.stats.prefix_hit_tokens += seq.num_computed
         return Chunk(seq, seq.num_computed, count)
 
     def _start(self, seq: SequenceState) -> None:

@@ -165,16 +165,29 @@ Shape = tuple[int, int, int]  # a compiled step's (decode slots, prefill size, d
 
 @dataclasses.dataclass
 class SpeculationStats:
+    """A speculating engine's (or one request's) draft counters since start."""
+
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of those, kept
     steps: int = 0  # sequence-steps that verified drafts
 
+    @property
+    def acceptance_rate(self) -> float:
+        """``accepted / proposed`` (0 before any draft)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence-step makes: 1 + its accepted drafts (0 before any)."""
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
     def as_dict(self) -> dict:
-        """The counters, the acceptance rate and the mean accepted length (tokens a verifying
-        sequence-step makes: 1 + accepted drafts)."""
-        rate = self.accepted / self.proposed if self.proposed else 0.0
-        length = 1 + self.accepted / self.steps if self.steps else 0.0
-        return {**dataclasses.asdict(self), "acceptance_rate": rate, "mean_accepted_length": length}
+        """The counters, the acceptance rate and the mean accepted length."""
+        return {
+            **dataclasses.asdict(self),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
 
 
 class Speculation:

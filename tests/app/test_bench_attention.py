@@ -7,7 +7,6 @@ import json
 from jaxkv.bench.attention import PATHS, main
 from jaxkv.bench.serving.cli import parse_args
 from jaxkv.bench.serving.spec import worker_spec
-from jaxkv.bench.serving.workers import engine_options
 from jaxkv.cli.bench import BENCHMARKS
 
 TINY = ["--batch", "1", "2", "--context", "40", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
@@ -31,9 +30,9 @@ def test_a_device_jax_does_not_run_on_is_refused(capsys):
 
 
 def test_bench_serving_passes_the_backend_to_the_engine():
-    """``jaxkv bench serving --attention-backend pallas_gpu``: the engine systems' options carry it."""
+    """``jaxkv bench serving --attention-backend pallas_gpu``: the engine systems' engines carry it."""
 
     def backend(argv):
-        return engine_options(worker_spec(parse_args(argv), "engine", "random", [], None))["attention_backend"]
+        return worker_spec(parse_args(argv), "engine", "random", [], None).engine.attention_backend
 
     assert backend(["--attention-backend", "pallas_gpu"]) == "pallas_gpu" and backend([]) == "xla"

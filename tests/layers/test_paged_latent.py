@@ -46,7 +46,7 @@ def test_engine_with_prefix_cache_preemption_and_swap_equals_generate():
     assert engine.sizes.full_page_bytes == PAGE_BYTES and engine.sizes.state_bytes == 0
     got = run_arrivals(engine, prompts, [0, 2, 2, 5, 8], NEW_TOKENS)
     stats = engine.stats()
-    assert stats["prefix_hit_rate"] > 0 and stats["preemptions"] > 0 and stats["swaps"] > 0, stats
+    assert stats.prefix_cache.hit_rate > 0 and stats.preemptions > 0 and stats.swaps > 0, stats
     assert got == greedy_reference(model, prompts, NEW_TOKENS)
     for pool in engine.kv.pools:
         pool.manager.check()

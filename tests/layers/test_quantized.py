@@ -302,18 +302,18 @@ def test_int4_kivi_bytes_at_long_context():
 @pytest.mark.parametrize(
     "options, message, config_message",
     [
-        ({"nbits": 3}, "int nbits must be one of", "nbits.*should be 2, 4 or 8"),
+        ({"nbits": 3}, "int nbits must be one of", None),
         ({"format": "e4m3", "nbits": 4}, "fp8 format 'e4m3' stores 8 bits", None),
         ({"format": "nf4"}, "format must be one of", "format.*should be 'int', 'e4m3' or 'e5m2'"),
-        ({"axis_key": 1}, "axis_key must be 0 .per token. or -1", "axis_key.*should be 0 or -1"),
-        ({"q_group_size": 0}, "q_group_size must be positive", "q_group_size.*greater than 0"),
+        ({"axis_key": 1}, "axis_key must be 0 .per token. or -1", None),
+        ({"q_group_size": 0}, "q_group_size must be positive", None),
         ({"axis_value": -1, "residual_length": 6}, "multiple of q_group_size", None),
-        ({"residual_length": -1}, "residual_length must be >= 0", "residual_length.*greater than or equal to 0"),
+        ({"residual_length": -1}, "residual_length must be >= 0", None),
     ],
 )
 def test_bad_options_are_clear_errors(options, message, config_message):
-    """The spec names the option and the fix; a config names the key (pydantic's own check
-    where a type says it, the spec's message for rules across options)."""
+    """The spec names the option and the fix; a config, which validates the spec itself, names the
+    section and gives the spec's message (pydantic's own where the field's type says it: a format)."""
     with pytest.raises(ValueError, match=message):
         QuantSpec(**options)
     with pytest.raises(ValueError, match=f"(?s)quantization.*{config_message or message}"):

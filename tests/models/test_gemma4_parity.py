@@ -152,4 +152,4 @@ def test_engine_with_pages_equals_generate(checkpoint):
     engine = Engine(model, kv_memory=256 * 1024, page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
     got = run_arrivals(engine, prompts, [0, 0, 2, 4, 30], 12)
     assert got == greedy_reference(model, prompts, 12)
-    assert engine.stats()["prefix_hit_rate"] > 0
+    assert engine.stats().prefix_cache.hit_rate > 0

@@ -170,7 +170,7 @@ def test_max_waiting_holds_under_concurrent_submissions(llama):
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         taken = [request_id for request_id in pool.map(submit, range(16)) if request_id is not None]
-    assert len(taken) == 4 and thread.engine.stats()["num_waiting"] == 4
+    assert len(taken) == 4 and thread.engine.stats().num_waiting == 4
     thread.start().stop(timeout=60)  # they all run to the end
     assert not thread.engine.has_unfinished()
 
@@ -215,7 +215,7 @@ def test_a_client_that_disconnects_is_aborted_with_one_info_line_and_no_error(ll
     assert outcome_count(server, "disconnected") == 1 and outcome_count(server, "completed") == 1
     assert thread.engine.runner.num_steps - steps_before < LEAVING  # aborted, not run to its end
     assert not thread.engine.sequences
-    assert sum(pool["used"] for pool in thread.engine.stats()["pages"].values()) == 0
+    assert sum(pool.used for pool in thread.engine.stats().pages.values()) == 0
     errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
     assert not errors, [record.getMessage() for record in errors]
     lines = [record for record in caplog.records if record.name == "jaxkv.server"]

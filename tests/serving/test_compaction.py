@@ -71,7 +71,7 @@ def test_serve_flags_reach_the_engine():
     for extra, choice in (([], "pool"), (["--compaction-choice", "head"], "head")):
         served = resolve_serve_config(build_parser().parse_args(flags + extra))
         engine = Engine(Llama(LlamaConfig(**LLAMA)), served.engine)
-        assert engine.kv.budget == PageBudget(6, 16, "key_norm", LLAMA["max_position_embeddings"], choice)
+        assert engine.kv.compaction.budget == PageBudget(6, 16, "key_norm", LLAMA["max_position_embeddings"], choice)
 
 
 def test_a_budget_covering_every_token_gives_generates_tokens(model):
@@ -81,7 +81,7 @@ def test_a_budget_covering_every_token_gives_generates_tokens(model):
     engine = Engine(model, max_pages_per_request=13, **SMALL)
     got = run_arrivals(engine, prompts, [0, 0, 1, 2, 3], NEW_TOKENS)
     assert got == greedy_reference(model, prompts, NEW_TOKENS)
-    assert engine.stats()["compactions"] == 0
+    assert engine.stats().compactions == 0
 
 
 @pytest.mark.parametrize("policy", ["streaming_llm", "key_norm", "h2o"])
@@ -101,7 +101,7 @@ def test_compacted_rows_keep_what_an_evicting_layer_keeps(one_head, policy):
         held = evicting_positions(one_head, spec, tokens[i], max(by_length))
         for length, positions in by_length.items():
             assert positions.tolist() == held[length], f"request {i} after {length} tokens"
-    assert engine.stats()["compactions"] >= sum(len(by_length) for by_length in kept.values())
+    assert engine.stats().compactions >= sum(len(by_length) for by_length in kept.values())
 
 
 SNAPKV_PAGES = 25  # pages of 4: a compaction keeps 96 tokens, SnapKV's window of 64 and 32 by score
@@ -125,9 +125,9 @@ def test_snapkv_prefills_a_long_prompt_whole_and_keeps_what_an_evicting_layer_ke
         engine.kv.check()
         seq = engine.sequences[request][0]
         held = max(held, len(engine.kv.pools[0].manager.pages(seq.key)))
-        if first is None and seq.key in engine.kv.compacted:
+        if first is None and seq.key in engine.kv.compaction.compacted:
             first = held_positions(engine, seq)[0, 0, : (SNAPKV_PAGES - 1) * 4].tolist()
-    assert held == -(-len(prompt) // 4) and engine.stats()["compactions"] == 1
+    assert held == -(-len(prompt) // 4) and engine.stats().compactions == 1
     graphdef, state = nnx.split(one_head)
     _, cache = nnx.merge(graphdef, state)(
         jnp.asarray([prompt]), jnp.arange(len(prompt))[None], one_head.init_cache(1, eviction=spec)
@@ -183,10 +183,10 @@ def test_per_head_window_policies_keep_what_an_evicting_layer_keeps_after_a_whol
     while engine.has_unfinished():
         engine.step()
         seq = engine.sequences[request][0]
-        if positions is None and seq.key in engine.kv.compacted:
+        if positions is None and seq.key in engine.kv.compaction.compacted:
             positions = held_positions(engine, seq)[..., : (max_pages - 1) * page_size]
-    assert engine.stats()["compactions"] == 1
-    spec = engine.kv.budget.layer_spec(3)
+    assert engine.stats().compactions == 1
+    spec = engine.kv.compaction.budget.layer_spec(3)
     budgets = [2496, 1280, 64] if policy == "pyramidkv" else [2496] * 3
     assert spec.layer_budgets(3) == budgets and [int(n) for n in np.sum(positions[:, 0] >= 0, axis=-1)] == budgets
     graphdef, state = nnx.split(model)
@@ -224,7 +224,7 @@ def run_recording_compactions(engine: Engine, prompts) -> tuple[list[list[int]],
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
-            shift = engine.kv.compacted.get(seq.key)
+            shift = engine.kv.compaction.compacted.get(seq.key)
             if shift is not None:
                 kept[seq.request_id][shift + MAX_PAGES - 1] = held_positions(engine, seq)[..., : MAX_PAGES - 1]
     return [engine.sequences[i][0].tokens for i in range(len(prompts))], kept
@@ -235,7 +235,7 @@ def held_positions(engine: Engine, seq) -> np.ndarray:
     the first full-pool group) and K/V head (-1: left empty by a compaction)."""
     group = next(g for g in engine.runner.cache.groups if has(g, PagedStorage) and g.pool == "full")
     pages = np.asarray(engine.kv.pools[0].manager.pages(seq.key))
-    filled = seq.num_computed - engine.kv.compacted.get(seq.key, 0)
+    filled = seq.num_computed - engine.kv.compaction.compacted.get(seq.key, 0)
     held = np.asarray(group.slot_positions[:, pages])  # [L, pages, page_size, H_kv]
     return held.reshape(held.shape[0], -1, held.shape[-1])[:, :filled].transpose(0, 2, 1)
 
@@ -277,9 +277,9 @@ def test_a_shared_prefix_page_is_never_written_by_a_compaction(llama):
     before = pool_pages(engine, shared)
     while engine.has_unfinished():
         engine.step()
-        if engine.stats()["compactions"]:
+        if engine.stats().compactions:
             break
-    assert engine.stats()["compactions"] == 1
+    assert engine.stats().compactions == 1
     assert not set(shared) & set(full.pages(engine.sequences[second][0].key))
     for old, new in zip(before, pool_pages(engine, shared), strict=True):
         np.testing.assert_array_equal(old, new)
@@ -330,14 +330,14 @@ def test_no_page_leaks_after_compactions_aborts_and_preemptions(llama, load):
         engine.step()
         engine.kv.check()
     stats = engine.stats()
-    assert stats["compactions"] > MAX_COMPACTIONS and stats["preemptions"] > 0
-    assert stats[preemption + "s"] > 0
+    assert stats.compactions > MAX_COMPACTIONS and stats.preemptions > 0
+    assert getattr(stats, preemption + "s") > 0
     aborted = {ids[6 % len(ids)], ids[15 % len(ids)]}
     for i, request_id in enumerate(ids):
         if request_id not in aborted:
             assert engine.sequences[request_id][0].output == expected[i], f"request {i}"
     pool = engine.kv.pools[0].manager
-    assert pool.num_free == pool.num_usable and not engine.kv.compacted and not engine.kv.swapped
+    assert pool.num_free == pool.num_usable and not engine.kv.compaction.compacted and not engine.kv.tiers.swapped
 
 
 @pytest.mark.parametrize("policy", ["streaming_llm", "h2o"])
@@ -355,12 +355,12 @@ def test_a_sequence_swapped_out_at_its_budget_resumes_and_compacts_there(llama, 
         engine.step()
         engine.kv.check()
         seq = engine.sequences[request][0]
-        full = seq.num_computed - engine.kv.compacted.get(seq.key, 0) == engine.kv.budget.limit
-        if full and seq.key in engine.kv.compacted and not swapped_at and seq in engine.scheduler.running:
+        full = seq.num_computed - engine.kv.compaction.compacted.get(seq.key, 0) == engine.kv.compaction.budget.limit
+        if full and seq.key in engine.kv.compaction.compacted and not swapped_at and seq in engine.scheduler.running:
             engine.scheduler.preempt(seq)
-            assert seq.key in engine.kv.swapped  # not recomputed
+            assert seq.key in engine.kv.tiers.swapped  # not recomputed
             swapped_at.append(seq.num_computed)
-    assert swapped_at and engine.stats()["swaps"] == 1 and engine.stats()["recomputes"] == 0
+    assert swapped_at and engine.stats().swaps == 1 and engine.stats().recomputes == 0
     assert engine.sequences[request][0].output == expected
 
 
@@ -380,8 +380,8 @@ def test_admits_no_more_rows_than_the_pool_holds_budgets(llama):
     while engine.has_unfinished():
         engine.step()
         rows.append(len(engine.scheduler.running))
-    assert max(rows) == budgets and engine.stats()["preemptions"] == 0
-    assert engine.stats()["compactions"] > len(prompts) and compact_pages._cache_size() == compiled
+    assert max(rows) == budgets and engine.stats().preemptions == 0
+    assert engine.stats().compactions > len(prompts) and compact_pages._cache_size() == compiled
     assert [engine.sequences[i][0].output for i in ids] == expected
 
 
@@ -406,7 +406,7 @@ def test_nan_in_freed_pages_changes_nothing(model):
     while engine.has_unfinished():
         engine.step()
         engine.runner.cache = poisoned(engine)
-    assert engine.stats()["compactions"] > 0
+    assert engine.stats().compactions > 0
     assert [engine.sequences[i][0].output for i in ids] == expected
 
 
@@ -430,7 +430,7 @@ def test_compacted_slots_hold_the_kv_of_the_positions_they_say(llama, quantizati
         while engine.scheduler.running[0].num_computed < len(prompt):
             engine.step()
     seq, other = budgeted.scheduler.running[0], plain.scheduler.running[0]
-    assert budgeted.stats()["compactions"] >= 2
+    assert budgeted.stats().compactions >= 2
     positions = held_positions(budgeted, seq)  # [L, H_kv, S]
     assert np.all(positions >= 0) and (choice == "head") == bool(np.any(positions != positions[:1, :1]))
     pages, plain_pages = (np.asarray(e.kv.pools[0].manager.pages(s.key)) for e, s in ((budgeted, seq), (plain, other)))
@@ -459,7 +459,7 @@ def test_compaction_on_a_mesh_equals_one_device():
     mesh = make_mesh({"data": 4, "model": 2})
     sharded = Engine(Llama(LlamaConfig(**LLAMA), mesh=mesh), **options)
     got = sharded.generate_many(prompts, max_tokens=NEW_TOKENS + 8, ignore_eos=True)
-    assert sharded.stats()["compactions"] > 0
+    assert sharded.stats().compactions > 0
     assert [c.token_ids for c in got] == budgeted_tokens(
         Llama(LlamaConfig(**LLAMA)), prompts, "zipage", prefix_caching=False, **SMALL
     )
@@ -480,6 +480,6 @@ def test_parallel_samples_compact_on_their_own(llama, prompt_length):
     engine = Engine(llama, max_pages_per_request=4, **SMALL)
     got = engine.generate_many([prompt], n=2, max_tokens=NEW_TOKENS + 8, ignore_eos=True)
     assert [c.token_ids for c in got] == [alone, alone]
-    assert engine.stats()["compactions"] >= 2
+    assert engine.stats().compactions >= 2
     pool = engine.kv.pools[0].manager
-    assert pool.num_free == pool.num_usable and not engine.kv.compacted
+    assert pool.num_free == pool.num_usable and not engine.kv.compaction.compacted

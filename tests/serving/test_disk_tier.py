@@ -461,16 +461,16 @@ def test_a_restarted_engine_serves_a_prompt_from_pages_another_engine_left_on_di
     for _ in range(3):  # 12 pages each: the device pool forgets the conversation
         first.generate_many([rng.integers(0, VOCAB, 40).tolist()], **options)
     keys = [prefix_key("full", page_hash) for page_hash in page_hashes(shared, 4)]
-    assert all(first.kv.host.holds(key) for key in keys)
+    assert all(first.kv.tiers.host.holds(key) for key in keys)
     formats = pool_formats(first.runner.page_formats, page_size=4, quantization=None)
     disk = DiskTier(tmp_path, identity=model_identity(model), formats=formats, max_bytes=1 << 24)
     for key in keys:
-        assert disk.save(key, first.kv.host.get(key))
+        assert disk.save(key, first.kv.tiers.host.get(key))
 
     second = Engine(model, kv_memory=16 * page_bytes, preemption="recompute", **config)
     restarted = DiskTier(tmp_path, identity=model_identity(model), formats=formats, max_bytes=1 << 24)
     for key in keys:
-        assert second.kv.host.demote(key, restarted.load(key))
+        assert second.kv.tiers.host.demote(key, restarted.load(key))
     served = second.generate_many([turn], **options)[0]
     assert served.num_cached_tokens == 24 and served.token_ids == computed.token_ids
     assert restarted.stats()["full"]["pages_read"] == 6

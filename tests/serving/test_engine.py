@@ -55,7 +55,7 @@ def test_staggered_arrivals_equal_generate(model):
     engine = Engine(model, kv_memory=64 * 1024, **SMALL)
     got = run_arrivals(engine, prompts, [3 * (i // 2) for i in range(len(prompts))], NEW_TOKENS)
     assert got == reference(model, prompts)
-    assert engine.stats()["pages"]["full"]["used"] == 0
+    assert engine.stats().pages["full"].used == 0
 
 
 def test_preempted_requests_finish_with_the_same_tokens(model):
@@ -64,7 +64,7 @@ def test_preempted_requests_finish_with_the_same_tokens(model):
     prompts = prompts_of(1, 10)
     engine = Engine(model, kv_memory=24 * 1024, **SMALL)
     got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["preemptions"] > 0
+    assert engine.stats().preemptions > 0
     assert [c.token_ids for c in got] == reference(model, prompts)
     for pool in engine.kv.pools:
         pool.manager.check()
@@ -128,14 +128,14 @@ def test_no_compile_after_warmup(llama):
     engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
     assert engine.config.prefill_buckets() == (0, 16)
     engine.warmup()
-    assert engine.stats()["num_compiled"] == 2
+    assert engine.stats().num_compiled == 2
     engine.generate_many(prompts_of(5, 8), max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["num_compiled"] == 2
+    assert engine.stats().num_compiled == 2
     wide = Engine(llama, kv_memory=64 * 1024, page_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     assert wide.config.prefill_buckets() == (0, 16, 32, 64)
     wide.warmup()
     wide.generate_many(prompts_of(6, 8, 100), max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert wide.stats()["num_compiled"] == 4
+    assert wide.stats().num_compiled == 4
 
 
 def test_decode_only_steps_take_the_smallest_decode_bucket(llama):
@@ -157,7 +157,7 @@ def test_decode_only_steps_take_the_smallest_decode_bucket(llama):
     got = run_arrivals(engine, prompts, [0] * 10 + [30, 30], NEW_TOKENS)
     assert got == reference(llama, prompts)
     assert all(slots >= count for slots, count in shapes) and {slots for slots, _ in shapes} == {8, 16}
-    assert engine.stats()["num_compiled"] == 3
+    assert engine.stats().num_compiled == 3
     sampling = Sampling(temperature=1.0, top_k=20)
     few = Engine(llama, kv_memory=256 * 1024, page_size=4, max_num_seqs=16, max_num_batched_tokens=16)
     alone = few.generate_many(prompts[:2], sampling, max_tokens=NEW_TOKENS, seed=3)  # 8-slot decode steps
@@ -192,7 +192,7 @@ def test_forked_samples_hold_fewer_pages(llama):
     for n in (1, 3):
         engine = Engine(llama, kv_memory=64 * 1024, **SMALL)
         engine.generate_many([prompt], max_tokens=4, ignore_eos=True, n=n)
-        peaks.append(engine.stats()["peak_pages_used"])
+        peaks.append(engine.stats().peak_pages_used)
     prompt_pages = len(prompt) // 4
     assert peaks[1] < 3 * peaks[0] and peaks[1] <= peaks[0] + 2 * (peaks[0] - prompt_pages + 1)
 
@@ -286,9 +286,9 @@ def test_hybrid_recurrent_states_live_in_row_slots():
     got = run_arrivals(engine, prompts, [2 * i for i in range(len(prompts))], NEW_TOKENS)
     expected = reference(model, prompts)
     assert got == expected
-    preempted = engine.stats()["preemptions"]
+    preempted = engine.stats().preemptions
     done = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["preemptions"] > preempted and [c.token_ids for c in done] == expected
+    assert engine.stats().preemptions > preempted and [c.token_ids for c in done] == expected
     pair = engine.generate_many(prompts[:1], max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
     assert [c.token_ids for c in pair] == [expected[0]] * 2
 
@@ -335,7 +335,7 @@ def test_evicted_rows_equal_generate_with_the_same_policy(case):
     got = run_arrivals(engine, prompts, [2 * (i // 3) for i in range(len(prompts))], NEW_TOKENS)
     result = generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=(), eviction=spec)
     assert got == [result.row(i) for i in range(len(prompts))]
-    assert "full" not in engine.stats()["pages"]
+    assert "full" not in engine.stats().pages
     rows = engine.config.max_num_seqs
     assert engine.sizes.state_bytes == EvictingLayer.kv_bytes(rows, 0, 2, 8, jnp.float32, slots=10) * sum(
         kind == "full_attention" for kind in layer_types_of(model.config)
@@ -393,7 +393,7 @@ def test_paged_pools_are_sized_from_the_byte_budget(model):
     sizes, stats = engine.sizes, engine.stats()
     total = sizes.full_pages * sizes.full_page_bytes + sizes.sliding_pages * sizes.sliding_page_bytes
     assert total <= 256 * 1024 < total + max(sizes.full_page_bytes, sizes.sliding_page_bytes, 1)
-    assert stats["max_concurrent_tokens"] == (sizes.full_pages - 1) * 4
+    assert stats.max_concurrent_tokens == (sizes.full_pages - 1) * 4
     held = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(engine.runner.cache))
     assert held == total
     assert dataclasses.asdict(engine.config)["page_size"] == 4

@@ -54,12 +54,12 @@ def test_a_restarted_engine_serves_the_prompt_from_disk(case, tmp_path):
     model, quantization = case
     first, engine = serve(model, tmp_path, quantization)
     assert first.num_cached_tokens == 0
-    written = engine.stats()["tiers"]["disk"]
-    assert written["pages_written"] == written["pages"] > 0  # every registered page, once per pool
+    written = engine.stats().disk
+    assert written.pages_written == written.pages > 0  # every registered page, once per pool
     again, restarted = serve(model, tmp_path, quantization)
     assert again.num_cached_tokens == CACHED and again.token_ids == first.token_ids
-    disk = restarted.stats()["tiers"]["disk"]
-    assert disk["hit_pages"] > 0 and disk["pages_read"] == disk["hit_pages"] and disk["pages_written"] == 0
+    disk = restarted.stats().disk
+    assert disk.hit_pages > 0 and disk.pages_read == disk.hit_pages and disk.pages_written == 0
     restarted.kv.check()
 
 
@@ -76,7 +76,7 @@ def test_corrupt_files_are_refused_removed_and_recomputed(tmp_path):
             path.write_bytes(bytes(data[: len(data) // 2]))
     again, engine = serve(model, tmp_path)
     assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
-    assert engine.stats()["tiers"]["disk"]["refused_files"] >= 1
+    assert engine.stats().disk.refused_files >= 1
     assert not any(path.exists() and path.read_bytes() == b"" for path in files)
     third, _ = serve(model, tmp_path)  # the recomputed pages were saved again
     assert third.num_cached_tokens == CACHED and third.token_ids == first.token_ids
@@ -86,9 +86,9 @@ def test_another_models_or_formats_pages_are_never_read(tmp_path):
     model = tiny("llama")
     serve(model, tmp_path)
     other, engine = serve(tiny("llama", seed=1), tmp_path)  # other weights, same architecture
-    assert other.num_cached_tokens == 0 and engine.stats()["tiers"]["disk"]["pages_read"] == 0
+    assert other.num_cached_tokens == 0 and engine.stats().disk.pages_read == 0
     quantized, engine = serve(model, tmp_path, QuantSpec(nbits=8, residual_length=0, q_group_size=8))
-    assert quantized.num_cached_tokens == 0 and engine.stats()["tiers"]["disk"]["pages_read"] == 0
+    assert quantized.num_cached_tokens == 0 and engine.stats().disk.pages_read == 0
 
 
 def altered(model, name: str, index: int):
@@ -121,7 +121,7 @@ def test_a_model_differing_in_one_weight_value_never_shares_a_page_or_a_saved_ca
                zip(first_values, jax.tree.leaves(nnx.state(other, nnx.Param))))  # fmt: skip
     serve(model, tmp_path)
     served, engine = serve(other, tmp_path)
-    assert served.num_cached_tokens == 0 and engine.stats()["tiers"]["disk"]["pages_read"] == 0
+    assert served.num_cached_tokens == 0 and engine.stats().disk.pages_read == 0
     assert served.token_ids == greedy_reference(other, [PROMPT], OPTIONS["max_tokens"])[0]
     save_cache(tmp_path / "prefix.safetensors", prefill_prefix(model, [PROMPT], max_length=MAX_LEN), model)
     with pytest.raises(ValueError, match="other weights"):
@@ -154,10 +154,10 @@ def test_salts_hold_on_disk(tmp_path):
 def test_a_page_already_on_disk_is_not_written_again(tmp_path):
     model = tiny("llama")
     _, engine = serve(model, tmp_path)
-    before = engine.stats()["tiers"]["disk"]["pages_written"]
+    before = engine.stats().disk.pages_written
     # 32 prompt and 5 computed output tokens: 9 full pages, the first 6 shared with PROMPT's, on disk already
     engine.generate_many([PROMPT + [1, 2, 3, 4, 5]], **OPTIONS)
-    assert engine.stats()["tiers"]["disk"]["pages_written"] == before + 3
+    assert engine.stats().disk.pages_written == before + 3
 
 
 @pytest.mark.parametrize(
@@ -185,7 +185,7 @@ def test_warmup_compiles_the_disk_copies_and_serving_compiles_nothing(tmp_path):
         lambda event, duration, **_: compiles.append(event) if event == COMPILE_EVENT else None
     )
     served = engine.generate_many([PROMPT, PROMPT[::-1]], **OPTIONS)
-    assert served[0].num_cached_tokens == CACHED and engine.stats()["tiers"]["disk"]["pages_written"] > 0
+    assert served[0].num_cached_tokens == CACHED and engine.stats().disk.pages_written > 0
     assert compiles == []
 
 
@@ -196,7 +196,7 @@ def test_disk_options_reach_the_engine_and_its_metrics(tmp_path):
     args = build_parser().parse_args(["serve", "--kv-memory", "1MiB", "--kv-cache-dir", str(tmp_path),
                                       "--disk-kv-memory", "1MiB"])  # fmt: skip
     engine = Engine(tiny("llama"), resolve_serve_config(args).engine)
-    assert {store.max_bytes for store in engine.kv.disk.stores.values()} == {2**20}
+    assert {store.max_bytes for store in engine.kv.tiers.disk.stores.values()} == {2**20}
     engine.generate_many([PROMPT], **OPTIONS)
     rendered = Metrics().render(engine.stats()).decode()
     assert "jaxkv_disk_bytes_written" in rendered and "jaxkv_disk_prefix_hit_pages" in rendered

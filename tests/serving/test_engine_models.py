@@ -31,7 +31,7 @@ def test_smollm2_32_requests_arriving_over_time_equal_generate():
     expected = greedy_reference(model, prompts, NEW_TOKENS)
     assert [row for row in range(32) if got[row] != expected[row]] == []
     stats = engine.stats()
-    assert stats["num_compiled"] <= len(engine.config.prefill_buckets()) and stats["pages"]["full"]["used"] == 0
+    assert stats.num_compiled <= len(engine.config.prefill_buckets()) and stats.pages["full"].used == 0
 
 
 def test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate():
@@ -45,7 +45,7 @@ def test_gemma3_past_its_window_and_a_mid_prompt_prefix_hit_equal_generate():
     hit = engine.sequences[1][0]
     assert hit.num_cached_tokens == 560 // 16 * 16  # resumed mid-prompt, window pages still cached
     assert first + rest == greedy_reference(model, prompts, NEW_TOKENS)
-    assert engine.stats()["pages"]["sliding"]["usable"] < engine.stats()["pages"]["full"]["usable"]
+    assert engine.stats().pages["sliding"].usable < engine.stats().pages["full"].usable
 
 
 def test_stop_strings_with_the_real_tokenizer():

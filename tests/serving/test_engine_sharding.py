@@ -171,6 +171,6 @@ def test_speculation_on_a_mesh_equals_generate(references, name, mesh_name):
     engine = sharded_engine(name, mesh_name, speculative=SPECULATIVE)
     engine.speculation.proposer = oracle
     assert run_arrivals(engine, PROMPTS, ARRIVALS, NEW_TOKENS) == references[name]
-    assert engine.stats()["speculation"]["accepted"] > 0
+    assert engine.stats().speculation.accepted > 0
     assert any(width > 1 for _, _, width in engine.runner.executables)
     assert_pools_stay_put(engine)

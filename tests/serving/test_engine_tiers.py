@@ -76,7 +76,7 @@ def undisturbed(engine: Engine, prompts, samplings) -> list[list[int]]:
         while engine.has_unfinished():
             engine.step()
         out.append(engine.pop(request_id)[0].output)
-    assert engine.stats()["preemptions"] == 0
+    assert engine.stats().preemptions == 0
     return out
 
 
@@ -93,10 +93,10 @@ def test_swapped_requests_resume_with_the_tokens_of_an_undisturbed_run(case):
     alone = undisturbed(engine, prompts, SAMPLINGS)
     assert run(engine, prompts, SAMPLINGS) == alone
     stats = engine.stats()
-    host = stats["tiers"]["host"]
-    assert stats["swaps"] > 0 and stats["recomputes"] == 0, stats
-    assert host["pages_in"] == host["pages_out"] > 0 and host["bytes_in"] == host["bytes_out"] > 0
-    assert host["pages"] == 0 and host["pinned_bytes"] == 0 and stats["tiers"]["device"]["pages"] == 0
+    host = stats.host
+    assert stats.swaps > 0 and stats.recomputes == 0, stats
+    assert host.pages_written == host.pages_read > 0 and host.bytes_written == host.bytes_read > 0
+    assert host.pages == 0 and host.pinned_bytes == 0 and stats.device.pages == 0
     engine.kv.check()
 
 
@@ -110,8 +110,8 @@ def test_swap_under_a_full_host_tier_falls_back_to_recompute():
     alone = undisturbed(engine, prompts, SAMPLINGS)
     assert run(engine, prompts, SAMPLINGS) == alone
     stats = engine.stats()
-    assert stats["swaps"] == 0 and stats["recomputes"] == stats["preemptions"] > 0
-    assert stats["tiers"]["host"]["pages_in"] == 0
+    assert stats.swaps == 0 and stats.recomputes == stats.preemptions > 0
+    assert stats.host.pages_written == 0
     engine.kv.check()
 
 
@@ -131,17 +131,17 @@ def test_evicted_prefix_pages_come_back_from_the_host_tier(case):
     floods = [rng.integers(0, VOCAB, 40).tolist() for _ in range(3)]  # 13 pages each: the device forgets
     for flood in floods:
         engine.generate_many([flood], max_tokens=NEW_TOKENS, ignore_eos=True)
-    stats = engine.stats()["tiers"]
-    assert stats["host"]["pages_in"] > 0
-    hits_before = stats["host"]["hit_pages"]
+    host = engine.stats().host
+    assert host.pages_written > 0
+    hits_before = host.hit_pages
 
     returned = engine.generate_many([turn], max_tokens=NEW_TOKENS, ignore_eos=True)[0]
     assert returned.num_cached_tokens == 24 and returned.token_ids == computed.token_ids
-    assert engine.stats()["tiers"]["host"]["hit_pages"] > hits_before
+    assert engine.stats().host.hit_pages > hits_before
     full = engine.kv.pools[0]
     for page_hash in page_hashes(shared, SMALL["page_size"]):
         assert full.manager.cached(page_hash) is not None
-        assert not engine.kv.host.holds(prefix_key(full.name, page_hash))
+        assert not engine.kv.tiers.host.holds(prefix_key(full.name, page_hash))
 
     other = engine.generate_many([turn], max_tokens=NEW_TOKENS, ignore_eos=True, cache_salt="other")[0]
     assert other.num_cached_tokens == 0 and other.token_ids == computed.token_ids
@@ -165,7 +165,7 @@ def test_warmup_compiles_the_copies_and_nothing_compiles_while_serving():
     run(engine, prompts, SAMPLINGS)
     run(engine, prompts[::-1], SAMPLINGS)
     stats = engine.stats()
-    assert stats["swaps"] > 0 and stats["tiers"]["host"]["pages_out"] > 0
+    assert stats.swaps > 0 and stats.host.pages_read > 0
     assert compiles == []
 
 
@@ -180,5 +180,5 @@ def test_host_tier_options_are_checked_and_reach_the_engine():
     args = build_parser().parse_args(["serve", "--kv-memory", "64KiB", "--host-kv-memory", "1MiB"])
     config = resolve_serve_config(args)
     assert config.engine.host_kv_memory == "1MiB"
-    assert Engine(tiny("llama"), config.engine).kv.host.capacity == 2**20
+    assert Engine(tiny("llama"), config.engine).kv.tiers.host.capacity == 2**20
     assert resolve_serve_config(build_parser().parse_args(["serve"])).engine.host_kv_memory == 0

@@ -57,7 +57,7 @@ def test_every_request_draws_generates_tokens(model, spec):
     assert run_arrivals(engine, prompts, ARRIVALS, NEW_TOKENS) == expected
     assert expected != greedy_reference(model, prompts, NEW_TOKENS)  # the budget does choose
     if isinstance(model, Llama):  # Gemma's sliding pool has freed the pages its window left
-        assert engine.stats()["prefix_hit_rate"] > 0
+        assert engine.stats().prefix_cache.hit_rate > 0
 
 
 def test_a_budget_covering_the_context_is_full_attention(model):
@@ -89,7 +89,7 @@ def test_preempted_rows_and_poisoned_free_pages_change_nothing(llama, preemption
         engine.kv.check()
         step += 1
     stats = engine.stats()
-    assert stats["preemptions"] > 2 and stats[preemption + "s"] > 0
+    assert stats.preemptions > 2 and getattr(stats, preemption + "s") > 0
     assert [engine.sequences[i][0].output for i in ids] == expected
     pool = engine.kv.pools[0].manager
     assert pool.num_free == pool.num_usable

@@ -151,9 +151,9 @@ def test_ngram_speculation_equals_generate_with_staggered_arrivals(model):
     engine = speculating(model, kv_memory=64 * 1024, **SMALL)
     got = run_arrivals(engine, prompts, [2 * (i // 2) for i in range(len(prompts))], NEW_TOKENS)
     assert got == greedy_reference(model, prompts, NEW_TOKENS)
-    counters = engine.stats()["speculation"]
-    assert counters["steps"] > 0 and 0 < counters["accepted"] < counters["proposed"]
-    assert engine.stats()["pages"]["full"]["used"] == 0
+    counters = engine.stats().speculation
+    assert counters.steps > 0 and 0 < counters.accepted < counters.proposed
+    assert engine.stats().pages["full"].used == 0
 
 
 @pytest.mark.parametrize("wrong", [0.0, 0.3, 1.0])
@@ -167,11 +167,11 @@ def test_accepted_and_rejected_drafts_equal_generate_under_preemption(model, wro
     engine = speculating(model, oracle, kv_memory=20 * 1024, **SMALL)
     got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert [c.token_ids for c in got] == references
-    assert engine.stats()["preemptions"] > 0
-    counters = engine.stats()["speculation"]
-    assert counters["proposed"] > 0
-    assert (counters["accepted"] == counters["proposed"]) == (wrong == 0.0)
-    assert (counters["accepted"] == 0) == (wrong == 1.0)
+    assert engine.stats().preemptions > 0
+    counters = engine.stats().speculation
+    assert counters.proposed > 0
+    assert (counters.accepted == counters.proposed) == (wrong == 0.0)
+    assert (counters.accepted == 0) == (wrong == 1.0)
     for pool in engine.kv.pools:
         pool.manager.check()
         assert pool.manager.num_free == pool.manager.num_usable
@@ -185,7 +185,7 @@ def test_swap_preemption_with_drafts_equals_generate(llama):
     oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 0.3)
     engine = speculating(llama, oracle, kv_memory=24 * 1024, host_kv_memory="1MiB", preemption="swap", **SMALL)
     got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["swaps"] > 0
+    assert engine.stats().swaps > 0
     assert [c.token_ids for c in got] == references
 
 
@@ -199,7 +199,7 @@ def test_quantized_pages_roll_back(model):
     engine = speculating(model, oracle, kv_memory=64 * 1024, quantization=quantization, **SMALL)
     got = engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
     assert [c.token_ids for c in got] == expected
-    assert engine.stats()["speculation"]["accepted"] > 0
+    assert engine.stats().speculation.accepted > 0
 
 
 class Letters:
@@ -232,7 +232,7 @@ def test_stops_aborts_and_forks_with_drafts(llama):
     assert engine.sequences[request][0].num_proposed > 0
     engine.abort(request)
     engine.step()
-    assert not engine.has_unfinished() and engine.stats()["pages"]["full"]["used"] == 0
+    assert not engine.has_unfinished() and engine.stats().pages["full"].used == 0
 
 
 # --- the prefix cache never holds a draft ---------------------------------------------------------
@@ -248,7 +248,7 @@ def test_prefix_cache_pages_hold_only_verified_tokens(llama):
     oracle = Oracle({tuple(p): r for p, r in zip(prompts, references)}, 1.0)
     engine = speculating(llama, oracle, kv_memory=64 * 1024, **SMALL)
     engine.generate_many(prompts, max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["speculation"]["proposed"] > 0
+    assert engine.stats().speculation.proposed > 0
     registered = registered_pages(engine)
     assert registered and registered.keys() <= registered_pages(plain).keys()
     expected = registered_pages(plain)
@@ -291,12 +291,12 @@ def test_opt_out_and_counters(llama):
         engine.step()
     on, off = (engine.sequences[i][0] for i in ids)
     assert off.num_proposed == 0 and [on.output, off.output] == references and on.num_proposed > 0
-    counters = engine.stats()["speculation"]
-    totals = (counters["proposed"], counters["accepted"], counters["steps"])
+    counters = engine.stats().speculation
+    totals = (counters.proposed, counters.accepted, counters.steps)
     assert totals == (on.num_proposed, on.num_accepted, on.num_speculative_steps)
-    assert counters["acceptance_rate"] == on.num_accepted / on.num_proposed
-    assert counters["mean_accepted_length"] == 1 + on.num_accepted / on.num_speculative_steps
-    assert len(timed) == engine.stats()["num_steps"] - engine.stats()["num_compiled"] > 0
+    assert counters.acceptance_rate == on.num_accepted / on.num_proposed
+    assert counters.mean_accepted_length == 1 + on.num_accepted / on.num_speculative_steps
+    assert len(timed) == engine.stats().num_steps - engine.stats().num_compiled > 0
     with pytest.raises(TypeError, match="speculative"):
         engine.add_request(prompts[0], speculative="yes")
 
@@ -328,9 +328,9 @@ def test_warmup_compiles_every_verifying_shape(llama):
     engine = speculating(llama, kv_memory=64 * 1024, **SMALL)
     assert engine.config.step_shapes() == ((4, 0, 1), (4, 16, 1), (4, 0, 4), (4, 16, 4), (1, 0, 4), (2, 0, 4))
     engine.warmup()
-    compiled = engine.stats()["num_compiled"]
+    compiled = engine.stats().num_compiled
     engine.generate_many(repeating_prompts(8, 6), max_tokens=NEW_TOKENS, ignore_eos=True)
-    assert engine.stats()["num_compiled"] == compiled == 6
+    assert engine.stats().num_compiled == compiled == 6
 
 
 # --- recurrent states, draft models and sampled requests ------------------------------------------
@@ -345,8 +345,8 @@ def test_qwen3_5_recurrent_states_roll_back():
     engine = speculating(model, oracle, kv_memory=21 * 1024, prefix_caching=False, **SMALL)
     got = run_arrivals(engine, prompts, [2 * i for i in range(len(prompts))], NEW_TOKENS)
     assert got == references
-    counters = engine.stats()["speculation"]
-    assert 0 < counters["accepted"] < counters["proposed"] and engine.stats()["preemptions"] > 0
+    counters = engine.stats().speculation
+    assert 0 < counters.accepted < counters.proposed and engine.stats().preemptions > 0
 
 
 def test_draft_model_speculation_equals_generate(llama):
@@ -360,8 +360,8 @@ def test_draft_model_speculation_equals_generate(llama):
         engine = Engine(llama, kv_memory=64 * 1024, speculative=config, **SMALL)
         got = run_arrivals(engine, prompts, [i for i in range(len(prompts))], NEW_TOKENS)
         assert got == references
-        counters = engine.stats()["speculation"]
-        assert counters["proposed"] > 0 and (counters["accepted"] == counters["proposed"]) == all_kept
+        counters = engine.stats().speculation
+        assert counters.proposed > 0 and (counters.accepted == counters.proposed) == all_kept
     small_vocab = Llama(LlamaConfig(**LLAMA | {"vocab_size": VOCAB - 1}))
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(llama, speculative=SpeculativeConfig(method="draft", draft_model=small_vocab), **SMALL)
@@ -385,7 +385,7 @@ def test_sampled_tokens_follow_the_target_distribution(llama):
     plain = outputs(Engine(llama, **options))
     engine = speculating(llama, Oracle({tuple(prompt): reference}, 0.0), **options)
     speculated = outputs(engine)
-    assert engine.stats()["speculation"]["accepted"] > 100
+    assert engine.stats().speculation.accepted > 100
     for position in range(3):
         counts = np.stack([np.bincount(x[:, position], minlength=VOCAB) for x in (plain, speculated)])
         counts = counts[:, counts.sum(0) > 0]
@@ -474,4 +474,4 @@ def test_a_draft_model_that_cannot_pay_never_proposes(llama):
     engine.speculation.proposer.token_seconds = 1.0
     got = run_arrivals(engine, prompts, [0, 0, 1, 2], NEW_TOKENS)
     assert got == greedy_reference(llama, prompts, NEW_TOKENS)
-    assert engine.stats()["speculation"]["proposed"] == 0 and engine.speculation.proposer.calibration is None
+    assert engine.stats().speculation.proposed == 0 and engine.speculation.proposer.calibration is None

@@ -1,7 +1,7 @@
 """The step plan (``jaxkv.serving.plan``): built from the real scheduler and KV manager without a
 model (rows, new pages, moves, copies, compactions, a window's dropped pages), and the model
 runner's persistent block tables, changed row by row by the plans, equal to the whole rebuild
-(``KVCacheManager.block_tables``, the oracle) after every plan of busy workloads: with a model-free
+(``plan.block_tables``, the oracle) after every plan of busy workloads: with a model-free
 loop over many seeds, and in the engine (preemption by swap and recompute, prefix hits, forks,
 compactions, drafts), whose greedy tokens still equal ``generate``'s."""
 
@@ -15,7 +15,7 @@ from jaxkv.serving import Engine
 from jaxkv.serving.compaction import PageBudget
 from jaxkv.serving.kv_manager import KVCacheManager
 from jaxkv.serving.parallel_sampling import fork_sequences
-from jaxkv.serving.plan import BlockTables, RowUpdate, StepPlan, plan_step
+from jaxkv.serving.plan import BlockTables, RowUpdate, StepPlan, block_tables, plan_step, row_shifts
 from jaxkv.serving.requests import RequestError, RequestOptions, SequenceState
 from jaxkv.serving.scheduler import Scheduler
 from jaxkv.serving.sizing import PoolSizes
@@ -69,7 +69,7 @@ def test_a_plan_holds_each_rows_chunk_its_new_pages_and_the_moves():
     assert second.row == 2  # rows are handed out oldest free first
     resumed = tuple(page for _, page in plan.moves.into[FULL_POOL])
     assert plan.tables[FULL_POOL][-1] == RowUpdate(2, 0, resumed)
-    assert kv.block_tables(scheduler.running, 3, MAX_MODEL_LEN)[FULL_POOL][2, :3].tolist() == list(resumed)
+    assert block_tables(kv, scheduler.running, 3, MAX_MODEL_LEN)[FULL_POOL][2, :3].tolist() == list(resumed)
 
 
 def test_a_fork_makes_a_plan_of_its_own_with_its_copy_and_the_childs_row():
@@ -136,7 +136,8 @@ class Loop:
         self.rng = random.Random(seed)
         self.kv = KVCacheManager(sizes, **kv_options)
         self.scheduler = Scheduler(self.kv, max_rows=rows, token_budget=16)
-        self.tables = BlockTables(rows, self.kv.table_widths(MAX_MODEL_LEN), shifted=self.kv.budget is not None)
+        shifted = self.kv.compaction.budget is not None
+        self.tables = BlockTables(rows, self.kv.table_widths(MAX_MODEL_LEN), shifted=shifted)
         config = SpeculativeConfig(num_tokens=3, max_ngram=2, min_ngram=1, always_verify=True)
         self.speculation = (
             Speculation(config, NgramProposer(2, 1), self.kv, MAX_MODEL_LEN, lambda chunks, width: (0, 0, width))
@@ -150,16 +151,16 @@ class Loop:
         self.tables.apply(plan)
         self.plans.append(plan)
         running, rows = self.scheduler.running, len(self.scheduler.free_rows) + len(self.scheduler.running)
-        expected = self.kv.block_tables(running, rows, MAX_MODEL_LEN)
+        expected = block_tables(self.kv, running, rows, MAX_MODEL_LEN)
         assert expected.keys() == self.tables.tables.keys()
         for name, table in expected.items():
             np.testing.assert_array_equal(
                 self.tables.tables[name], table, err_msg=f"{name} pool, plan {len(self.plans)}"
             )
-        shifts = self.kv.row_shifts(running, rows)
+        shifts = row_shifts(self.kv, running, rows)
         assert shifts.keys() == self.tables.shifts.keys()
-        for name, row_shifts in shifts.items():
-            np.testing.assert_array_equal(self.tables.shifts[name], row_shifts)
+        for name, want in shifts.items():
+            np.testing.assert_array_equal(self.tables.shifts[name], want)
 
     def arrive(self) -> None:
         request_id = len(self.families)
@@ -226,7 +227,7 @@ def test_persistent_tables_equal_the_whole_rebuild_after_every_plan(case, seed):
     if "swap" in case:
         assert stats.swaps > 0
     if "prefix hits" in case:
-        assert stats.prefix_hit_tokens > 0
+        assert loop.kv.prefix_stats().hit_tokens > 0
     if "budget" in case:
         assert loop.kv.num_compactions > 0
     if "drafts" in case:
@@ -243,9 +244,9 @@ def checked_tables(engine: Engine) -> list[int]:
 
     def checking(chunks):
         running, rows = engine.scheduler.running, engine.config.max_num_seqs
-        for name, table in engine.kv.block_tables(running, rows, engine.max_model_len).items():
+        for name, table in block_tables(engine.kv, running, rows, engine.max_model_len).items():
             np.testing.assert_array_equal(engine.runner.tables.tables[name], table)
-        for name, shifts in engine.kv.row_shifts(running, rows).items():
+        for name, shifts in row_shifts(engine.kv, running, rows).items():
             np.testing.assert_array_equal(engine.runner.tables.shifts[name], shifts)
         checked.append(len(chunks))
         return run(chunks)
@@ -275,8 +276,8 @@ def test_the_engines_tables_equal_the_rebuild_with_swaps_prefix_hits_and_forks(m
     checked = checked_tables(engine)
     got = engine.generate_many(prompts, max_tokens=10, ignore_eos=True, n=2)
     stats = engine.stats()
-    assert stats["swaps"] > 0 and stats["recomputes"] > 0 and stats["prefix_hit_rate"] > 0
-    assert len(checked) == stats["num_steps"]
+    assert stats.swaps > 0 and stats.recomputes > 0 and stats.prefix_cache.hit_rate > 0
+    assert len(checked) == stats.num_steps
     reference = greedy_reference(model, prompts, 10)
     assert [c.token_ids for c in got] == [tokens for tokens in reference for _ in range(2)]
 
@@ -293,10 +294,10 @@ def test_the_engines_tables_equal_the_rebuild_with_compactions_or_drafts(llama, 
     checked = checked_tables(engine)
     got = engine.generate_many(prompts, max_tokens=12, ignore_eos=True, n=2)
     stats = engine.stats()
-    assert len(checked) == stats["num_steps"]
+    assert len(checked) == stats.num_steps
     if "speculative" in options:
-        assert stats["preemptions"] > 0 and stats["speculation"]["steps"] > 0
+        assert stats.preemptions > 0 and stats.speculation.steps > 0
         reference = greedy_reference(llama, prompts, 12)
         assert [c.token_ids for c in got] == [tokens for tokens in reference for _ in range(2)]
     else:
-        assert stats["compactions"] > 0
+        assert stats.compactions > 0

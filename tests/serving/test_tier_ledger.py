@@ -20,6 +20,7 @@ from jaxkv.serving.pages import page_hashes, salt_key
 from jaxkv.serving.requests import RequestOptions, SequenceState, Status
 from jaxkv.serving.scheduler import Scheduler
 from jaxkv.serving.sizing import PoolSizes
+from jaxkv.serving.tier_manager import TierManager
 
 PAGE_SIZE, WINDOW = 4, 6
 FULL_BYTES, SLIDING_BYTES = 10, 7
@@ -67,8 +68,8 @@ def test_an_off_tier_stores_nothing():
 
 def test_swap_cost_rule_prices_a_page_round_trip_in_tokens():
     """Recompute the tail when it holds fewer than ``PAGE_COPY_TOKENS`` tokens a page, else swap."""
-    assert KVCacheManager.swap_pays(tokens=8, pages=2) and KVCacheManager.swap_pays(tokens=4, pages=2)
-    assert not KVCacheManager.swap_pays(tokens=1, pages=1)
+    assert TierManager.swap_pays(tokens=8, pages=2) and TierManager.swap_pays(tokens=4, pages=2)
+    assert not TierManager.swap_pays(tokens=1, pages=1)
 
 
 def test_swap_falls_back_to_recompute_when_pinned_pages_fill_the_host_tier():
@@ -84,7 +85,7 @@ def test_swap_falls_back_to_recompute_when_pinned_pages_fill_the_host_tier():
     scheduler.preempt(second)  # two pages: the tier holds them
     scheduler.preempt(first)  # two more do not fit beside them
     assert (scheduler.stats.swaps, scheduler.stats.recomputes) == (1, 1)
-    assert list(kv.swapped) == [second.key] and kv.host.pinned_bytes == 2 * FULL_BYTES
+    assert list(kv.tiers.swapped) == [second.key] and kv.tiers.host.pinned_bytes == 2 * FULL_BYTES
     assert [seq.num_computed for seq in scheduler.waiting] == [0, 0]
     kv.check()
     assert [page for page, _ in kv.take_moves().out["full"]] == [3, 4]  # the second sequence's pages
@@ -178,7 +179,7 @@ class TwoTierMachine(RuleBasedStateMachine):
         owners = {seq.key for seq in self.scheduler.running}
         for pool in self.kv.pools:
             assert set(pool.manager.owners()) <= owners, "a sequence that does not run holds device pages"
-        assert set(self.kv.swapped) <= {seq.key for seq in self.scheduler.waiting}
+        assert set(self.kv.tiers.swapped) <= {seq.key for seq in self.scheduler.waiting}
 
     @invariant()
     def running_sequences_find_their_tokens(self):
@@ -197,21 +198,21 @@ class TwoTierMachine(RuleBasedStateMachine):
                 page_hash = pool.manager.page_hash(page)
                 if page_hash is not None:
                     self.check_hash(self.device[pool.name][page], page_hash)
-        for key in self.kv.host.stored_keys():
+        for key in self.kv.tiers.host.stored_keys():
             if len(key) == 2:  # a prefix page: (pool, hash)
                 assert key == prefix_key(key[0], key[1])
-                self.check_hash(self.kv.host.get(key).arrays[0], key[1])
+                self.check_hash(self.kv.tiers.host.get(key).arrays[0], key[1])
 
     @invariant()
     def swapped_pages_hold_their_sequences_tokens(self):
         waiting = {seq.key: seq for seq in self.scheduler.waiting}
-        for owner, swapped in self.kv.swapped.items():
+        for owner, swapped in self.kv.tiers.swapped.items():
             seq = waiting[owner]
             for sources in swapped.pages.values():
                 for index, source in enumerate(sources, start=swapped.num_registered):
                     if source != NULL_PAGE:
                         end = min(swapped.num_tokens, (index + 1) * PAGE_SIZE)
-                        self.check_holds(self.kv.host.get(source.key).arrays[0], seq, index, end)
+                        self.check_holds(self.kv.tiers.host.get(source.key).arrays[0], seq, index, end)
 
     @staticmethod
     def check_holds(held: Held, seq: SequenceState, index: int, end: int) -> None:
@@ -229,8 +230,8 @@ class TwoTierMachine(RuleBasedStateMachine):
                 self.scheduler.finish(seq)
         self.move_pages()
         self.kv.check()
-        assert not self.kv.swapped and self.kv.host.pinned_bytes == 0
-        assert all(len(key) == 2 for key in self.kv.host.stored_keys()), "a swapped page outlived its sequence"
+        assert not self.kv.tiers.swapped and self.kv.tiers.host.pinned_bytes == 0
+        assert all(len(key) == 2 for key in self.kv.tiers.host.stored_keys()), "a swapped page outlived its sequence"
         for pool in self.kv.pools:
             assert pool.manager.num_used == 0 and pool.manager.num_free == pool.manager.num_usable
         assert sorted(self.scheduler.free_rows) == [0, 1, 2]

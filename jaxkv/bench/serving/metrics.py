@@ -13,7 +13,8 @@ from jaxkv.bench.common import median_run
 from jaxkv.bench.serving.systems import ON_GPU
 from jaxkv.bench.vllm_worker import Record, ServingRequest
 
-# Statistics every system reports (None where it does not apply or is not measured): a row's ``stats``.
+# Statistics every system reports (None where it does not apply or is not measured): a row's ``stats`` (the
+# jaxkv engine's: ``EngineStats.as_dict()``, beside the worker's own).
 STAT_KEYS = (
     "peak_kv_bytes", "wasted_slot_fraction", "prefix_hit_rate", "num_compiled", "xla_compiles_warmup",
     "xla_compiles_run", "preemptions", "peak_running", "mean_running", "compactions", "kv_bytes_per_request",

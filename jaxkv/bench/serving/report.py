@@ -90,7 +90,7 @@ def turn_table(rows: list[dict]) -> str:
 def speculation_table(rows: list[dict]) -> str:
     """The engine rows beside each speculating row: output tok/s (and as a multiple of ``engine``'s
     at the same workload and concurrency), TPOT and the draft counters of the run
-    (``Engine.stats()['speculation']``); empty without a speculating row."""
+    (``EngineStats.speculation``, the row's ``stats['speculation']``); empty without a speculating row."""
     if not any(r["system"] in SPECULATIVE_SYSTEMS for r in rows):
         return ""
     shown = [r for r in rows if r["system"] in ("engine", *SPECULATIVE_SYSTEMS) and "error" not in r]

@@ -49,7 +49,7 @@ def worker_engine(spec: WorkerSpec) -> dict:
     driven = EngineRequests(engine)
     capped = driven if spec.max_concurrency is None else Capped(driven, spec.max_concurrency)
     result = timed_drive(capped, list(spec.requests), spec.system)
-    stats = dict.fromkeys(STAT_KEYS) | engine.stats()
+    stats = dict.fromkeys(STAT_KEYS) | engine.stats().as_dict()
     stats.update(
         xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles,
         peak_running=max(driven.running, default=0), mean_running=_mean(driven.running),
@@ -119,7 +119,7 @@ class EngineRequests:
 
     def step(self) -> list[tuple[int, list[int], bool]]:
         outputs = self.engine.step()
-        self.running.append(self.engine.stats()["num_running"])
+        self.running.append(self.engine.stats().num_running)
         return [(self.index_of[out.request_id], list(out.new_token_ids), out.finished) for out in outputs]
 
     def busy(self) -> bool:
