@@ -20,25 +20,28 @@ accuracy overall and per depth, of the same prompts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Sequence
 
 from jaxkv.cache import layer_types_of
+from jaxkv.engine_args import add_engine_flags, engine_config
 from jaxkv.eviction import EvictionSpec
 from jaxkv.research.experiment import CacheChoice
 from jaxkv.research.tasks import KVRetrievalTask, PasskeyTask, RetrievalExample, RetrievalTask, parse_number
-from jaxkv.serving.compaction import COMPACTION_CHOICES, COMPACTION_POLICIES, WINDOW_POLICIES, PageBudget
+from jaxkv.serving.compaction import COMPACTION_POLICIES, WINDOW_POLICIES, PageBudget
+from jaxkv.serving.engine_config import EngineConfig
 
 TASKS = {"passkey": PasskeyTask, "kv_retrieval": KVRetrievalTask}
 
 
 def engine_texts(model, tokenizer, examples: Sequence[RetrievalExample], *, max_new_tokens: int,
-                 engine_options: dict) -> list[str]:  # fmt: skip
-    """Each example's prompt (context + question) through one ``Engine(model, **engine_options)``,
-    all submitted at once, greedy, stopping at the tokenizer's end of sequence: the decoded answers."""
+                 config: EngineConfig) -> list[str]:  # fmt: skip
+    """Each example's prompt (context + question) through one ``Engine(model, config)``, all
+    submitted at once, greedy, stopping at the tokenizer's end of sequence: the decoded answers."""
     from jaxkv.serving import Engine
 
-    engine = Engine(model, prefix_caching=False, **engine_options)
+    engine = Engine(model, config)
     index = {
         engine.add_request(e.context + e.question, max_tokens=max_new_tokens, stop_token_ids=tokenizer.eos_token_ids): i
         for i, e in enumerate(examples)
@@ -100,16 +103,12 @@ def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
     data = task.prepare(tokenizer)
     examples = task.build_examples(tokenizer, tokenizer.chat_template is not None, data.haystack, args.context,
                                    args.seed)  # fmt: skip
-    options = {"kv_memory": f"{args.kv_memory_mib}MiB", "page_size": args.page_size, "max_num_seqs": args.batch_size,
-               "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
+    base = dataclasses.replace(args.engine, max_num_seqs=args.batch_size, prefix_caching=False)
 
     def engine_row(pages: int | None) -> dict:
-        budget = {} if pages is None else {
-            "max_pages_per_request": pages, "compaction_policy": args.policy,
-            "compaction_choice": args.compaction_choice,
-        }  # fmt: skip
+        budget = {} if pages is None else {"max_pages_per_request": pages, "compaction_policy": args.policy}
         texts = engine_texts(model, tokenizer, examples, max_new_tokens=task.max_new_tokens,
-                             engine_options=options | budget)  # fmt: skip
+                             config=dataclasses.replace(base, **budget))  # fmt: skip
         return scored(examples, texts)
 
     rows = [
@@ -121,7 +120,7 @@ def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
         if args.policy not in WINDOW_POLICIES:
             row = runner_row(task, model, tokenizer, data, args.context, args.seed, args.policy, slots)
             return dict(system=f"EvictingLayer {args.policy} (runner)", **row)
-        spec = PageBudget(slots // args.page_size + 1, args.page_size, args.policy, choice="head").layer_spec(
+        spec = PageBudget(slots // base.page_size + 1, base.page_size, args.policy, choice="head").layer_spec(
             len(layer_types_of(model.config))
         )  # PyramidKV's: the mean budget whose first layer fills the pages
         texts = whole_prompt_texts(model, tokenizer, examples, spec, max_new_tokens=task.max_new_tokens,
@@ -129,10 +128,10 @@ def measure(args: argparse.Namespace, model, tokenizer) -> list[dict]:
         return dict(system=f"EvictingLayer {args.policy} (generate, whole prompt)", **scored(examples, texts))
 
     for pages in args.pages:
-        slots = (pages - 1) * args.page_size
+        slots = (pages - 1) * base.page_size
         rows += [
             dict(pages=pages, **evicting_row(slots)),
-            dict(system=f"engine {args.policy}, choice per {args.compaction_choice}", pages=pages, **engine_row(pages)),
+            dict(system=f"engine {args.policy}, choice per {base.compaction_choice}", pages=pages, **engine_row(pages)),
         ]
         print(f"[accuracy] {pages} pages done", flush=True)
     return rows
@@ -162,15 +161,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pages", type=int, nargs="+", default=[64, 32], help="max_pages_per_request budgets")
     parser.add_argument("--policy", choices=COMPACTION_POLICIES, default="streaming_llm")
-    parser.add_argument("--compaction-choice", choices=COMPACTION_CHOICES, default="pool",
-                        help="the engine's: one choice for the pool, or each layer and K/V head's own")  # fmt: skip
-    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=4, help="the runner's rows per batch; the engine's rows")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--kv-memory-mib", type=int, default=1024)
+    # The engine's other settings (--page-size, --compaction-choice, --kv-memory, ...): the sweep sets its
+    # rows (--batch-size), prefix caching (off), the page budget (--pages) and the policy (--policy).
+    add_engine_flags(parser, skip=("seed", "max_num_seqs", "prefix_caching", "max_pages_per_request",
+                                   "compaction_policy"))  # fmt: skip
+    parser.set_defaults(max_num_batched_tokens=512)
     args = parser.parse_args(argv)
     if min(args.pages) < 2 or args.context < 1 or args.examples < 1:
         parser.error("--pages must be at least 2, --context and --examples positive")
+    args.engine = engine_config(args)
     return args
 
 
@@ -184,6 +184,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     rows = measure(args, model, tokenizer)
     print(f"\n## {args.task} at {args.context} tokens, {args.model}, compaction policy {args.policy}, "
-          f"pages of {args.page_size} ({time.perf_counter() - start:.0f} s)\n")  # fmt: skip
-    print(markdown(rows, args.page_size))
+          f"pages of {args.engine.page_size} ({time.perf_counter() - start:.0f} s)\n")  # fmt: skip
+    print(markdown(rows, args.engine.page_size))
     return 0

@@ -444,10 +444,11 @@ def test_multi_turn_with_the_host_tier_on_a_tiny_llama(tmp_path):
     turns find their history on the host tier; both generate the same tokens, and the rows carry
     first- and returning-turn TTFT."""
     out = tmp_path / "serving.json"
+    # --kv-memory-mib and --host-kv-memory-mib: the deprecated spellings, still read
     args = ["--model", "tiny-random", "--quick", "--requests", "16", "--turns", "2", "--turn-tokens", "16",
             "--workload", "multi-turn", "--rate", "inf", "--systems", "engine", "engine-host-tier",
             "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-memory-mib", "1",
-            "--host-kv-memory-mib", "16", "--out", str(out)]  # fmt: skip  (the deprecated spellings, still read)
+            "--host-kv-memory-mib", "16", "--out", str(out)]  # fmt: skip
     cli = Path(sys.executable).with_name("jaxkv")
     proc = subprocess.run([str(cli), "bench", "serving", *args], check=False, capture_output=True, text=True,
                           timeout=600)  # fmt: skip

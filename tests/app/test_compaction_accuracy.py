@@ -17,7 +17,7 @@ def measured(*options: str) -> list[dict]:
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=1024)  # fmt: skip  SmolLM2's vocabulary
     args = compaction_accuracy.parse_args(["--context", "160", "--depths", "0.5", "--examples", "2", "--batch-size",
-                                           "2", "--kv-memory-mib", "4", *options])  # fmt: skip
+                                           "2", "--kv-memory", "4MiB", *options])  # fmt: skip
     return compaction_accuracy.measure(args, Llama(config, seed=0), tokenizer)
 
 
