@@ -54,6 +54,13 @@ class CacheConfig(Strict):
     offload: bool | str | list[str | int] | None = None
 
 
+# How a model's matrices are held (``jaxkv.models.load.WEIGHTS``): the CLI's --weights, the YAML's weights:.
+Weights = Literal["dense", "gguf", "int8", "int4"]
+WEIGHTS_HELP = (
+    "how the model's matrices are held: dense (default, --dtype), gguf (a GGUF file's own blocks, computed on by "
+    "jaxkv's kernels), int8 or int4 (quantized at load: q8_0 / q4_1 blocks of 32)"
+)
+
 MESH_HELP = (
     "shard over a device mesh, e.g. data=2,model=4 (batch rows over data; heads, MLP and vocabulary over model); "
     "the sizes multiply to the device count"

@@ -207,15 +207,18 @@ def _warn_deprecated(argv: list[str]) -> None:
             print(f"jaxkv: warning: {old} is deprecated; use {DEPRECATED_FLAGS[old]}", file=sys.stderr)
 
 
-def load_engine(model: str | os.PathLike, config: EngineConfig, *, mesh=None, load: Callable | None = None):
+def load_engine(
+    model: str | os.PathLike, config: EngineConfig, *, mesh=None, load: Callable | None = None, **load_options
+):
     """``(engine, tokenizer)``: the model (and the speculative section's ``draft_model``, when it
     names one) loaded with ``jaxkv.models.load.load_pretrained`` (or ``load``, same signature) and
-    the engine over them; the one way serve, the benchmarks and the scripts build an engine."""
+    the engine over them; the one way serve, the benchmarks and the scripts build an engine.
+    ``load_options`` go to ``load`` for the target (``weights="gguf"``...)."""
     from jaxkv.models.load import load_pretrained
     from jaxkv.serving import Engine
 
     load = load or load_pretrained
-    target, tokenizer = load(model, mesh=mesh)  # the engine shards its pools like the model
+    target, tokenizer = load(model, mesh=mesh, **load_options)  # the engine shards its pools like the model
     return Engine(target, with_draft_model(config, load, mesh), tokenizer=tokenizer), tokenizer
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, PositiveInt
 
 from jaxkv.cache import Cache
 from jaxkv.hugepages import on_huge_pages
+from jaxkv.kernels.quantized import is_quantized
 from jaxkv.sharding import EMBED, KV_HEADS, LAYERS, Q_HEADS, VOCAB, Axes, Layout
 
 Norm = Callable[[jax.Array, jax.Array, float], jax.Array]
@@ -131,8 +132,11 @@ def checked_params(owner: str, shapes: dict, params: dict | None, *, dtype, seed
     if missing or extra:
         raise ValueError(f"{owner} params: missing {missing}, unexpected {extra}")
     for name, shape in shapes.items():
-        if tuple(params[name].shape) != shape:
-            raise ValueError(f"{owner} param {name!r} has shape {tuple(params[name].shape)}, expected {shape}")
+        # A matrix kept in its file's blocks is stored [out, in] (``Decoder.layer_param``); a table is [V, D].
+        kept = is_quantized(params[name]) and name not in ("embed", "norm")
+        expected = (*shape[:-2], shape[-1], shape[-2]) if kept else shape
+        if tuple(params[name].shape) != expected:
+            raise ValueError(f"{owner} param {name!r} has shape {tuple(params[name].shape)}, expected {expected}")
     return params
 
 
@@ -147,6 +151,13 @@ def at_logits_index(x: jax.Array, logits_index: jax.Array | None) -> jax.Array:
     return jnp.take_along_axis(x, index[:, :, None], axis=1)
 
 
+def layer_weights(stacks: dict, index) -> dict:
+    """Layer ``index`` (an int or a traced int32) of each stacked weight ``[L, ...]`` in ``stacks``:
+    an array's slice (what a scan over the stacks as ``xs`` would slice), a quantized matrix's layer
+    read in place by its kernel (``QuantizedMatrix.at_layer``: no copy of its blocks)."""
+    return {name: stack[index] for name, stack in stacks.items()}
+
+
 def output_logits(x: jax.Array, embed: jax.Array, lm_head: jax.Array | None = None) -> jax.Array:
     """Logits ``[B, T, V]`` (float32) of final hidden states ``x`` ``[B, T, D]``: through
     ``lm_head`` ``[D, V]`` when the model has one, else the tied ``embed`` ``[V, D]``.
@@ -154,6 +165,9 @@ def output_logits(x: jax.Array, embed: jax.Array, lm_head: jax.Array | None = No
     The tied product is written ``embed @ x.T`` (the table as the dot's left operand):
     XLA's CPU dot runs it 1.7x faster at 8 rows than ``x @ embed.T`` (SmolLM2's 49k x 576
     table: 7.9 vs 13.6 ms), the same at one row."""
+    if is_quantized(lm_head if lm_head is not None else embed):  # [V, D] blocks, either way
+        table = lm_head if lm_head is not None else embed
+        return (x @ table.T).astype(jnp.float32)
     if lm_head is not None:
         return jnp.einsum("btd,dv->btv", x, lm_head, preferred_element_type=jnp.float32)
     batch, length, dim = x.shape
@@ -193,7 +207,9 @@ class Decoder(nnx.Module):
         """``array`` as a parameter, sharded by its logical ``axes`` when the model has a layout,
         else on huge pages in host memory (``jaxkv.hugepages``: a decode step streams every weight)."""
         if self.layout is None:
-            return nnx.Param(on_huge_pages(array))
+            return nnx.Param(jax.tree.map(on_huge_pages, array))
+        if is_quantized(array):
+            raise ValueError("weights kept quantized do not shard over a mesh yet: load them dense (weights='dense')")
         return nnx.Param(self.layout.place(array, axes, head_units(self.config)))
 
     def layer_param(self, array, axes: Axes, matrix: bool) -> nnx.Param:
@@ -206,6 +222,10 @@ class Decoder(nnx.Module):
         step), while at 8 rows it runs the same GEMMs as ``[in, out]`` (a copy and transpose of
         the slice instead of a copy). SmolLM2 float32 (median of 3 fresh processes):
         batch 1 67.8 tok/s vs 49.4, batch 8 213.8 vs 188.5."""
+        if is_quantized(array):  # blocks run along a row: always [out, in]
+            if self.weight_layout != "out_in":
+                raise ValueError("weights kept quantized are stored [out, in]: use weight_layout='out_in'")
+            return self.param(array, axes)
         if matrix and self.weight_layout == "out_in":  # swapped where it is (a host array stays on the host)
             array, axes = array.swapaxes(-1, -2), Axes(*axes[:-2], axes[-1], axes[-2])
         return self.param(array, axes)
@@ -214,6 +234,11 @@ class Decoder(nnx.Module):
         """``x @ w`` of a layer matrix stored by ``layer_param``: ``x @ w.T`` for "out_in" (written
         so, not as a dot_general on ``w``: the form XLA fuses with the slice)."""
         return x @ w.T if self.weight_layout == "out_in" else x @ w
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """The embedding rows ``[B, T, D]`` of ``tokens`` ``[B, T]`` (dequantized rows of a kept table)."""
+        embed = self.embed[...]
+        return embed.take_rows(tokens, self.norm[...].dtype) if is_quantized(embed) else embed[tokens]
 
     def constrain(self, x: jax.Array, axes: Axes) -> jax.Array:
         """Activations ``x`` sharded by their logical ``axes`` (unchanged on one device): the

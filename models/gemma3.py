@@ -34,7 +34,7 @@ from jaxkv.attention import cached_attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
     Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_axes, decoder_param_shapes,
-    inverse_frequencies, offset_rms_norm,
+    inverse_frequencies, layer_weights, offset_rms_norm,
 )  # fmt: skip
 from jaxkv.sharding import BATCH, EMBED, HEAD_DIM, KV_HEADS, MLP, Q_HEADS, Axes
 
@@ -213,27 +213,25 @@ class Gemma3(Decoder):
             return x + offset_rms_norm(h, w["post_mlp_norm"], eps), cache
 
         # Embeddings are scaled by sqrt(hidden) rounded to the weights' dtype, as transformers does.
-        embed = self.embed[...]
-        x = embed[tokens] * jnp.asarray(math.sqrt(config.hidden_size), embed.dtype)
+        x = self.embed_tokens(tokens)
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), x.dtype)
         x = self.constrain(x, Axes(BATCH, None, EMBED))
 
         period = cache.period
         repeats, remainder = divmod(depth, period)
-        weights = {name: param[...] for name, param in self.layers.items()}
-        # [L, ...] -> [repeats, period, ...]: scan step r runs layers r * period + g, g < period.
-        scanned = {name: w[: repeats * period].reshape(repeats, period, *w.shape[1:]) for name, w in weights.items()}
+        stacks = {name: param[...] for name, param in self.layers.items()}
 
-        def pattern_repeat(carry, w):
+        def pattern_repeat(carry, _):  # scan step r runs layers r * period + g, g < period
             x, cache, r = carry
             for group in range(period):
-                x, cache = decoder_layer(x, cache, {name: a[group] for name, a in w.items()}, group, r)
+                x, cache = decoder_layer(x, cache, layer_weights(stacks, r * period + group), group, r)
             return (x, cache, r + 1), None
 
         cache = cache.with_prefetch()  # offloaded K/V: layer i + 1 comes to the device while layer i runs
-        (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), scanned)
+        (x, cache, _), _ = jax.lax.scan(pattern_repeat, (x, cache, jnp.int32(0)), length=repeats)
         for group in range(remainder):  # layers repeats * period + group, after the last full repeat
             layer = repeats * period + group
-            x, cache = decoder_layer(x, cache, {name: w[layer] for name, w in weights.items()}, group, repeats)
+            x, cache = decoder_layer(x, cache, layer_weights(stacks, layer), group, repeats)
         cache = cache.without_prefetch()
 
         logits = self.head(x, logits_index, offset_rms_norm)

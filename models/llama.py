@@ -28,7 +28,7 @@ from jaxkv.attention import cached_attention
 from jaxkv.cache import Cache
 from jaxkv.models.common import (
     Decoder, DecoderConfig, apply_rope, check_num_layers, checked_params, decoder_param_axes, decoder_param_shapes,
-    inverse_frequencies, rms_norm,
+    inverse_frequencies, layer_weights, rms_norm,
 )  # fmt: skip
 from jaxkv.sharding import BATCH, EMBED, KV_HEADS, MLP, Q_HEADS, Axes
 
@@ -208,14 +208,18 @@ class Llama(Decoder):
             x = x + matmul(jax.nn.silu(matmul(h, w["w_gate"])) * matmul(h, w["w_up"]), w["w_down"])
             return (x, cache, i + 1), None
 
-        x = self.constrain(self.embed[...][tokens], Axes(BATCH, None, EMBED))
+        x = self.constrain(self.embed_tokens(tokens), Axes(BATCH, None, EMBED))
         cache = cache.with_prefetch()  # offloaded K/V: layer i + 1 comes to the device while layer i runs
         if isinstance(self.layers, nnx.List):
             for i, layer in enumerate(self.layers[:depth]):
                 (x, cache, _), _ = decoder_layer((x, cache, i), {name: param[...] for name, param in layer.items()})
         else:
-            weights = {name: param[...][:depth] for name, param in self.layers.items()}
-            (x, cache, _), _ = jax.lax.scan(decoder_layer, (x, cache, jnp.int32(0)), weights)
+            stacks = {name: param[...] for name, param in self.layers.items()}
+
+            def scanned_layer(carry, _):
+                return decoder_layer(carry, layer_weights(stacks, carry[2]))
+
+            (x, cache, _), _ = jax.lax.scan(scanned_layer, (x, cache, jnp.int32(0)), length=depth)
         return self.head(x, logits_index, rms_norm), cache.without_prefetch()
 
     def early_exit(

@@ -18,6 +18,7 @@ file. A checkpoint directory is safetensors already and is read as it is.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import warnings
 from functools import cached_property
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from pydantic import ValidationError
 
+from jaxkv.kernels.quantized import FORMATS, QuantizedMatrix, is_quantized, quantize, row_columns
 from jaxkv.models.bart import Bart, BartConfig
 from jaxkv.models.common import Decoder
 from jaxkv.models.deepseek_v32 import DeepseekV32, DeepseekV32Config
@@ -37,7 +39,7 @@ from jaxkv.models.llama import Llama, LlamaConfig
 from jaxkv.models.qwen3_5 import Qwen3_5, Qwen3_5Config
 from jaxkv.models.tokenizer import Tokenizer
 from jaxkv.models.weight_cache import cache_dir, discard, file_sha256, read_checked, write_checked
-from jaxkv.models.weights import CheckpointConfig, load_gguf, load_safetensors_checkpoint, open_gguf
+from jaxkv.models.weights import KEPT_PARAMS, CheckpointConfig, load_gguf, load_safetensors_checkpoint, open_gguf
 from jaxkv.persist import arrays_digest, remember_fingerprint
 
 # Bump whenever load_gguf or Tokenizer.from_gguf would give another result for the same file,
@@ -45,6 +47,14 @@ from jaxkv.persist import arrays_digest, remember_fingerprint
 CONVERTER_VERSION = 2  # 2: the weights' digest (``WEIGHTS_DIGEST``) is kept with them
 
 WEIGHTS_DIGEST = "weights_sha256"  # the converted weights' metadata key of their digest
+KEPT_FORMATS = "kept_formats"  # the kept blocks' metadata key: each kept parameter's format(s), JSON
+
+# How a model's matrices are held (``load_pretrained(weights=...)``): "dense" arrays of ``dtype``;
+# "gguf" the GGUF file's own blocks (``jaxkv.kernels.quantized``); "int8" / "int4" a float
+# checkpoint's (or a GGUF's dequantized) matrices quantized at load: int8 as q8_0 (a float16 scale
+# per group of 32 values of a row), int4 as q4_1 (a float16 scale and minimum per group of 32).
+WEIGHTS = ("dense", "gguf", "int8", "int4")
+QUANTIZE_FORMATS = {"int8": "q8_0", "int4": "q4_1"}
 
 Model = Llama | Gemma3 | Gemma4 | Qwen3_5 | DeepseekV32 | Bart
 MODEL_CLASSES: dict[type[CheckpointConfig], type[Model]] = {
@@ -95,30 +105,61 @@ class Pretrained:
             write_checked(cache_file, {}, tokenizer.state())
         return tokenizer
 
-    def model(self, dtype=jnp.float32, *, mesh=None, rules=None, **model_kwargs) -> Model:
+    def model(self, dtype=jnp.float32, *, weights: str = "dense", mesh=None, rules=None, **model_kwargs) -> Model:
         """The model ``MODEL_CLASSES`` gives for the config, its weights cast to ``dtype``.
+
+        ``weights`` (``WEIGHTS``): "dense", or matrices and tables kept quantized: "gguf" (the GGUF's
+        own blocks, no dequantization: the file's bytes are what a decode step reads) or "int8" /
+        "int4" (quantized at load, ``QUANTIZE_FORMATS``); norms and biases stay dense (``dtype``).
 
         ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``).
         ``mesh``, ``rules``: shard the weights over ``mesh`` (``jaxkv.sharding``). The weights
         reach the model as host arrays (a float32 tensor of the weight cache a view of its file
         map), and the model places each one: onto huge pages, or each device's share straight
         from the host, never gathered on one device first (``Decoder.param``)."""
-        host = lambda name, array: np.asarray(array, dtype=jnp.dtype(dtype))  # noqa: E731
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        if weights == "gguf" and not self.is_gguf:
+            raise ValueError(
+                f"weights='gguf' keeps a GGUF file's blocks; {self.path} is a checkpoint: use int8 or int4"
+            )
+        host = lambda name, array: array if is_quantized(array) else np.asarray(array, dtype=jnp.dtype(dtype))  # noqa: E731
         digest = None
         if self.is_gguf:
-            config, float32, digest = self._gguf_float32()
-            params = {name: host(name, array) for name, array in float32.items()}
+            config, loaded, digest = self._gguf_blocks() if weights == "gguf" else self._gguf_float32()
+            params = {name: host(name, array) for name, array in loaded.items()}
         else:
             config, params = load_safetensors_checkpoint(self.path, dtype, host)
+        if weights in QUANTIZE_FORMATS:
+            params, digest = _quantized(params, QUANTIZE_FORMATS[weights]), None
         model_class = MODEL_CLASSES[type(config)]
         if mesh is not None:
             if not issubclass(model_class, Decoder):
                 raise ValueError(f"{model_class.__name__} models do not shard over a mesh yet; load them without mesh=")
             model_kwargs |= {"mesh": mesh, "rules": rules}
         model = model_class(config, params, **model_kwargs)
-        if digest is not None:  # the weights are the float32 ones cast to dtype: named by both
-            remember_fingerprint(model, hashlib.sha256(f"{digest}:{jnp.dtype(dtype).name}".encode()).hexdigest())
+        if digest is not None:  # the weights are the cached ones, the dense ones cast to dtype: named by all
+            named = f"{digest}:{jnp.dtype(dtype).name}:{weights}"
+            remember_fingerprint(model, hashlib.sha256(named.encode()).hexdigest())
         return model
+
+    def _gguf_blocks(self) -> tuple[CheckpointConfig, dict, str]:
+        """The GGUF's config, its kept blocks (``QuantizedMatrix``) and float32 rest, and their
+        digest: cached like ``_gguf_float32``, the blocks as uint8 tensors and their formats in the
+        metadata (``KEPT_FORMATS``)."""
+        cache_file = self._cache_file("blocks")
+        cached = _read_weights(cache_file) if cache_file else None
+        if cached is not None:
+            config, tensors, digest, metadata = cached
+            return config, _from_tensors(tensors, json.loads(metadata[KEPT_FORMATS])), digest
+        host = lambda name, array: np.ascontiguousarray(array)  # noqa: E731
+        config, params = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=host, keep_blocks=True)
+        tensors, formats = _to_tensors(params)
+        digest = arrays_digest(sorted(tensors.items()))
+        if cache_file:
+            metadata = _metadata(config, digest, self.path) | {KEPT_FORMATS: json.dumps(formats)}
+            write_checked(cache_file, tensors, metadata)
+        return config, params, digest
 
     def _gguf_float32(self) -> tuple[CheckpointConfig, dict[str, np.ndarray], str]:
         """The GGUF's config, float32 host weights and their digest (``arrays_digest`` in name
@@ -128,21 +169,57 @@ class Pretrained:
         pages stay valid while another process rebuilds one."""
         cache_file = self._cache_file("weights")
         cached = _read_weights(cache_file) if cache_file else None
-        if cached is None:
-            # Host arrays, contiguous as the cache file stores them (a transposed view would not be).
-            host = lambda name, array: np.ascontiguousarray(array)  # noqa: E731
-            config, params = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=host)
-            cached = config, params, arrays_digest(sorted(params.items()))
-            if cache_file:
-                metadata = {"config_class": type(config).__name__, "config": config.model_dump_json(),
-                            WEIGHTS_DIGEST: cached[2], "source": str(self.path)}  # fmt: skip
-                write_checked(cache_file, params, metadata)
-        return cached
+        if cached is not None:
+            return cached[:3]
+        # Host arrays, contiguous as the cache file stores them (a transposed view would not be).
+        host = lambda name, array: np.ascontiguousarray(array)  # noqa: E731
+        config, params = load_gguf(self.path, jnp.float32, self._reader, progress=True, place=host)
+        digest = arrays_digest(sorted(params.items()))
+        if cache_file:
+            write_checked(cache_file, params, _metadata(config, digest, self.path))
+        return config, params, digest
 
 
-def _read_weights(cache_file: Path) -> tuple[CheckpointConfig, dict[str, np.ndarray], str] | None:
-    """A cached conversion's config, weights and their digest; None if there is none, it is
-    corrupt, or it holds a config this code no longer reads (then it is converted again)."""
+def _metadata(config: CheckpointConfig, digest: str, source: Path) -> dict[str, str]:
+    """A converted-weights cache file's metadata: the config (its class too), the digest, the GGUF."""
+    return {"config_class": type(config).__name__, "config": config.model_dump_json(), WEIGHTS_DIGEST: digest,
+            "source": str(source)}  # fmt: skip
+
+
+def _quantized(params: dict, fmt: str) -> dict:
+    """``params`` (dense, ``x @ w`` layout) with every matrix and table of ``KEPT_PARAMS`` whose rows
+    split into ``fmt``'s blocks quantized to ``fmt`` (``[*layers, out, in]``); the rest as given."""
+    values = FORMATS[fmt][0]
+    kept = {}
+    for name, array in params.items():
+        table = name == "embed"
+        if name in KEPT_PARAMS and not is_quantized(array) and array.shape[-1 if table else -2] % values == 0:
+            rows = np.asarray(array, np.float32) if table else np.asarray(array, np.float32).swapaxes(-1, -2)
+            array = quantize(rows, fmt)
+        kept[name] = array
+    return kept
+
+
+def _to_tensors(params: dict) -> tuple[dict[str, np.ndarray], dict[str, str | list[str]]]:
+    """``params`` as the tensors a safetensors file holds (a kept matrix: its blocks under its name)
+    and each kept matrix's format(s)."""
+    kept = {name: w for name, w in params.items() if is_quantized(w)}
+    tensors = {name: np.asarray(w.blocks) if name in kept else w for name, w in params.items()}
+    return tensors, {name: w.format if isinstance(w.format, str) else list(w.format) for name, w in kept.items()}
+
+
+def _from_tensors(tensors: dict[str, np.ndarray], formats: dict[str, str | list[str]]) -> dict:
+    """``_to_tensors``' inverse (the columns follow from a row's bytes and its format)."""
+    params = dict(tensors)
+    for name, fmt in formats.items():
+        fmt = fmt if isinstance(fmt, str) else tuple(fmt)
+        params[name] = QuantizedMatrix(tensors[name], fmt, row_columns(tensors[name].shape[-1], fmt))
+    return params
+
+
+def _read_weights(cache_file: Path) -> tuple[CheckpointConfig, dict[str, np.ndarray], str, dict] | None:
+    """A cached conversion's config, weights, their digest and its metadata; None if there is none,
+    it is corrupt, or it holds a config this code no longer reads (then it is converted again)."""
     entry = read_checked(cache_file)
     if entry is None:
         return None
@@ -152,7 +229,7 @@ def _read_weights(cache_file: Path) -> tuple[CheckpointConfig, dict[str, np.ndar
         digest = metadata[WEIGHTS_DIGEST]
     except (KeyError, ValidationError) as err:
         return discard(cache_file, f"holds a config this version cannot read ({type(err).__name__}: {err})")
-    return config, tensors, digest
+    return config, tensors, digest, metadata
 
 
 def _checkpoint_tokenizer(directory: Path, required: bool) -> Tokenizer | None:

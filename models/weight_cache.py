@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 CHECKSUM_KEY = "jaxkv.crc32"  # metadata key of the file's own checksum
-_DTYPES = {"F32": np.float32}  # what write_checked is given
+_DTYPES = {"F32": np.float32, "U8": np.uint8}  # what write_checked is given (float32 weights, kept blocks)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from jaxkv.kernels.quantized import QuantizedMatrix, format_of, stack_layers
 from jaxkv.models import bart, deepseek_v32, gemma3, gemma4, llama, qwen3_5
 from jaxkv.models.bart import BartConfig
 from jaxkv.models.deepseek_v32 import DeepseekV32Config
@@ -217,11 +218,17 @@ def _assemble(
     fixups: Mapping[str, Callable[[np.ndarray | jax.Array], np.ndarray | jax.Array]] | None = None,
     progress: str | None = None,
     place: Placement | None = None,
+    blocks: Callable[[str], tuple[str, np.ndarray] | None] | None = None,
 ) -> dict[str, jax.Array]:
     """Check every tensor's presence and shape first (cheap, and a clear error beats a
     half-loaded model), then read, fix up, transpose, stack and cast on the host, and hand
     each parameter to ``place`` (default: onto the default device); with ``progress``, a
-    progress bar so described counts the tensors read on stderr."""
+    progress bar so described counts the tensors read on stderr.
+
+    ``blocks(tensor name)``: a quantized tensor's format and its blocks ``[rows, row_bytes]``
+    (None: not kept). A matrix or table (``KEPT_PARAMS``) whose every tensor ``blocks`` gives is
+    kept as they are: a host ``QuantizedMatrix`` ``[*layers, out, in]`` (row fixups applied to the
+    blocks' rows; no ``place``, no cast)."""
     plan = _plan(config, names)
     available = source.names()
     wanted = {name for sources in plan.values() for name, _ in sources}
@@ -244,6 +251,11 @@ def _assemble(
     params = {}
     with tqdm(total=len(wanted), desc=progress, unit="tensor", file=sys.stderr, disable=progress is None) as bar:
         for param, sources in plan.items():
+            kept = _kept_blocks(param, sources, blocks, fixups.get(param), stacked=param in per_layer)
+            if kept is not None:
+                params[param] = kept
+                bar.update(len(sources))
+                continue
             arrays = []
             for name, _ in sources:
                 array = source.read(name)
@@ -255,6 +267,26 @@ def _assemble(
             stacked = np.stack(arrays).reshape(shapes[param]) if param in per_layer else arrays[0]
             params[param] = place(param, stacked)
     return params
+
+
+# The parameters a GGUF's blocks may stay in (``blocks=`` of ``_assemble``): the tables and the layer
+# matrices of the GGUF architectures; norms and biases are read as float32.
+KEPT_PARAMS = frozenset({"embed", "lm_head"} | set(llama.LAYER_MATRICES) | set(gemma3.LAYER_MATRICES))
+
+
+def _kept_blocks(param: str, sources, blocks, fixup, *, stacked: bool):
+    """``param``'s tensors ``sources`` as one host ``QuantizedMatrix`` (stacked over its layers when
+    ``stacked``), or None when it is not kept (``blocks`` is None, ``param`` is no ``KEPT_PARAMS``, or
+    a tensor is not in a kept format)."""
+    if blocks is None or param not in KEPT_PARAMS:
+        return None
+    read = [blocks(name) for name, _ in sources]
+    if any(entry is None for entry in read):
+        return None
+    formats = [fmt for fmt, _ in read]
+    rows = [np.ascontiguousarray(fixup(data) if fixup else data) for _, data in read]
+    columns = sources[0][1][-1]  # torch layout [out, in]
+    return stack_layers(formats, rows, columns) if stacked else QuantizedMatrix(rows[0], formats[0], columns)
 
 
 def _short_list(names: list[str], limit: int = 8) -> str:
@@ -439,6 +471,13 @@ class _GGUFSource:
         tensor = self._tensors[name]
         return gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(self.shape(name)).astype(np.float32)
 
+    def blocks(self, name: str) -> tuple[str, np.ndarray] | None:
+        """A 2-D tensor's format and blocks ``[rows, row_bytes]`` (a view of the file map), or None
+        when its type is not one ``jaxkv.kernels.quantized`` computes with (F32, F16...)."""
+        tensor = self._tensors[name]
+        fmt = format_of(tensor.tensor_type)
+        return None if fmt is None or len(tensor.shape) != 2 else (fmt, np.asarray(tensor.data))
+
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation: ``[H*D, ...]`` -> ``[H*D, ...]``.
@@ -544,9 +583,12 @@ GGUF_LOADERS: dict[str, tuple[Callable, Mapping[str, str], Callable]] = {
 
 
 def load_gguf(
-    path: str | Path, dtype: Any = jnp.float32, reader=None, *, progress: bool = False, place: Placement | None = None
-) -> tuple[DecoderOnlyConfig, dict[str, jax.Array]]:
-    """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``.
+    path: str | Path, dtype: Any = jnp.float32, reader=None, *, progress: bool = False, place: Placement | None = None,
+    keep_blocks: bool = False,
+) -> tuple[DecoderOnlyConfig, dict[str, jax.Array]]:  # fmt: skip
+    """``(config, params)`` from a GGUF file, dequantized (via float32) to ``dtype``; with
+    ``keep_blocks``, its quantized matrices and tables stay in their blocks (``QuantizedMatrix``
+    ``[*layers, out, in]``, host arrays; ``KEPT_PARAMS``), the rest dequantized.
 
     ``params`` is named and shaped as the model module's ``param_shapes(config)`` gives
     (``jaxkv.models.llama`` for "llama" files, ``jaxkv.models.gemma3`` for "gemma3"). ``reader``: the
@@ -566,5 +608,6 @@ def load_gguf(
     config = make_config(reader, {name: source.shape(name) for name in source.names()})
     what, description = str(path), f"converting {path.name}" if progress else None
     return config, _assemble(
-        config, source, names, dtype, what=what, fixups=fixups(config), progress=description, place=place
-    )
+        config, source, names, dtype, what=what, fixups=fixups(config), progress=description, place=place,
+        blocks=source.blocks if keep_blocks else None,
+    )  # fmt: skip

@@ -188,6 +188,15 @@ def run_worker(command: list[str], spec: dict, *, label: str, device: str, timeo
     return result | {"worker_wall_s": wall}
 
 
+def run_install_step(command: list[str], what: str, error: type[Exception], env: dict | None = None) -> None:
+    """One step of making a peer's venv (``vllm_env``, ``llama_cpp_env``): ``command`` run to its
+    end; ``error`` naming ``what`` with the output's last ``LOG_TAIL`` characters if it fails."""
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-LOG_TAIL:].strip()
+        raise error(f"{what} failed (exit {proc.returncode}):\n{tail}")
+
+
 def _failed(label: str, proc: subprocess.CompletedProcess) -> dict:
     """A failed worker's error: its exit status and the last line of its output (all of it on stderr)."""
     tail = ((proc.stderr or "") + (proc.stdout or ""))[-LOG_TAIL:].strip()

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Decode benchmark: jaxkv (static and dynamic cache) against transformers (dynamic and static cache).
+"""Decode benchmark: jaxkv (static and dynamic cache) against transformers (dynamic and static cache)
+and llama.cpp (on the same GGUF file).
 
     jaxkv bench decode                                   # smollm2, batch 1 and 8, 32 + 256 tokens
     jaxkv bench decode --batch 1 --new-tokens 8 --prompt-tokens 16 --out results/smoke
     jaxkv bench decode --long                            # + the 4k vs 32k cache capacity experiment
+    jaxkv bench decode --systems jaxkv-static llama.cpp llama.cpp-1-thread --weights gguf --repeat 3
 
 Every configuration (system x cache x batch) runs in a fresh subprocess (this module again,
 ``python -m jaxkv.bench.decode`` with a hidden ``--worker SPEC`` argument: ``jaxkv.bench.common``'s
@@ -12,9 +14,20 @@ same model file, the same prompt (a fixed English text tokenized by the model's 
 repeated to ``--prompt-tokens``, the same for every row) and generate exactly ``--new-tokens``
 tokens per row, greedily, with no stop token.
 
-Both systems get a warm-up: jaxkv calls ``generate`` twice in its process, the first call
-(cold: it compiles) gives compile s and TTFT, the second the rates; transformers runs a
-2-token ``generate`` first.
+Every system gets a warm-up: jaxkv calls ``generate`` twice in its process, the first call
+(cold: it compiles) gives compile s and TTFT, the second the rates; transformers and llama.cpp
+run a 2-token generation first.
+
+``llama.cpp`` and ``llama.cpp-1-thread`` (run only when named): llama.cpp (llama-cpp-python built
+from source for this CPU in its own venv, ``jaxkv.bench.llama_cpp_env``; made on first use, several
+minutes) on the model's GGUF file itself, its K/V cache f16 (llama.cpp's default), through its C
+API's batch interface: B sequences in one context, one ``llama_decode`` a step, llama.cpp's greedy
+sampler (``jaxkv.bench.llama_cpp_worker``). Threads: ``--threads`` (default: the CPUs jaxkv uses)
+for ``llama.cpp``, 1 for ``llama.cpp-1-thread``. A model that is not a GGUF file gives those rows
+an error instead.
+
+``--weights`` (jaxkv only): how ``load_pretrained`` holds the matrices (``weights=``: dense, gguf
+for the GGUF file's own blocks, int8, int4); by default the loader's own default.
 
 What is measured, per configuration:
 
@@ -36,7 +49,11 @@ What is measured, per configuration:
 
 Plus a memory-bandwidth bound for batch-1 decode: (parameter bytes + K/V bytes of the live
 context, averaged over the decode) / bandwidth, where the bandwidth is the best of a timed
-numpy copy and a jitted jax sum over a large array, measured in its own worker.
+numpy copy and a jitted jax sum over a large array, measured in its own worker. And, per row,
+the bytes its decode step reads: its own weights (jaxkv: the loaded parameters' bytes, the kept
+blocks with ``--weights gguf``; llama.cpp: the file's tensors; transformers: its parameters) and
+the live K/V of every row in its own cache's type; the GB/s that streams at the row's decode
+rate, and that as a fraction of the measured bandwidth.
 
 ``--quantized`` (jaxkv only): the quantized K/V formats of ``configs/experiments/perplexity.yaml``
 against full precision, batch 1, at a ``--quantized-context``-token context (random ids):
@@ -66,14 +83,17 @@ import sys
 import time
 from pathlib import Path
 
+from jaxkv.bench import llama_cpp_worker
 from jaxkv.bench.bandwidth import measure_bandwidth
 from jaxkv.bench.common import (
     DEVICES, TINY, TINY_CONFIG, cpu_cores, environment, fmt, hf_model, hf_sizes, jaxkv_model, jaxkv_sizes,
     median_run, print_targets, run_as_worker, run_worker,
 )  # fmt: skip
+from jaxkv.bench.llama_cpp_env import VENV as LLAMA_CPP_VENV
+from jaxkv.bench.llama_cpp_env import LlamaCppUnavailable, ensure_venv
 
 MODULE = "jaxkv.bench.decode"  # workers run as `python -m MODULE --worker SPEC`
-# name -> (system, cache kind, jaxkv model options); the order is the table's.
+# name -> (system, cache kind, options: jaxkv's model options, llama.cpp's worker settings); the order is the table's.
 CONFIGS = {
     "jaxkv-static": ("jaxkv", "static", {}),
     "jaxkv-in-out": ("jaxkv", "static", {"weight_layout": "in_out"}),  # scanned, [in, out] matrices: slices copied
@@ -81,9 +101,15 @@ CONFIGS = {
     "jaxkv-unrolled": ("jaxkv", "static", {"scan_layers": False}),  # one weight buffer per layer, no slice copies
     "hf-dynamic": ("transformers", "dynamic", None),
     "hf-static": ("transformers", "static", None),
+    "llama.cpp": ("llama.cpp", "static f16", {}),  # --threads threads
+    "llama.cpp-1-thread": ("llama.cpp", "static f16", {"threads": 1}),
 }
-JAXKV_LABELS = {"jaxkv-in-out": "jaxkv [in, out] weights", "jaxkv-unrolled": "jaxkv unrolled"}
+NAMED_ONLY = ("llama.cpp", "llama.cpp-1-thread")  # not run unless named: the first use builds llama.cpp (minutes)
+SYSTEM_LABELS = {"jaxkv-in-out": "jaxkv [in, out] weights", "jaxkv-unrolled": "jaxkv unrolled",
+                 "llama.cpp-1-thread": "llama.cpp, 1 thread"}  # fmt: skip
 BASELINE = "hf-dynamic"
+TARGET_LLAMA_CPP = 1.0  # b1 decode tok/s of jaxkv-static / llama.cpp's, on the same file
+TARGET_BOUND_FRACTION = 0.85  # b1 decode of jaxkv-static: GB/s streamed / the measured bandwidth
 TARGET_SPEEDUP = {1: 2.5, 8: 2.0}  # batch -> jaxkv decode tok/s / HF dynamic decode tok/s
 TARGET_TTFT_S = 10.0
 TARGET_LONG_RATIO = 1.25
@@ -233,8 +259,8 @@ def worker_quantized(spec: dict) -> dict:
         window_s.append(time.perf_counter() - start)
     return dict(
         prefill_s=result.prefill_seconds, decode_s=result.decode_seconds, window_s=window_s[1],
-        cache_bytes=int(result.cache_bytes), perplexity=float(perplexity[0]), tokens_head=result.tokens[0, :16].tolist(),
-        backend=jax.default_backend(),
+        cache_bytes=int(result.cache_bytes), perplexity=float(perplexity[0]),
+        tokens_head=result.tokens[0, :16].tolist(), backend=jax.default_backend(),
     )  # fmt: skip
 
 
@@ -369,7 +395,7 @@ def markdown_table(rows: list[dict]) -> str:
     ]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|"]
     for row in rows:
-        system = JAXKV_LABELS.get(row["name"], row["system"])
+        system = SYSTEM_LABELS.get(row["name"], row["system"])
         if "error" in row:
             cells = [system, row["cache"], str(row["batch"]), f"failed: {row['error'][:60]}"] + ["-"] * 6
         else:
@@ -386,7 +412,7 @@ def markdown_table(rows: list[dict]) -> str:
 def check_targets(rows: list[dict], long: dict | None) -> list[dict]:
     """Each target with its value, its display and whether it passed (None: not measured)."""
     ok = [r for r in rows if "error" not in r]
-    targets = speedup_targets(ok) + ttft_targets(ok)
+    targets = speedup_targets(ok) + ttft_targets(ok) + llama_cpp_targets(ok)
     if long is not None:
         targets.append(long_target(long))
     return targets
@@ -423,6 +449,26 @@ def ttft_targets(ok: list[dict]) -> list[dict]:
     ]
 
 
+def llama_cpp_targets(ok: list[dict]) -> list[dict]:
+    """With a batch-1 ``llama.cpp`` row: jaxkv-static's b1 decode against it, and against the bandwidth
+    its own bytes need (``decode_bytes``' fraction)."""
+    llama_cpp = next((r for r in ok if r["name"] == "llama.cpp" and r["batch"] == 1), None)
+    jaxkv = next((r for r in ok if r["name"] == "jaxkv-static" and r["batch"] == 1), None)
+    if llama_cpp is None:
+        return []
+    ratio = None if jaxkv is None else jaxkv["decode_tok_s"] / llama_cpp["decode_tok_s"]
+    fraction = None if jaxkv is None else jaxkv["bytes"]["fraction_of_bandwidth"]
+    return [
+        dict(target=f"b1 decode jaxkv-static >= {TARGET_LLAMA_CPP:g}x llama.cpp ({llama_cpp['threads']} threads), "
+             "same file", value=ratio, display="not measured" if ratio is None else f"{ratio:.2f}x",
+             passed=None if ratio is None else ratio >= TARGET_LLAMA_CPP),
+        dict(target=f"b1 decode jaxkv-static streams >= {TARGET_BOUND_FRACTION:.0%} of the measured bandwidth "
+             "(its own bytes per step)", value=fraction,
+             display="not measured" if fraction is None else f"{fraction:.1%}",
+             passed=None if fraction is None else fraction >= TARGET_BOUND_FRACTION),
+    ]  # fmt: skip
+
+
 def long_target(long: dict) -> dict:
     ratio = long.get("ratio")
     return dict(
@@ -435,7 +481,9 @@ def long_target(long: dict) -> dict:
 
 
 def bandwidth_bound(rows: list[dict], membw: dict, prompt_tokens: int, new_tokens: int) -> dict | None:
-    """Batch-1 decode tokens/s if every step only had to read the weights and the live K/V once."""
+    """Batch-1 decode tokens/s if every step only had to read the weights and the live K/V once: a
+    jaxkv row's (else the first row's) bytes, and the batch-1 rows of the same weight bytes as a
+    fraction of it."""
     if "error" in membw:
         return None
     ok = [r for r in rows if "error" not in r]
@@ -457,10 +505,43 @@ def bandwidth_bound(rows: list[dict], membw: dict, prompt_tokens: int, new_token
     if static:  # the static decode reads its whole preallocated buffer
         allocated = source["param_bytes"] + static["cache_bytes"]
         bound["tok_s_upper_bound_b1_allocated_cache"] = membw["gbps"] * 1e9 / allocated
-    for row in ok:
-        if row["batch"] == 1:
+    for row in ok:  # the rows reading the same weights (each row's own bytes: decode_bytes)
+        if row["batch"] == 1 and row["param_bytes"] == source["param_bytes"]:
             bound[f"fraction_of_bound_{row['name']}"] = row["decode_tok_s"] / bound["tok_s_upper_bound_b1"]
     return bound
+
+
+def decode_bytes(row: dict, gbps: float | None) -> dict:
+    """What one decode step of ``row`` reads: its weights (``param_bytes``) and every row's live K/V
+    (its ``kv_bytes_per_token`` x the average context, prompt + new / 2); per token (/ batch); the
+    GB/s that streams at the row's decode rate, as a fraction of ``gbps`` (the measured
+    bandwidth; None: not measured), and the decode tok/s ``gbps`` would allow those bytes."""
+    kv = row["kv_bytes_per_token"] * (row["prompt_tokens"] + row["new_tokens"] / 2) * row["batch"]
+    step = row["param_bytes"] + kv
+    streamed = step * (row["new_tokens"] - 1) / row["decode_s"] / 1e9
+    return dict(
+        weight_bytes=row["param_bytes"], kv_bytes=kv, bytes_per_step=step, bytes_per_token=step / row["batch"],
+        streamed_gbps=streamed, fraction_of_bandwidth=None if gbps is None else streamed / gbps,
+        tok_s_bound=None if gbps is None else gbps * 1e9 / step * row["batch"],
+    )  # fmt: skip
+
+
+def bytes_table(rows: list[dict]) -> str:
+    """The bytes each successful row's decode step reads (``row['bytes']``), against the bandwidth."""
+    header = ["system", "batch", "weights MiB", "live K/V MiB", "MiB / token", "decode tok/s", "GB/s streamed",
+              "of measured bandwidth", "tok/s bound"]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    for row in rows:
+        if "error" in row:
+            continue
+        b = row["bytes"]
+        cells = [
+            SYSTEM_LABELS.get(row["name"], row["system"]), str(row["batch"]), fmt(b["weight_bytes"], ".1f", 2**-20),
+            fmt(b["kv_bytes"], ".2f", 2**-20), fmt(b["bytes_per_token"], ".1f", 2**-20), fmt(row["decode_tok_s"]),
+            fmt(b["streamed_gbps"]), fmt(b["fraction_of_bandwidth"], ".1%"), fmt(b["tok_s_bound"]),
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def agreement(rows: list[dict]) -> dict:
@@ -523,7 +604,13 @@ def parse_args(argv):
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both systems")
-    parser.add_argument("--systems", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--systems", nargs="+", choices=list(CONFIGS),
+                        default=[name for name in CONFIGS if name not in NAMED_ONLY],
+                        help=f"default: all but {', '.join(NAMED_ONLY)} (run only when named)")  # fmt: skip
+    parser.add_argument("--weights", metavar="KIND", help="jaxkv's load_pretrained(weights=KIND): dense, gguf "
+                        "(the GGUF's own blocks), int8, int4; default: the loader's")  # fmt: skip
+    parser.add_argument("--llama-cpp-venv", type=Path, default=LLAMA_CPP_VENV, help="llama.cpp's venv (made on "
+                        "first use)")  # fmt: skip
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where both systems run")
     parser.add_argument("--quantized", action="store_true", help="also run the quantized K/V experiment")
     parser.add_argument("--quantized-context", type=int, default=1024, help="--quantized context (random ids)")
@@ -535,7 +622,8 @@ def parse_args(argv):
     parser.add_argument("--long-new-tokens", type=int, default=32)
     parser.add_argument("--long-capacity", type=int, default=32768, help="--long large cache capacity")
     parser.add_argument("--membw-mib", type=int, default=512, help="array size for the bandwidth measurement")
-    parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
+    parser.add_argument("--threads", type=int, default=cpu_cores(),
+                        help="torch's and llama.cpp's threads (default: the usable cores, as jaxkv)")  # fmt: skip
     parser.add_argument("--worker-timeout", type=float, default=None, help="seconds per configuration")
     parser.add_argument("--out", type=Path, default=Path("results/bench"), help="writes OUT.json and OUT.png")
     parser.add_argument(
@@ -555,22 +643,26 @@ def parse_args(argv):
             parser.error("--prompt-tokens, --long-prompt and --batch must be positive")
         if args.quantized_context < PERPLEXITY_CHUNK or args.quantized_context % PERPLEXITY_CHUNK:
             parser.error(f"--quantized-context must be a positive multiple of {PERPLEXITY_CHUNK} (the window's chunks)")
+        llama_cpp = [name for name in args.systems if CONFIGS[name][0] == "llama.cpp"]
+        if args.device == "gpu" and llama_cpp:
+            parser.error(f"--device gpu: {', '.join(llama_cpp)} run llama.cpp's CPU build; leave them out")
     return args
 
 
-def run_config(args, spec: dict) -> dict:
-    """``spec`` run by a fresh worker (this module again)."""
-    return run_worker([sys.executable, "-m", MODULE, "--worker"], spec, label=spec["label"], device=spec["device"],
-                      timeout=args.worker_timeout, verbose=args.verbose)  # fmt: skip
+def run_config(args, spec: dict, command: list[str] | None = None) -> dict:
+    """``spec`` run by a fresh worker: ``command`` (its spec file follows), by default this module again."""
+    command = command or [sys.executable, "-m", MODULE, "--worker"]
+    return run_worker(command, spec, label=spec["label"], device=spec["device"], timeout=args.worker_timeout,
+                      verbose=args.verbose)  # fmt: skip
 
 
-def repeated(args, spec: dict, **fields) -> dict:
-    """``--repeat`` fresh workers of ``spec``, each result with ``fields`` and its rates: the run of
-    median decode speed, with every successful run's decode tok/s in ``decode_tok_s_runs`` (sorted);
-    the first failure if none ran."""
+def repeated(args, spec: dict, command: list[str] | None = None, **fields) -> dict:
+    """``--repeat`` fresh workers of ``spec`` (run by ``command``, as ``run_config``), each result with
+    ``fields`` and its rates: the run of median decode speed, with every successful run's decode
+    tok/s in ``decode_tok_s_runs`` (sorted); the first failure if none ran."""
     runs = []
     for _ in range(args.repeat):
-        row = dict(fields, **run_config(args, spec))
+        row = dict(fields, **run_config(args, spec, command))
         add_rates(row)
         runs.append(row)
     middle = median_run(runs, "decode_tok_s")
@@ -579,19 +671,56 @@ def repeated(args, spec: dict, **fields) -> dict:
     return middle | {"decode_tok_s_runs": sorted(r["decode_tok_s"] for r in runs if "error" not in r)}
 
 
+def llama_cpp_setup(args) -> tuple[list[str] | None, str | None]:
+    """With a llama.cpp system in ``--systems``: the command that runs its worker (the python of its
+    venv, made on first use, and ``llama_cpp_worker.py``) and None; or None and why its rows do not
+    run (the model is not a GGUF file, the venv could not be made). (None, None) without one."""
+    if not any(CONFIGS[name][0] == "llama.cpp" for name in args.systems):
+        return None, None
+    path = gguf_path(args.model)
+    if path is None:
+        return None, f"llama.cpp runs a GGUF file; --model {args.model} is not one"
+    try:
+        python = ensure_venv(args.llama_cpp_venv)
+    except LlamaCppUnavailable as error:
+        print(f"[bench] llama.cpp is unavailable: {error}", file=sys.stderr, flush=True)
+        return None, f"llama.cpp unavailable: {error}"
+    return [str(python), str(Path(llama_cpp_worker.__file__))], None
+
+
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file ``model`` names (a default name or a path), or None when it names none."""
+    if model == TINY:
+        return None
+    from jaxkv.models.defaults import resolve_model
+
+    path = resolve_model(model)
+    return path if path.suffix == ".gguf" else None
+
+
 def run_configurations(args, prompt: list[int], common: dict) -> list[dict]:
     """One row per batch x ``--systems`` configuration, the median of ``--repeat`` workers (fresh
-    processes: a bimodal path shows as min/max), with its speed-up over HF dynamic."""
+    processes: a bimodal path shows as min/max), with its speed-up over HF dynamic. A jaxkv
+    configuration loads with ``--weights`` when given; a llama.cpp one runs the model's GGUF file
+    (or is an error row saying why it did not run)."""
+    llama_cpp, skipped = llama_cpp_setup(args)
+    weights = {} if args.weights is None else {"weights": args.weights}
     rows = []
     for batch in args.batch:
         for name in args.systems:
-            system, cache, model_kwargs = CONFIGS[name]
-            spec = dict(
-                kind="generate", system=system, cache=cache, model_kwargs=model_kwargs, batch=batch, prompt=prompt,
-                new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common,
-            )  # fmt: skip
-            rows.append(repeated(args, spec, name=name, system=system, cache=cache, batch=batch,
-                                 prompt_tokens=len(prompt), new_tokens=args.new_tokens))  # fmt: skip
+            system, cache, options = CONFIGS[name]
+            fields = dict(name=name, system=system, cache=cache, batch=batch, prompt_tokens=len(prompt),
+                          new_tokens=args.new_tokens)  # fmt: skip
+            spec = dict(kind="generate", system=system, cache=cache, batch=batch, prompt=prompt,
+                        new_tokens=args.new_tokens, label=f"{name} batch {batch}", **common)  # fmt: skip
+            if system == "llama.cpp" and skipped:
+                rows.append(fields | dict(error=skipped))
+            elif system == "llama.cpp":
+                spec |= dict(model_path=str(gguf_path(args.model)), **options)
+                rows.append(repeated(args, spec, llama_cpp, **fields))
+            else:
+                rows.append(repeated(args, spec | dict(model_kwargs=None if options is None else options | weights),
+                                     **fields))  # fmt: skip
     for row in rows:
         base = next((r for r in rows if r["name"] == BASELINE and r["batch"] == row["batch"]), None)
         if "error" not in row and base is not None and "error" not in base:
@@ -650,8 +779,9 @@ def print_quantized(rows: list[dict], context: int) -> None:
         if "error" in r:
             print(f"| {r['name']} | failed: {r['error'][:60]} | | | | | |")
             continue
-        print(f"| {r['name']} | {r['cache_bytes'] / 2**20:.2f} | {r['prefill_s']:.2f} | {r['decode_ms_per_step']:.2f} | "
-              f"{fmt(r.get('decode_vs_full'), '.2f')}x | {r['window_s']:.2f} | {fmt(r.get('window_vs_full'), '.2f')}x |")
+        print(f"| {r['name']} | {r['cache_bytes'] / 2**20:.2f} | {r['prefill_s']:.2f} | "
+              f"{r['decode_ms_per_step']:.2f} | {fmt(r.get('decode_vs_full'), '.2f')}x | {r['window_s']:.2f} | "
+              f"{fmt(r.get('window_vs_full'), '.2f')}x |")
 
 
 def quantized_targets(rows: list[dict]) -> list[dict]:
@@ -716,6 +846,8 @@ def print_report(title: str, rows: list[dict], long: dict | None, targets: list[
         print_long(long)
     print_targets(targets)
     print_bound(bound)
+    print("\n### Bytes read per decode step (weights + every row's live K/V, average context)\n")
+    print(bytes_table(rows))
     if agree:
         print("\nGreedy agreement with jaxkv-static (leading tokens of row 0): "
               + ", ".join(f"{k} {v}" for k, v in agree.items()))  # fmt: skip
@@ -749,6 +881,9 @@ def main(argv=None) -> int:
               '(pip install "jax[cuda12]") on a machine with an NVIDIA GPU', file=sys.stderr)  # fmt: skip
         return 2
     rows = run_configurations(args, prompt, common)
+    for row in rows:
+        if "error" not in row:
+            row["bytes"] = decode_bytes(row, membw.get("gbps"))
     long = run_long(args, common) if args.long else None
     quantized = run_quantized(args, common) if args.quantized else None
 
@@ -757,14 +892,16 @@ def main(argv=None) -> int:
     agree = agreement(rows)
     table = markdown_table(rows)
     where = f"{cpu_cores()} cores" if args.device == "cpu" else "GPU"
-    title = f"{args.model} {args.dtype}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; {where}"
+    weights = "" if args.weights is None else f", jaxkv weights {args.weights}"
+    title = f"{args.model} {args.dtype}{weights}: prompt {len(prompt)} tok, {args.new_tokens} new, greedy; {where}"
     print_report(title, rows, long, targets, bound, agree, table, args.device)
     if quantized:
         print_quantized(quantized, args.quantized_context)
     report = dict(
         settings=dict(
             model=args.model, dtype=args.dtype, device=args.device, batch=args.batch, new_tokens=args.new_tokens,
-            prompt_tokens=len(prompt), systems=args.systems, prompt_ids=prompt,
+            prompt_tokens=len(prompt), systems=args.systems, prompt_ids=prompt, weights=args.weights,
+            threads=args.threads,
         ),
         environment=environment(args.threads), rows=rows, long=long, quantized=quantized, targets=targets,
         memory_bandwidth=membw,

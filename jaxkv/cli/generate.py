@@ -15,13 +15,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, get_args
 
 from pydantic import Field, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from jaxkv.cli import launch
 from jaxkv.cli.launch import Distributed
-from jaxkv.config import MESH_HELP, CacheConfig, MeshConfig, Strict, load_config
+from jaxkv.config import MESH_HELP, WEIGHTS_HELP, CacheConfig, MeshConfig, Strict, Weights, load_config
 from jaxkv.kernels import BACKENDS
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class GenerateConfig(Strict):
     chat: bool = True
     max_new_tokens: PositiveInt = 64
     dtype: Literal["float32", "bfloat16"] = "float32"
+    weights: Weights = "dense"  # how the model's matrices are held: jaxkv.models.load.WEIGHTS
     cache: CacheConfig = CacheConfig()
     temperature: NonNegativeFloat = 0.0
     top_k: NonNegativeInt = 0
@@ -106,6 +107,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--max-length", type=int, help="cache capacity in tokens (default: prompt + new, bucketed)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"])
+    parser.add_argument("--weights", choices=get_args(Weights), help=WEIGHTS_HELP)
     parser.add_argument("--temperature", type=float)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
@@ -150,8 +152,8 @@ def resolve_config(args) -> GenerateConfig:
     """The YAML config (if any) with the command-line flags on top, validated as a whole."""
     merged = (load_config(args.config, GenerateConfig) if args.config else GenerateConfig()).model_dump()
     for key in (
-        "model", "prompt", "chat", "max_new_tokens", "dtype", "temperature", "top_k", "top_p", "min_p", "seed",
-        "speculative", "num_draft_tokens", "draft_model", "exit_layer", "num_beams", "length_penalty",
+        "model", "prompt", "chat", "max_new_tokens", "dtype", "weights", "temperature", "top_k", "top_p", "min_p",
+        "seed", "speculative", "num_draft_tokens", "draft_model", "exit_layer", "num_beams", "length_penalty",
         "num_return_sequences", "attention_backend",
     ):  # fmt: skip
         if getattr(args, key) is not None:
@@ -293,7 +295,7 @@ def load_for_generate(config: GenerateConfig, use_weight_cache: bool, mesh: Mesh
     chat = config.chat and tokenizer.chat_template is not None
     if config.chat and not chat:
         print(f"jaxkv: {config.model} has no chat template: the prompt is plain text (--no-chat)", file=sys.stderr)
-    model = source.model(jnp.dtype(config.dtype), mesh=mesh)
+    model = source.model(jnp.dtype(config.dtype), weights=config.weights, mesh=mesh)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) if chat else p for p in config.prompts]
     return model, tokenizer, [tokenizer.encode(text) for text in texts], time.perf_counter() - start
 

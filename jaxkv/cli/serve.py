@@ -15,21 +15,23 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import get_args
 
 from pydantic import PositiveInt, model_validator
 
-from jaxkv.config import MESH_HELP, MeshConfig, Strict, load_config
+from jaxkv.config import MESH_HELP, WEIGHTS_HELP, MeshConfig, Strict, Weights, load_config
 from jaxkv.engine_args import add_engine_flags, as_dict, engine_settings, load_engine, with_pool_retrieval
 from jaxkv.serving.engine_config import EngineConfig
 
 ENGINE_FIELDS = tuple(field.name for field in dataclasses.fields(EngineConfig))
-SERVE_FLAGS = ("model", "served_model_name", "host", "port", "max_waiting")
+SERVE_FLAGS = ("model", "weights", "served_model_name", "host", "port", "max_waiting")
 
 
 class ServeConfig(Strict):
     """What ``jaxkv serve`` runs; ``--config FILE`` (YAML, e.g. configs/serve.yaml) sets any of these."""
 
     model: str = "smollm2"
+    weights: Weights = "dense"  # how the model's matrices are held: jaxkv.models.load.WEIGHTS
     served_model_name: str | None = None  # the name clients pass as `model` (default: model)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -65,6 +67,7 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the serving engine")
     parser.add_argument("--config", type=Path, help="YAML file (configs/serve.yaml); flags below override it")
     parser.add_argument("--model", help="embedded default name, a checkpoint directory or a .gguf (default smollm2)")
+    parser.add_argument("--weights", choices=get_args(Weights), help=WEIGHTS_HELP)
     parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
     parser.add_argument("--host", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="default 8000")
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = resolve_serve_config(args)
     mesh = None if config.mesh is None else config.mesh.build()
-    engine, tokenizer = load_engine(config.model, config.engine, mesh=mesh)
+    engine, tokenizer = load_engine(config.model, config.engine, mesh=mesh, weights=config.weights)
     if tokenizer is None:
         raise ValueError(f"{config.model} has no tokenizer: the server needs one for text prompts and outputs")
     start = time.perf_counter()

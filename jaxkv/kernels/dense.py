@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.decode_attention import gqa
 from jax.sharding import PartitionSpec
 
-from jaxkv.kernels.backends import PALLAS_GPU, PALLAS_TPU, XLA, interpreted
+from jaxkv.kernels.backends import CPU, PALLAS_GPU, PALLAS_TPU, XLA, interpreted
 from jaxkv.sharding import BATCH, HEAD_DIM, KV_HEADS, KV_SLOTS, Axes, Layout
 
 # The kernel splits the buffer into K splits (the most of K_SPLITS) of a multiple of MIN_SPLIT
@@ -43,6 +43,8 @@ def dense_route(
         return "the xla backend"
     if backend == PALLAS_TPU:
         return "no Pallas TPU kernel for dense buffers"
+    if backend == CPU:
+        return "the CPU kernel reads paged pools only"
     if logit_softcap is not None:
         return "logit soft-capping (neither the decode kernel nor cuDNN's attention has it)"
     if slot_mass:

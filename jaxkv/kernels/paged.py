@@ -15,9 +15,15 @@ and one scale per token and head ``[H_kv, P', page']``.
   pages would be one DMA per token; the layer's pool is sliced out and transposed to
   ``[H_kv, P, page_size, D]`` per call (``heads_major``): store the pool 'heads' instead.
 
-What the kernels read: one query token per row, slots ``0 .. length - 1`` of the row's block
-table (a length, no mask), K/V of float dtype or scaled codes (``x * scale``, no zero point),
+What the Pallas kernels read: one query token per row, slots ``0 .. length - 1`` of the row's
+block table (a length, no mask), K/V of float dtype or scaled codes (``x * scale``, no zero point),
 logit soft-capping. What they lack goes to jaxkv's XLA path (``kernel_route``).
+
+The native CPU kernel (``cpu``: ``jaxkv.kernels.cpu_paged``, ``paged_blocks``) takes the stacks
+themselves, either layout, and query blocks of one row with a position per query: decode tokens,
+a row's token and its drafts, sliding windows (slots of positions ``> q - window``), null pages
+skipped as XLA masks them, and every page format jaxkv stores (int codes with their zero points,
+fp8, several scale groups per token).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as t
 from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8
 from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import QuantizedTensor as TpuQuantized
 
-from jaxkv.kernels.backends import PALLAS_GPU, PALLAS_TPU, XLA, interpreted
-from jaxkv.quantization import QuantSpec
+from jaxkv.kernels import cpu_paged
+from jaxkv.kernels.backends import CPU, PALLAS_GPU, PALLAS_TPU, XLA, interpreted
+from jaxkv.quantization import QuantizedTensor, QuantSpec
 from jaxkv.sharding import HEAD_DIM, KV_HEADS, LAYERS, PAGE_SLOTS, PAGES, Axes, Layout
 
 # Pages per compute block and K splits of the GPU kernel (its defaults), tokens per compute block
@@ -57,12 +64,15 @@ def kernel_route(
     quantization: QuantSpec | None, head_dim: int, split_pool: bool = False,
 ) -> str | None:  # fmt: skip
     """Why a paged view's decode tokens are read by XLA under ``backend``; None: the kernel reads
-    them. Prefill chunks always go to XLA (the decode kernels take one query token per row).
-    ``split_pool``: the pool is split over devices along more than its K/V heads (``split_pool``)."""
+    them. Prefill chunks go to XLA (the Pallas kernels take one query token per row; for the CPU
+    kernel see ``prefill_route``). ``split_pool``: the pool is split over devices along more than
+    its K/V heads (``split_pool``)."""
     if backend == XLA:
         return "the xla backend"
     if split_pool:
         return "pages split over devices (a row's pages on several devices: its softmax needs a cross-device merge)"
+    if backend == CPU:
+        return _cpu_route(shifted=shifted, slot_mass=slot_mass)
     if window is not None:
         return "a sliding window (the kernels read slots 0 .. length - 1, and freed pages leave holes)"
     if decode_width != 1:
@@ -73,6 +83,28 @@ def kernel_route(
         return "slot scores (query_weights)"
     if quantization is not None and (quantization.asymmetric or quantization.q_group_size != head_dim):
         return "int codes (a zero point) or several scale groups per token (the kernels take one scale per token)"
+    return None
+
+
+def prefill_route(backend: str, *, shifted: bool, slot_mass: bool, split_pool: bool = False) -> str | None:
+    """Why a paged view's prefill chunks (blocks of ``QUERY_BLOCK`` queries of one row) are read by
+    XLA under ``backend``; None: the CPU kernel reads them (a 512-token chunk in a third of XLA's
+    time: docs/kernels.md, "CPU kernel")."""
+    if backend == XLA:
+        return "the xla backend"
+    if backend != CPU:
+        return "the Pallas decode kernels take one query token per row"
+    if split_pool:
+        return "pages split over devices (a row's pages on several devices: its softmax needs a cross-device merge)"
+    return _cpu_route(shifted=shifted, slot_mass=slot_mass)
+
+
+def _cpu_route(*, shifted: bool, slot_mass: bool) -> str | None:
+    """What the CPU kernel lacks (it reads windows, drafts and every page format jaxkv stores)."""
+    if shifted:
+        return "compacted rows (their slots hold non-contiguous positions, per K/V head)"
+    if slot_mass:
+        return "slot scores (query_weights: the kernel returns no slot mass)"
     return None
 
 
@@ -110,23 +142,34 @@ def split_pool(sharding: Layout | None, shape: tuple[int, ...], layout: str) -> 
 def paged_decode(
     backend: str, queries: jax.Array, key_stack, value_stack, index, tables: jax.Array, lengths: jax.Array, *,
     scale: float, logit_softcap: float | None = None, quantization: QuantSpec | None = None,
-    layout: str = TOKENS_LAYOUT, sharding: Layout | None = None,
+    layout: str = TOKENS_LAYOUT, sharding: Layout | None = None, window: int | None = None,
 ) -> jax.Array:  # fmt: skip
     """Decode attention by ``backend``'s kernel over layer ``index`` of a pool stack as jaxkv stores
     it: ``key_stack``/``value_stack`` ``[L, P, page_size, H_kv, D]`` (``layout`` 'tokens') or
     ``[L, P, H_kv, page_size, D]`` ('heads'), a ``QuantizedTensor`` under ``quantization`` (fp8
     codes with one scale per token, see ``kernel_route``); ``queries`` ``[B, H_q, D]`` (one token
     per row), row b reading slots ``0 .. lengths[b] - 1`` ``[B]`` through block table ``tables[b]``
-    ``[B, W]`` (length 0: zeros). Returns ``[B, H_q, D]`` float32.
+    ``[B, W]`` (length 0: zeros); ``window`` (the CPU kernel only): the last ``window`` of them.
+    Returns ``[B, H_q, D]`` float32.
 
-    ``sharding``: the mesh and rules the stacks are sharded by. XLA does not partition a Pallas
+    ``sharding``: the mesh and rules the stacks are sharded by. XLA does not partition a kernel
     call, so the kernel runs per device under ``shard_map``, each device over its own K/V heads
     and their query heads; a pool split otherwise (``split_pool``) is refused: route it to XLA."""
+    if backend == CPU:
+        return paged_blocks(
+            queries[:, None], (lengths - 1)[:, None], key_stack, value_stack, index, tables, scale=scale,
+            logit_softcap=logit_softcap, window=window, quantization=quantization, layout=layout, sharding=sharding,
+        )[:, 0]  # fmt: skip
+    if window is not None:
+        raise ValueError(f"paged_decode: the {backend} kernel reads no sliding window (kernel_route routes it to XLA)")
     if sharding is not None:
-        return _sharded_decode(
-            sharding, backend, queries, key_stack, value_stack, index, tables, lengths, scale=scale,
-            logit_softcap=logit_softcap, quantization=quantization, layout=layout,
-        )  # fmt: skip
+        def local(queries, key_stack, value_stack, index, tables, lengths):
+            return paged_decode(
+                backend, queries, key_stack, value_stack, index, tables, lengths, scale=scale,
+                logit_softcap=logit_softcap, quantization=quantization, layout=layout,
+            )  # fmt: skip
+
+        return _per_device(sharding, layout, local, queries, key_stack, value_stack, index, tables, lengths)
     options = {"scale": scale, "logit_softcap": logit_softcap}
     if backend == PALLAS_GPU or layout == HEADS_LAYOUT:
         stacks = (key_stack, value_stack)
@@ -139,24 +182,47 @@ def paged_decode(
     )
 
 
-def _sharded_decode(sharding: Layout, backend, queries, key_stack, value_stack, index, tables, lengths, **options):
-    """``paged_decode`` per device under ``shard_map``: K/V heads (and their query heads) split as
-    the stacks are, everything else replicated. Returns ``[B, H_q, D]`` float32."""
-    shape = (key_stack.codes if options["quantization"] is not None else key_stack).shape
-    if split_pool(sharding, shape, options["layout"]):
-        raise ValueError(f"paged_decode: {sharding.mesh.shape} splits the pool {shape} along more than its K/V heads")
-    pool = _stack_spec(sharding, shape, options["layout"])
-    heads = PartitionSpec(None, pool[len(shape) + slot_and_head_axes(options["layout"])[1]], None)
+def paged_blocks(
+    queries: jax.Array, positions: jax.Array, key_stack, value_stack, index, tables: jax.Array, *, scale: float,
+    logit_softcap: float | None = None, window: int | None = None, quantization: QuantSpec | None = None,
+    layout: str = TOKENS_LAYOUT, sharding: Layout | None = None,
+) -> jax.Array:  # fmt: skip
+    """Attention of query blocks by the CPU kernel (``jaxkv.kernels.cpu_paged``) over layer ``index``
+    of the stacks as ``paged_decode`` takes them: block z's queries ``queries[z]`` ``[Z, Q, H_q, D]`` at
+    ``positions[z]`` ``[Z, Q]`` (-1: padding, zeros) read their row's slots of positions ``0 .. q``
+    (within ``window``) through block table ``tables[z]`` ``[Z, W]``, causal among the block's own
+    tokens. Returns ``[Z, Q, H_q, D]`` float32. Under ``sharding``, per device as ``paged_decode``."""
+    if sharding is not None:
+        def local(queries, key_stack, value_stack, index, positions, tables):
+            return paged_blocks(
+                queries, positions, key_stack, value_stack, index, tables, scale=scale, logit_softcap=logit_softcap,
+                window=window, quantization=quantization, layout=layout,
+            )  # fmt: skip
 
-    def local(queries, key_stack, value_stack, index, tables, lengths):
-        return paged_decode(backend, queries, key_stack, value_stack, index, tables, lengths, **options)
-
-    replicated = PartitionSpec()
-    decode = jax.shard_map(
-        local, mesh=sharding.mesh, in_specs=(heads, pool, pool, replicated, replicated, replicated), out_specs=heads,
-        check_vma=False,
+        return _per_device(sharding, layout, local, queries, key_stack, value_stack, index, positions, tables)
+    return cpu_paged.paged_attention(
+        queries, positions, key_stack, value_stack, index, tables, scale=scale, logit_softcap=logit_softcap,
+        window=window, quantization=quantization, heads_layout=check_layout(layout) == HEADS_LAYOUT,
     )  # fmt: skip
-    return decode(queries, key_stack, value_stack, jnp.asarray(index, jnp.int32), tables, lengths)
+
+
+def _per_device(sharding: Layout, layout: str, local, queries, key_stack, value_stack, index, *rows) -> jax.Array:
+    """``local(queries, key_stack, value_stack, index, *rows)`` per device under ``shard_map``: the
+    stacks' K/V heads and the query heads of ``queries`` ``[..., H_q, D]`` (their axis -2) split as the
+    stacks are, ``index`` and ``rows`` (block tables, lengths, positions) replicated. Returns
+    ``queries``' shape."""
+    shape = (key_stack.codes if isinstance(key_stack, QuantizedTensor) else key_stack).shape
+    if split_pool(sharding, shape, layout):
+        raise ValueError(f"paged_decode: {sharding.mesh.shape} splits the pool {shape} along more than its K/V heads")
+    pool = _stack_spec(sharding, shape, layout)
+    head = pool[len(shape) + slot_and_head_axes(layout)[1]]
+    heads = PartitionSpec(*([None] * (queries.ndim - 2)), head, None)
+    replicated = PartitionSpec()
+    call = jax.shard_map(
+        local, mesh=sharding.mesh, in_specs=(heads, pool, pool, replicated, *([replicated] * len(rows))),
+        out_specs=heads, check_vma=False,
+    )  # fmt: skip
+    return call(queries, key_stack, value_stack, jnp.asarray(index, jnp.int32), *rows)
 
 
 def flat_tables(tables: jax.Array, index, stack_shape: tuple[int, ...], layout: str) -> jax.Array:

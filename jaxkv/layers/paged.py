@@ -47,12 +47,15 @@ from flax import struct
 from jaxkv.batch import QUERY_BLOCK, PackedAttention, PackedBatch, PagedStorage
 from jaxkv.kernels import (
     AUTO,
+    CPU,
     TOKENS_LAYOUT,
     XLA,
     check_backend,
     check_layout,
     kernel_route,
+    paged_blocks,
     paged_decode,
+    prefill_route,
     slot_and_head_axes,
     split_pool,
 )
@@ -82,7 +85,8 @@ class Paging:
     ``compacted``: full-attention rows may be compacted (``max_pages_per_request``): their layers
     keep the position each slot holds per K/V head (``PagedLayer.slot_positions``).
     ``attention_backend``: what reads the decode tokens (``jaxkv.kernels``: 'xla', 'pallas_gpu',
-    'pallas_tpu'; resolve 'auto' first with ``jaxkv.kernels.resolve_backend``).
+    'pallas_tpu', 'cpu', which reads prefill chunks too; resolve 'auto' first with
+    ``jaxkv.kernels.resolve_backend``).
     ``layout``: how a layer's pages are stored: 'tokens' ``[P, page_size, H_kv, D]`` or 'heads'
     ``[P, H_kv, page_size, D]`` (each head's slots of a page together: the kernels read such a
     pool in place, page by page; XLA reads either).
@@ -312,9 +316,11 @@ class PagedKVView:
         come in blocks of ``decode_width`` tokens of one row (single decodes, or a row's token and
         its drafts), each block reading its row's pages (``token_rows``); the rest come in blocks of
         ``QUERY_BLOCK`` tokens of one row each (a prefill chunk), which read their row's pages
-        once per block instead of once per token (``_read_blocks``). A retrieving pool's queries
-        read their chosen pages instead (``_retrieved``), or every page where ``dense_queries``
-        says so. ``block_size`` is the plain views' option: pages are read ``block_pages`` at a time."""
+        once per block instead of once per token (``_read_blocks``). The backend's kernel reads
+        the blocks ``kernel_route`` (decode) and ``prefill_route`` (prefill) give it. A retrieving
+        pool's queries read their chosen pages instead (``_retrieved``), or every page where
+        ``dense_queries`` says so. ``block_size`` is the plain views' option: pages are read
+        ``block_pages`` at a time."""
         batch, num_heads, length, head_dim = queries.shape
         tokens, num_kv_heads = batch * length, self.num_kv_heads
         grouped = queries.transpose(0, 2, 1, 3).reshape(tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -347,7 +353,10 @@ class PagedKVView:
             parts = [self._kernel_decode(grouped[:single], positions[:single], scale, logit_softcap)]
         else:
             parts = [part(0, single, self.decode_width, self.decode_columns)] if single else []
-        if single < tokens:
+        if single < tokens and self.retrieval is None and self.prefill_route(slot_mass=weights is not None) is None:
+            rows = self.token_rows[single::QUERY_BLOCK]
+            parts.append(self._cpu_blocks(grouped[single:], positions[single:], rows, scale, logit_softcap))
+        elif single < tokens:
             parts.append(part(single, tokens, QUERY_BLOCK, self.block_table.shape[1]))
         outs = [part if weights is None else part[0] for part in parts]
         out = jnp.concatenate(outs) if len(outs) > 1 else outs[0]  # [N, H_kv, G, D]
@@ -401,7 +410,7 @@ class PagedKVView:
 
     def kernel_route(self, head_dim: int, slot_mass: bool) -> str | None:
         """Why the decode tokens are read by XLA (``jaxkv.kernels.kernel_route``); None: by the
-        backend's kernel. Prefill chunks are always read by XLA."""
+        backend's kernel."""
         return kernel_route(
             self.backend, window=self.window, decode_width=self.decode_width,
             shifted=self.shifts is not None or self.slot_positions is not None, slot_mass=slot_mass,
@@ -409,14 +418,39 @@ class PagedKVView:
             split_pool=split_pool(self.sharding, pool_shape(self.key_stack), self.layout),
         )  # fmt: skip
 
+    def prefill_route(self, slot_mass: bool) -> str | None:
+        """Why the prefill chunks are read by XLA (``jaxkv.kernels.prefill_route``); None: by the CPU kernel."""
+        return prefill_route(
+            self.backend, shifted=self.shifts is not None or self.slot_positions is not None, slot_mass=slot_mass,
+            split_pool=split_pool(self.sharding, pool_shape(self.key_stack), self.layout),
+        )  # fmt: skip
+
     def _kernel_decode(self, grouped: jax.Array, positions: jax.Array, scale: float, logit_softcap) -> jax.Array:
-        """Decode tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions`` ``[M]`` (one per row, -1:
-        padding) by the backend's kernel over slots ``0 .. position`` of their rows: ``[M, H_kv, G, D]``."""
+        """Decode tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions`` ``[M]`` (-1: padding) by the
+        backend's kernel over slots ``0 .. position`` of their rows: ``[M, H_kv, G, D]``. The CPU
+        kernel takes them in blocks of ``decode_width`` tokens of one row (a token and its drafts)."""
         tokens, num_kv_heads, group, head_dim = grouped.shape
+        if self.backend == CPU:
+            rows = self.token_rows[:tokens : self.decode_width]
+            return self._cpu_blocks(grouped, positions, rows, scale, logit_softcap)
         out = paged_decode(
             self.backend, grouped.reshape(tokens, num_kv_heads * group, head_dim), self.key_stack, self.value_stack,
             self.index, self.block_table[self.token_rows[:tokens]], jnp.maximum(positions + 1, 0), scale=scale,
             logit_softcap=logit_softcap, quantization=self.quantization, layout=self.layout, sharding=self.sharding,
+        )  # fmt: skip
+        return out.reshape(grouped.shape)
+
+    def _cpu_blocks(self, grouped: jax.Array, positions: jax.Array, rows: jax.Array, scale: float, logit_softcap):
+        """Blocks of query tokens ``grouped`` ``[M, H_kv, G, D]`` at ``positions`` ``[M]`` (-1: padding),
+        block b of row ``rows[b]`` ``[Z]`` (``M / Z`` tokens each), by the CPU kernel over their rows'
+        pages (within the window): ``[M, H_kv, G, D]`` float32."""
+        tokens, num_kv_heads, group, head_dim = grouped.shape
+        blocks = rows.shape[0]
+        out = paged_blocks(
+            grouped.reshape(blocks, tokens // blocks, num_kv_heads * group, head_dim), positions.reshape(blocks, -1),
+            self.key_stack, self.value_stack, self.index, self.block_table[rows], scale=scale,
+            logit_softcap=logit_softcap, window=self.window, quantization=self.quantization, layout=self.layout,
+            sharding=self.sharding,
         )  # fmt: skip
         return out.reshape(grouped.shape)
 

@@ -120,9 +120,11 @@ class EngineConfig:
     whose layers keep different budgets, needs it)."""
     attention_backend: Literal[BACKENDS] = XLA
     """What reads the paged decode tokens: 'xla' (jaxkv's own reads), 'pallas_gpu' / 'pallas_tpu'
-    (JAX's Pallas paged-attention kernels; interpreted off their platform) or 'auto' (the platform's
-    kernel, else 'xla'); what a kernel lacks (prefill chunks, windows, drafts, compacted rows, int
-    pages) is read by XLA (``jaxkv.kernels``, docs/kernels.md)."""
+    (JAX's Pallas paged-attention kernels; interpreted off their platform), 'cpu' (jaxkv's native
+    CPU kernel, which reads the pools in place, prefill chunks too; CPU platform only, and only where
+    the kernel library was built) or 'auto' (the platform's kernel, 'cpu' on CPU when built, else
+    'xla'); what a kernel lacks (Pallas: prefill chunks, windows, drafts, int pages; every kernel:
+    compacted rows, slot scores) is read by XLA (``jaxkv.kernels``, docs/kernels.md)."""
     pool_layout: Literal[POOL_LAYOUTS] = TOKENS_LAYOUT
     """How the pages are stored (``Paging.layout``): 'tokens' ``[P, page, H_kv, D]`` or 'heads'
     ``[P, H_kv, page, D]``, which the kernels read in place page by page."""

@@ -121,7 +121,8 @@ def test_tier_systems_options_targets_and_restart(monkeypatch):
         return {"records": []}
 
     monkeypatch.setattr(orchestration, "run_worker", run_worker)
-    assert orchestration.run_after_restart(specs["engine-disk-tier"], None, timeout=None, verbose=False) == {"records": []}
+    restarted = orchestration.run_after_restart(specs["engine-disk-tier"], None, timeout=None, verbose=False)
+    assert restarted == {"records": []}
     (fill, fill_dir, fill_exists), (timed, timed_dir, timed_exists) = calls
     assert "filling the disk tier" in fill and timed == "multi-turn / engine-disk-tier"
     assert fill_dir == timed_dir and fill_exists and timed_exists and not Path(timed_dir).exists()
@@ -384,9 +385,13 @@ def test_static_and_transformers_on_a_tiny_llama(tmp_path):
         assert len(row["records"]) == 4 and row["output_tok_s"] > 0
         assert all(r["arrival"] <= r["first_token"] <= r["finish"] for r in row["records"])
         assert row["stats"]["peak_kv_bytes"] > 0
+        # the worker's start-up (process start to first request) is out of the clock, and in the end-to-end rate
+        assert row["startup_s"] > 0 and row["end_to_end_tok_s"] < row["output_tok_s"]
+        assert row["cpu_ms_per_token_with_startup"] > row["cpu_ms_per_token"]
     static = report["rows"][0]["stats"]
     assert static["xla_compiles_run"] == 0 and 0 < static["wasted_slot_fraction"] < 1  # warm-up compiled it all
     assert "| random | transformers CB (CPU) |" in proc.stdout and "### Targets" in proc.stdout
+    assert "start-up (outside the clock above) and end to end" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:
         assert out.with_suffix(".png").stat().st_size > 0
 
@@ -458,7 +463,8 @@ def test_multi_turn_with_the_host_tier_on_a_tiny_llama(tmp_path):
     engine, host = report["rows"]
     assert host["agreement"]["equal"] == host["agreement"]["total"] == 32
     assert host["stats"]["tiers"]["host"]["hit_pages"] > 0 and engine["stats"]["tiers"]["host"]["hit_pages"] == 0
-    assert all(row["returning_ttft_p50_s"] is not None and row["first_ttft_p50_s"] is not None for row in (engine, host))
+    assert all(row["returning_ttft_p50_s"] is not None and row["first_ttft_p50_s"] is not None
+               for row in (engine, host))  # fmt: skip
     assert "returning turns" in proc.stdout
 
 

@@ -1,22 +1,25 @@
 """vLLM in the serving benchmark without vLLM: the worker's driver against a fake of the
 ``vllm.LLMEngine`` calls it makes (arrival gating, records, token ids), the process-tree CPU
-seconds, greedy agreement, the repeat aggregation, the engine arguments and the skip when the
-venv cannot be made. (The real vLLM run is ``jaxkv bench serving --systems engine vllm``; CI does
-not build its venv.)"""
+seconds, the start-up kept out of the clock and the end-to-end figures with it, greedy
+agreement, the repeat aggregation, the engine arguments (vLLM's defaults with a pool that holds
+the workload) and the skip when the venv cannot be made. (The real vLLM run is ``jaxkv bench
+serving --systems engine vllm``; CI does not build its venv.)"""
 
 import ast
-import importlib.util
 import dataclasses
+import importlib.util
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jaxkv.bench import vllm_env, vllm_worker
-from jaxkv.bench.serving import cli, metrics, orchestration
-from jaxkv.bench.serving.spec import worker_spec
+from jaxkv.bench.serving import cli, metrics, orchestration, report
+from jaxkv.bench.serving.spec import whole_workload_bytes, worker_spec
 from jaxkv.bench.vllm_worker import Record, ServingRequest, TokenTally
 
 
@@ -102,6 +105,9 @@ def test_timed_drive_checks_lengths_and_counts_cpu():
     result = vllm_worker.timed_drive(vllm_worker.VllmRequests(engine, lambda n: n), REQUESTS[:1], "vllm")
     assert result["records"][0].output_tokens == 3 and result["token_ids"] == [[10, 11, 12]]
     assert result["cpu_s"] >= 0
+    # the start-up before the clock: this test process's life so far, and its CPU time (importing jaxkv at least)
+    assert 0 < result["startup_s"] < time.time() - psutil.Process().create_time() + 1
+    assert result["startup_cpu_s"] > 0.1
     with pytest.raises(RuntimeError, match=r"vllm: requests \(index, generated, asked\) \[\(0, 1, 3\)"):
         engine = StopsEarly(time.perf_counter(), step_seconds=0.0)
         vllm_worker.timed_drive(vllm_worker.VllmRequests(engine, lambda n: n), REQUESTS[:1], "vllm")
@@ -142,6 +148,20 @@ def test_cpu_seconds_count_a_child_process_alive_and_reaped():
     reaped = vllm_worker.process_tree_cpu_seconds() - before
     assert 0.5 <= alive < 2.0  # the child's half second, its start-up and this process's waiting
     assert alive - 0.02 <= reaped < alive + 0.5  # CPU times tick in hundredths
+
+
+def test_end_to_end_figures_put_the_start_up_inside_the_clock():
+    """A run of 2 requests (4 and 2 tokens, the last finishing at 3 s), 5 s of start-up, 1 s of CPU
+    while serving and 9 s before: 2 tok/s as timed (start-up out), 6 / 8 s end to end."""
+    records = [dataclasses.asdict(r) for r in (Record(0.0, 1.0, 3.0, 4), Record(0.0, 1.0, 2.0, 2))]
+    result = dict(records=records, cpu_s=1.0, startup_s=5.0, startup_cpu_s=9.0)
+    run = metrics.run_metrics(result, [0, 0])
+    assert run["output_tok_s"] == pytest.approx(2.0) and run["end_to_end_tok_s"] == pytest.approx(6 / 8)
+    assert run["cpu_ms_per_token"] == pytest.approx(1000 / 6)
+    assert run["cpu_ms_per_token_with_startup"] == pytest.approx(10_000 / 6) and run["startup_s"] == 5.0
+    row = metrics.make_row("random", "vllm", [run | dict(stats={})]) | dict(workload="random")
+    (line,) = report.startup_table([row, dict(workload="random", system="engine", error="boom")]).splitlines()[2:]
+    assert line == "| random | vLLM (its defaults) | 5.0 | 2.0 | 0.8 | 166.7 | 1666.7 |"
 
 
 def test_greedy_agreement_counts_equal_requests():
@@ -201,7 +221,10 @@ def test_vllm_specs_and_commands(tmp_path):
     setup = orchestration.VllmSetup(python=tmp_path / "bin" / "python", checkpoint=tmp_path / "ckpt")
     spec = worker_spec(args, "vllm-matched", "random", REQUESTS, setup.checkpoint)
     assert spec.engine_args["block_size"] == 32 and spec.engine_args["model"] == str(tmp_path / "ckpt")
-    assert spec.warm_up_requests == 3  # min(--max-num-seqs, requests)
+    assert spec.engine_args["kv_cache_memory_bytes"] == 2**30  # jaxkv's pool, --kv-memory's default
+    assert spec.warm_up_requests == 0  # as vllm bench throughput: no requests before the timer
+    warmed = cli.parse_args(["--systems", "vllm-matched", "--vllm-warm-up-requests", "5"])
+    assert worker_spec(warmed, "vllm-matched", "random", REQUESTS, setup.checkpoint).warm_up_requests == 3
     assert worker_spec(args, "engine", "random", REQUESTS, setup.checkpoint).model == str(tmp_path / "ckpt")
     engine = worker_spec(args, "engine", "random", REQUESTS, None)
     assert engine.model == "smollm2" and engine.engine_args is None
@@ -211,6 +234,36 @@ def test_vllm_specs_and_commands(tmp_path):
     assert type(spec).model_validate(sent) == spec
     assert orchestration.worker_command(spec, setup) == [str(setup.python), vllm_worker.__file__]
     assert orchestration.worker_command(engine, setup) == [sys.executable, "-m", orchestration.MODULE, "--worker"]
+
+
+SMOLLM2_CONFIG = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
+                      head_dim=64)  # fmt: skip
+
+
+def test_vllm_at_its_defaults_gets_a_pool_that_holds_the_workload(tmp_path):
+    """vLLM's own default pool on the CPU is 92% of the memory, more than the workload ever fills;
+    the benchmark gives ``vllm`` the larger of ``--kv-memory`` and the whole workload in vLLM's
+    128-token blocks, so at its 256 sequences it never preempts."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
+    token_bytes = 2 * 30 * 3 * 64 * 4  # float32
+    assert vllm_env.kv_bytes_per_token(checkpoint, "float32") == token_bytes
+    assert vllm_env.kv_bytes_per_token(checkpoint, "bfloat16") == token_bytes // 2
+    no_head_dim = SMOLLM2_CONFIG | dict(head_dim=None)  # head size from the hidden size: 576 / 9
+    (checkpoint / "config.json").write_text(json.dumps(no_head_dim))
+    assert vllm_env.kv_bytes_per_token(checkpoint, "float32") == token_bytes
+    requests = [ServingRequest(0.0, [1] * 256, 128)] * 64  # the issue's workload: 64 x 3 blocks
+    assert whole_workload_bytes(requests, token_bytes) == 64 * 3 * 128 * token_bytes
+    assert whole_workload_bytes(requests, token_bytes) > 2**30  # more than jaxkv's 1 GiB pool: vLLM preempted
+    args = cli.parse_args(["--systems", "engine", "vllm", "vllm-matched", "--kv-memory", "1GiB"])
+    spec = worker_spec(args, "vllm", "random", requests, checkpoint)
+    assert spec.engine_args == dict(model=str(checkpoint), dtype="float32", seed=0,
+                                    kv_cache_memory_bytes=64 * 3 * 128 * token_bytes)  # fmt: skip
+    matched = worker_spec(args, "vllm-matched", "random", requests, checkpoint)
+    assert matched.engine_args["kv_cache_memory_bytes"] == 2**30
+    small = worker_spec(args, "vllm", "random", REQUESTS, checkpoint)  # a workload jaxkv's pool holds
+    assert small.engine_args["kv_cache_memory_bytes"] == 2**30
 
 
 def test_arguments():

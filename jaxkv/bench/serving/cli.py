@@ -88,6 +88,9 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of each system, each in a fresh worker: rows "
                         "report medians (and output tok/s's min-max)")  # fmt: skip
     parser.add_argument("--vllm-venv", type=Path, default=VENV, help="vLLM's venv (made on first use)")
+    parser.add_argument("--vllm-warm-up-requests", type=int, default=0,
+                        help="requests vLLM serves before its timer (default none, as vllm bench throughput: its "
+                        "engine start-up warms it up)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=cpu_cores(), help="torch threads (default: usable cores)")
     parser.add_argument(
         "--competing-cpu", type=int,

@@ -22,7 +22,8 @@ STAT_KEYS = (
 # Metrics a row reports as the median over its runs (output tok/s also with its min and max).
 REPEATED_METRICS = (
     "output_tok_s", "requests_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "cpu_ms_per_token",
-    "first_ttft_p50_s", "first_ttft_p99_s", "returning_ttft_p50_s", "returning_ttft_p99_s",
+    "first_ttft_p50_s", "first_ttft_p99_s", "returning_ttft_p50_s", "returning_ttft_p99_s", "startup_s",
+    "end_to_end_tok_s", "cpu_ms_per_token_with_startup",
 )  # fmt: skip
 
 
@@ -64,10 +65,17 @@ def _ms(seconds: float | None) -> float | None:
 
 def run_metrics(result: dict, turns: Sequence[int]) -> dict:
     """A worker's run: its metrics (``summarize``, ``turn_latencies``; ``turns[i]``: request ``i``'s
-    turn) and its CPU milliseconds per output token."""
+    turn), its CPU milliseconds per output token, and the same two with its start-up inside the
+    clock (``vllm_worker.startup``: a harness that times a fresh process from its start):
+    ``end_to_end_tok_s`` = output tokens / (start-up + makespan), ``cpu_ms_per_token_with_startup``."""
     records = [Record(**r) for r in result["records"]]
     metrics = summarize(records) | turn_latencies(records, turns)
-    return metrics | dict(cpu_ms_per_token=1000 * result["cpu_s"] / metrics["output_tokens"])
+    tokens = metrics["output_tokens"]
+    return metrics | dict(
+        cpu_ms_per_token=1000 * result["cpu_s"] / tokens, startup_s=result["startup_s"],
+        end_to_end_tok_s=tokens / (result["startup_s"] + metrics["makespan_s"]),
+        cpu_ms_per_token_with_startup=1000 * (result["startup_cpu_s"] + result["cpu_s"]) / tokens,
+    )  # fmt: skip
 
 
 def kv_bytes_per_request(requests: Sequence[ServingRequest], stats: dict, max_pages: int | None) -> float:

@@ -27,6 +27,8 @@ TURN_HEADER = ("system", "output tok/s", "TTFT p50 / p99 s, first turns", "TTFT 
                "prefix hits %")  # fmt: skip
 SPECULATION_HEADER = ("workload", "system", "output tok/s", "x engine", "TPOT p50 ms", "proposed", "accepted",
                       "acceptance %", "mean accepted length")  # fmt: skip
+STARTUP_HEADER = ("workload", "system", "start-up s", "output tok/s", "end-to-end tok/s", "CPU ms / out tok",
+                  "CPU ms / out tok with start-up")  # fmt: skip
 COMPACTION_HEADER = ("workload", "system", "output tok/s", "x engine", "rows a step (mean / most)", "TTFT p50 s",
                      "TPOT p50 ms", "K/V MiB / request", "compactions", "preemptions")  # fmt: skip
 
@@ -87,6 +89,20 @@ def turn_table(rows: list[dict]) -> str:
     return _markdown(TURN_HEADER, cells, 1) if rows else ""
 
 
+def startup_table(rows: list[dict]) -> str:
+    """Each row's start-up (its worker's process start to its first request: interpreter, imports,
+    load, compilation, warm-up), kept out of the main table's clock as ``vllm bench throughput``
+    keeps vLLM's engine start-up out of its own, beside the throughput and CPU per output token
+    with it inside (a harness timing fresh processes from their start); empty without rows."""
+    rows = [r for r in rows if "error" not in r]
+    cells = [[
+        workload_cell(row), system_title(row["system"]), fmt(row["startup_s"], ".1f"), fmt(row["output_tok_s"], ".1f"),
+        fmt(row["end_to_end_tok_s"], ".1f"), fmt(row["cpu_ms_per_token"], ".1f"),
+        fmt(row["cpu_ms_per_token_with_startup"], ".1f"),
+    ] for row in rows]  # fmt: skip
+    return _markdown(STARTUP_HEADER, cells, 2) if rows else ""
+
+
 def speculation_table(rows: list[dict]) -> str:
     """The engine rows beside each speculating row: output tok/s (and as a multiple of ``engine``'s
     at the same workload and concurrency), TPOT and the draft counters of the run
@@ -128,7 +144,8 @@ def print_report(title: str, table: str, targets: list[dict], summaries: dict[st
               f"tokens, arrivals over {summary['arrival_span_s']:.1f} s")  # fmt: skip
     print()
     print(table)
-    for heading, text in (("multi-turn, first and returning turns", turn_table(rows)),
+    for heading, text in (("start-up (outside the clock above) and end to end", startup_table(rows)),
+                          ("multi-turn, first and returning turns", turn_table(rows)),
                           ("speculative decoding in the engine", speculation_table(rows)),
                           ("compressed pages in the engine", compaction_table(rows))):  # fmt: skip
         if text:

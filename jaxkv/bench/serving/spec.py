@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jaxkv.bench.serving.metrics import STAT_KEYS
 from jaxkv.bench.serving.systems import ON_GPU, VLLM_SYSTEMS, base_system, system_engine
-from jaxkv.bench.vllm_env import engine_args
+from jaxkv.bench.vllm_env import CPU_DEFAULT_BLOCK_SIZE, engine_args, kv_bytes_per_token
 from jaxkv.bench.vllm_worker import ServingRequest
 from jaxkv.serving.engine_config import EngineConfig
 from jaxkv.serving.sizing import parse_bytes
@@ -46,7 +46,8 @@ class WorkerSpec(BaseModel):
     engine_args: dict | None = None
     """vLLM's ``EngineArgs`` (the vLLM systems)."""
     warm_up_requests: int = 0
-    """Requests vLLM serves before its timer."""
+    """Requests vLLM serves before its timer (``--vllm-warm-up-requests``; none by default, as
+    ``vllm bench throughput``: its engine's start-up runs its own warm-up)."""
     stat_keys: tuple[str, ...] = STAT_KEYS
     """The statistics a row reports (vLLM's worker fills what it measures)."""
 
@@ -66,13 +67,26 @@ def worker_spec(args: argparse.Namespace, system: str, kind: str, requests: list
 
 
 def _vllm_fields(args: argparse.Namespace, system: str, requests: list[ServingRequest], checkpoint: Path) -> dict:
-    """A vLLM system's engine arguments and warm-up requests."""
+    """A vLLM system's engine arguments and warm-up requests. ``vllm``'s K/V pool is jaxkv's
+    (``--kv-memory``) or, when larger, ``whole_workload_bytes``: vLLM's default pool (most of the
+    machine's memory) would hold the whole workload, so vLLM at its defaults never preempts."""
     engine = args.engine
+    kv_memory = parse_bytes(engine.kv_memory)
+    if system == "vllm":
+        kv_memory = max(kv_memory, whole_workload_bytes(requests, kv_bytes_per_token(checkpoint, args.dtype)))
     vllm_args = engine_args(
-        system, checkpoint, kv_memory_bytes=parse_bytes(engine.kv_memory), page_size=engine.page_size,
+        system, checkpoint, kv_memory_bytes=kv_memory, page_size=engine.page_size,
         max_num_seqs=engine.max_num_seqs, max_num_batched_tokens=engine.max_num_batched_tokens,
     )  # fmt: skip
-    return dict(engine_args=vllm_args, warm_up_requests=min(engine.max_num_seqs, len(requests)))
+    return dict(engine_args=vllm_args, warm_up_requests=min(args.vllm_warm_up_requests, len(requests)))
+
+
+def whole_workload_bytes(requests: list[ServingRequest], token_bytes: int,
+                         block_size: int = CPU_DEFAULT_BLOCK_SIZE) -> int:  # fmt: skip
+    """K/V bytes in blocks of ``block_size`` tokens (``token_bytes`` a token) holding every request's
+    prompt and output at once."""
+    blocks = sum(-(-(len(r.prompt) + r.max_tokens) // block_size) for r in requests)
+    return blocks * block_size * token_bytes
 
 
 def run_label(kind: str, system: str, concurrency: int | None) -> str:

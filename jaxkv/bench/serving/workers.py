@@ -15,7 +15,9 @@ from jaxkv.bench.common import hf_model, hf_sizes, jaxkv_model, jaxkv_sizes, run
 from jaxkv.bench.serving.metrics import STAT_KEYS, kv_bytes_per_request
 from jaxkv.bench.serving.spec import WorkerSpec
 from jaxkv.bench.serving.systems import ENGINE_SYSTEMS, base_system
-from jaxkv.bench.vllm_worker import Clock, Record, ServingRequest, check_lengths, process_tree_cpu_seconds, timed_drive
+from jaxkv.bench.vllm_worker import (
+    Clock, Record, ServingRequest, check_lengths, process_tree_cpu_seconds, startup, timed_drive,
+)  # fmt: skip
 from jaxkv.serving.sizing import parse_bytes
 
 
@@ -151,14 +153,15 @@ def worker_static(spec: WorkerSpec) -> dict:
     for batch in distinct_shapes(batches):
         generate_static(model, batch, steps)
     warmup_seconds, warmup_compiles = time.perf_counter() - start, compiles.count
-    cpu_start = process_tree_cpu_seconds()
+    ready = startup()
     records, generations = drive_static(model, batches, steps)
-    cpu_seconds = process_tree_cpu_seconds() - cpu_start
+    cpu_seconds = process_tree_cpu_seconds() - ready["startup_cpu_s"]
     check_lengths(records, requests, "static")
     stats = static_stats(batches, generations)
     stats.update(xla_compiles_warmup=warmup_compiles, xla_compiles_run=compiles.count - warmup_compiles)
     backend, sizes = jax.default_backend(), jaxkv_sizes(model, spec.dtype)
-    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=backend, cpu_s=cpu_seconds, sizes=sizes)
+    return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend=backend, cpu_s=cpu_seconds, sizes=sizes,
+                **ready)  # fmt: skip
 
 
 def batch_shape(batch: list[ServingRequest]) -> tuple[int, int, int]:
@@ -227,16 +230,16 @@ def worker_hf(spec: WorkerSpec) -> dict:
         try:
             warm_up_hf(manager, requests[0].prompt[: engine.page_size - 1])  # less than a page: nothing to share
             warmup_seconds = time.perf_counter() - start
-            cpu_start = process_tree_cpu_seconds()
+            ready = startup()
             records = drive_hf(manager, requests)
-            cpu_seconds = process_tree_cpu_seconds() - cpu_start
+            cpu_seconds = process_tree_cpu_seconds() - ready["startup_cpu_s"]
         finally:
             manager.stop(block=True)
     check_lengths(records, requests, "hf")
     stats = dict.fromkeys(STAT_KEYS) | dict(peak_kv_bytes=num_blocks * engine.page_size * kv_bytes_per_token)
     return dict(records=records, stats=stats, warmup_s=warmup_seconds, backend="cpu", num_blocks=num_blocks,
                 attn_implementation=model.config._attn_implementation, threads=torch.get_num_threads(),
-                cpu_s=cpu_seconds)  # fmt: skip
+                cpu_s=cpu_seconds, **ready)  # fmt: skip
 
 
 def start_hf_manager(model, spec: WorkerSpec, num_blocks: int):
