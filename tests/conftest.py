@@ -60,7 +60,7 @@ OPTIMIZED_FILES = {
     "test_hostile_inputs.py", "test_failures.py", "test_guidellm.py", "test_speculative_gemma3.py",
     "test_sharding_smollm2.py", "test_gemma3_gguf.py", "test_beam_smollm2.py",
     "test_experiment_smoke.py", "test_server_speculation.py", "test_server_speculation_draft.py",
-    "test_eviction_smollm2.py",
+    "test_eviction_smollm2.py", "test_kept_weights.py",
 }  # fmt: skip
 
 
@@ -142,7 +142,8 @@ FILE_SECONDS = {
     "test_gemma4_parity.py": 70, "test_shared_kv.py": 30,
     "test_compaction.py": 75, "test_deepseek_v32_parity.py": 60, "test_latent.py": 32,
     "test_attention_backends.py": 90, "test_bench_attention.py": 8, "test_bench_latent.py": 14,
-    "test_paged_latent.py": 22,
+    "test_paged_latent.py": 22, "test_kept_weights.py": 120, "test_cpu_paged_attention.py": 40,
+    "test_quantized_kernels.py": 21, "test_bench_llama_cpp.py": 15,
 }  # fmt: skip
 
 
@@ -357,6 +358,11 @@ SLOW: dict[str, set[str]] = {
         "test_generate_with_each_backend", "test_generate_under_a_mesh_with_the_gpu_kernels",
     },
     "test_bench_attention.py": {"test_smoke_on_cpu"},
+    "test_kept_weights.py": {  # real models, dense and kept, loaded per module
+        "test_the_file_blocks_are_kept", "test_greedy_tokens_equal_the_dense_model",
+        "test_perplexity_equals_the_dense_model", "test_unrolled_layers_equal_scanned",
+        "test_the_blocks_conversion_is_cached", "test_the_engine_over_kept_blocks_equals_generate",
+    },
 }  # fmt: skip
 
 

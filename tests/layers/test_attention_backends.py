@@ -23,6 +23,7 @@ from jaxkv.cli.main import build_parser
 from jaxkv.cli.serve import resolve_serve_config
 from jaxkv.decoding.generate import generate
 from jaxkv.kernels import (
+    CPU,
     HEADS_LAYOUT,
     PALLAS_GPU,
     PALLAS_TPU,
@@ -37,6 +38,7 @@ from jaxkv.kernels import (
     resolve_backend,
     split_pool,
 )
+from jaxkv.kernels import cpu_paged
 from jaxkv.kernels.dense import dense_route
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, PagedLayer, table_width
 import jaxkv.protocol as protocol
@@ -160,9 +162,12 @@ def test_routing_names_what_the_kernels_lack():
     assert kernel_route(XLA, **PLAIN) == "the xla backend"
 
 
-def test_backend_names_and_auto(caplog):
-    """``auto`` picks the platform's kernel, else XLA with one log line; a bad name is refused by name."""
+def test_backend_names_and_auto(caplog, monkeypatch):
+    """``auto`` picks the platform's kernel (on CPU the native one), else XLA with one log line; a bad
+    name is refused by name."""
     assert resolve_backend("auto", "gpu") == PALLAS_GPU and resolve_backend("auto", "tpu") == PALLAS_TPU
+    assert resolve_backend("auto", "cpu") == CPU  # the native library is built here
+    monkeypatch.setattr(cpu_paged, "available", lambda: False)  # as without a compiler
     with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
         assert resolve_backend("auto", "cpu") == XLA
     assert len(caplog.records) == 1 and "xla" in caplog.records[0].getMessage()
@@ -316,9 +321,12 @@ def test_engine_greedy_tokens_with_the_gpu_kernel(kind, layout, monkeypatch):
     assert traced and set(traced) == {PALLAS_GPU}  # traced into the decode steps
 
 
-def test_serve_flags_reach_the_engine(caplog):
-    """``jaxkv serve --attention-backend auto --pool-layout heads`` on CPU: the engine's pools are
-    stored 'heads' and read with XLA, said once."""
+def test_serve_flags_reach_the_engine(caplog, monkeypatch):
+    """``jaxkv serve --attention-backend auto --pool-layout heads`` on CPU without the native kernels:
+    the engine's pools are stored 'heads' and read with XLA, said once (with them: ``cpu``)."""
+    native = Engine(Llama(LlamaConfig(**TINY_LLAMA)), attention_backend="auto")
+    assert native.runner.cache.groups[0].attention_backend == CPU
+    monkeypatch.setattr(cpu_paged, "available", lambda: False)
     args = build_parser().parse_args(["serve", "--attention-backend", "auto", "--pool-layout", "heads", "--kv-memory",
                                       "1MiB"])  # fmt: skip
     served = resolve_serve_config(args)
@@ -436,6 +444,9 @@ def test_generate_with_each_backend(monkeypatch, caplog):
         tokens[backend] = generate(model, prompts, max_new_tokens=6, attention_backend=backend).tokens.tolist()
         assert set(traced) == ({"decode", "prefill"} if backend == PALLAS_GPU else set())
         traced.clear()
+    tokens[CPU] = generate(model, prompts, max_new_tokens=6, attention_backend=CPU).tokens.tolist()
+    assert not traced  # the CPU kernel reads paged pools: generate's dense caches go to XLA
+    monkeypatch.setattr(cpu_paged, "available", lambda: False)  # as without a compiler
     with caplog.at_level(logging.INFO, logger="jaxkv.kernels.backends"):
         tokens["auto"] = generate(model, prompts, max_new_tokens=6, attention_backend="auto").tokens.tolist()
     assert len(caplog.records) == 1 and "using xla" in caplog.records[0].getMessage() and not traced

@@ -61,7 +61,9 @@ inline Vec Pow2(Vec n) {
   __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_castsi512_ps(bits);
 }
-inline Vec ZeroBelow(Vec y, Vec x, Vec low) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), y); }
+inline Vec ZeroBelow(Vec y, Vec x, Vec low) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), y);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using Vec = __m256;
@@ -262,7 +264,8 @@ inline Vec SumEach(const Vec* part) {
   }
   for (int i = 0; i < 4; ++i) {  // block k: the block-k sums of parts 4i .. 4i + 3
     const Vec a = pairs[2 * i], b = pairs[2 * i + 1];
-    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    quads[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   }
   const Vec ab = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -281,7 +284,8 @@ inline Vec SumEach(const Vec* part) {
   }
   for (int i = 0; i < 2; ++i) {
     const Vec a = pairs[2 * i], b = pairs[2 * i + 1];
-    quads[i] = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    quads[i] = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
   }
   return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
                        _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
@@ -572,8 +576,8 @@ ffi::Error CheckStack(const char* what, ffi::AnyBuffer stack, ffi::Buffer<ffi::F
   out->groups = scale_dims[4];
   out->scales = reinterpret_cast<const uint16_t*>(scales.typed_data());
   if (zeros.element_count() > 0) {
-    if (!std::equal(scale_dims.begin(), scale_dims.end(), zeros.dimensions().begin()) ||
-        zeros.dimensions().size() != 5) {
+    if (zeros.dimensions().size() != 5 ||
+        !std::equal(scale_dims.begin(), scale_dims.end(), zeros.dimensions().begin())) {
       return ffi::Error::InvalidArgument(std::string(what) + ": zero points must be shaped as the scales");
     }
     out->zeros = reinterpret_cast<const uint16_t*>(zeros.typed_data());
@@ -605,7 +609,6 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> queries, f
   geo.heads_layout = heads_layout;
   geo.page_size = heads_layout ? k_dims[3] : k_dims[2];
   geo.num_kv_heads = heads_layout ? k_dims[2] : k_dims[3];
-  geo.width = tables.dimensions().back();
   geo.window = window;
   geo.scale = scale;
   geo.softcap = softcap;
@@ -620,6 +623,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> queries, f
       t_dims[0] != geo.blocks) {
     return ffi::Error::InvalidArgument("paged attention: positions [Z, Q] and tables [Z, W] for queries [Z, Q, ·, ·]");
   }
+  geo.width = t_dims[1];
   Stack k, v;
   if (auto error = CheckStack("keys", keys, key_scales, key_zeros, bits, geo.dim, &k, k_dims); error.failure()) {
     return error;
