@@ -57,8 +57,8 @@ class CacheConfig(Strict):
 # How a model's matrices are held (``jaxkv.models.load.WEIGHTS``): the CLI's --weights, the YAML's weights:.
 Weights = Literal["dense", "gguf", "int8", "int4"]
 WEIGHTS_HELP = (
-    "how the model's matrices are held: dense (default, --dtype), gguf (a GGUF file's own blocks, computed on by "
-    "jaxkv's kernels), int8 or int4 (quantized at load: q8_0 / q4_1 blocks of 32)"
+    "how the model's matrices are held: dense (--dtype), gguf (a GGUF file's own blocks, computed on by jaxkv's "
+    "kernels; the default for a GGUF on one device), int8 or int4 (quantized at load: q8_0 / q4_1 blocks of 32)"
 )
 
 MESH_HELP = (

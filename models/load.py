@@ -105,18 +105,24 @@ class Pretrained:
             write_checked(cache_file, {}, tokenizer.state())
         return tokenizer
 
-    def model(self, dtype=jnp.float32, *, weights: str = "dense", mesh=None, rules=None, **model_kwargs) -> Model:
+    def model(
+        self, dtype=jnp.float32, *, weights: str | None = None, mesh=None, rules=None, **model_kwargs
+    ) -> Model:
         """The model ``MODEL_CLASSES`` gives for the config, its weights cast to ``dtype``.
 
         ``weights`` (``WEIGHTS``): "dense", or matrices and tables kept quantized: "gguf" (the GGUF's
         own blocks, no dequantization: the file's bytes are what a decode step reads) or "int8" /
         "int4" (quantized at load, ``QUANTIZE_FORMATS``); norms and biases stay dense (``dtype``).
+        None (default): "gguf" for a GGUF file on one device (2.7x dense float32's batch-1 decode on
+        SmolLM2 here; kept blocks do not shard over a mesh yet), else "dense".
 
         ``model_kwargs`` go to the model class (e.g. ``scan_layers=False`` for ``Llama``).
         ``mesh``, ``rules``: shard the weights over ``mesh`` (``jaxkv.sharding``). The weights
         reach the model as host arrays (a float32 tensor of the weight cache a view of its file
         map), and the model places each one: onto huge pages, or each device's share straight
         from the host, never gathered on one device first (``Decoder.param``)."""
+        if weights is None:
+            weights = "gguf" if self.is_gguf and mesh is None else "dense"
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         if weights == "gguf" and not self.is_gguf:

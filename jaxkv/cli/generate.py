@@ -36,7 +36,7 @@ class GenerateConfig(Strict):
     chat: bool = True
     max_new_tokens: PositiveInt = 64
     dtype: Literal["float32", "bfloat16"] = "float32"
-    weights: Weights = "dense"  # how the model's matrices are held: jaxkv.models.load.WEIGHTS
+    weights: Weights | None = None  # how the model's matrices are held: jaxkv.models.load.WEIGHTS (None: its default)
     cache: CacheConfig = CacheConfig()
     temperature: NonNegativeFloat = 0.0
     top_k: NonNegativeInt = 0

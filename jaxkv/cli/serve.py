@@ -31,7 +31,7 @@ class ServeConfig(Strict):
     """What ``jaxkv serve`` runs; ``--config FILE`` (YAML, e.g. configs/serve.yaml) sets any of these."""
 
     model: str = "smollm2"
-    weights: Weights = "dense"  # how the model's matrices are held: jaxkv.models.load.WEIGHTS
+    weights: Weights | None = None  # how the model's matrices are held: jaxkv.models.load.WEIGHTS (None: its default)
     served_model_name: str | None = None  # the name clients pass as `model` (default: model)
     host: str = "127.0.0.1"
     port: int = 8000

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from jaxkv.decoding.generate import generate
+from jaxkv.kernels.quantized import is_quantized
 from jaxkv.models.defaults import resolve_model
 from jaxkv.models.load import load_pretrained
 from jaxkv.models.weights import GEMMA3_HF_NAMES
@@ -41,7 +42,7 @@ def gemma():
 
 
 def test_gguf_config_and_params_equal_transformers(gemma):
-    """Our GGUF loader gives transformers' config and (dequantized) weights exactly; our norms
+    """Our GGUF loader gives transformers' config and (kept blocks, dequantized) weights exactly; our norms
     hold w like transformers' (llama.cpp stores 1 + w)."""
     model, _, hf, *_ = gemma
     config, hf_config = model.config, hf.config
@@ -54,10 +55,14 @@ def test_gguf_config_and_params_equal_transformers(gemma):
     for kind in ("sliding_attention", "full_attention"):
         assert getattr(config.rope_parameters, kind).rope_theta == hf_config.rope_parameters[kind]["rope_theta"]
     state = hf.state_dict()
-    for name, param in model.layers.items():  # matrices kept [out, in], as transformers stores them
+    # The file's blocks kept (``weights="gguf"``, the default), [out, in] as transformers stores them:
+    # dequantized, bit for bit transformers' (gguf's) dequantized weights.
+    dense = lambda w: np.asarray(w.dequantize() if is_quantized(w) else w)  # noqa: E731
+    for name, param in model.layers.items():
         theirs = np.stack([state[GEMMA3_HF_NAMES[name].format(i=i)].numpy() for i in range(config.num_hidden_layers)])
-        np.testing.assert_array_equal(np.asarray(param[...]), theirs, name)
-    np.testing.assert_array_equal(np.asarray(model.embed[...]), state["model.embed_tokens.weight"].numpy())
+        np.testing.assert_array_equal(dense(param[...]), theirs, name)
+    assert is_quantized(model.embed[...]) and is_quantized(model.layers["w_down"][...])  # a mixed Q6_K/Q4_K stack
+    np.testing.assert_array_equal(dense(model.embed[...]), state["model.embed_tokens.weight"].numpy())
     np.testing.assert_array_equal(np.asarray(model.norm[...]), state["model.norm.weight"].numpy())
 
 

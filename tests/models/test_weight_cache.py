@@ -1,4 +1,5 @@
-"""The converted-weights cache (jaxkv.models.weight_cache via jaxkv.models.load): a GGUF is converted
+"""The converted-weights cache (jaxkv.models.weight_cache via jaxkv.models.load; the dense conversion,
+``weights="dense"``: the kept blocks' cache is in test_kept_weights.py): a GGUF is converted
 once and read back after; damaged cache files are rebuilt, never used; XDG_CACHE_HOME, the
 source's content and --no-cache / use_weight_cache=False decide what is read. Also the CLI's
 prompt form for a model without a chat template, decided before its weights load."""
@@ -113,7 +114,7 @@ def no_conversion(monkeypatch):
 
 
 def test_first_load_converts_and_caches_the_second_reads_the_cache(tiny_gguf, monkeypatch, capsys, private_cache):
-    model, tokenizer = load_pretrained(tiny_gguf)
+    model, tokenizer = load_pretrained(tiny_gguf, weights="dense")
     err = capsys.readouterr().err
     assert f"jaxkv: converting tiny.gguf; the result is cached in {private_cache / 'converted'}\n" in err
     assert "20/20 [" in err  # the progress bar over its tensors
@@ -121,7 +122,7 @@ def test_first_load_converts_and_caches_the_second_reads_the_cache(tiny_gguf, mo
     assert written == ["tokenizer", "weights"]
 
     no_conversion(monkeypatch)
-    again, tokenizer_again = load_pretrained(tiny_gguf)
+    again, tokenizer_again = load_pretrained(tiny_gguf, weights="dense")
     assert "converting" not in capsys.readouterr().err
     assert_same_weights(again, model)
     assert_same_weights(again, Llama(*load_gguf(tiny_gguf)))  # and both equal a direct conversion
@@ -132,9 +133,9 @@ def test_first_load_converts_and_caches_the_second_reads_the_cache(tiny_gguf, mo
 
 
 def test_other_dtypes_cast_from_the_float32_cache(tiny_gguf, monkeypatch):
-    full = Pretrained(tiny_gguf).model()
+    full = Pretrained(tiny_gguf).model(weights="dense")
     no_conversion(monkeypatch)
-    half = Pretrained(tiny_gguf).model(jnp.bfloat16)
+    half = Pretrained(tiny_gguf).model(jnp.bfloat16, weights="dense")
     assert {leaf.dtype for leaf in weights(half).values()} == {jnp.dtype(jnp.bfloat16)}
     for name, array in weights(full).items():
         expected = np.asarray(jnp.asarray(array, jnp.bfloat16), np.float32)
@@ -145,13 +146,13 @@ def test_other_dtypes_cast_from_the_float32_cache(tiny_gguf, monkeypatch):
 def test_the_weights_fingerprint_is_kept_with_the_conversion(tiny_gguf, tmp_path, monkeypatch):
     """A warm load's fingerprint comes from the cache (no weight is hashed) and equals the cold
     load's; another dtype, or a file differing in its last layer's last value, has another."""
-    cold = weights_fingerprint(Pretrained(tiny_gguf).model())
+    cold = weights_fingerprint(Pretrained(tiny_gguf).model(weights="dense"))
     other_file = write_tiny_gguf(tmp_path / "other.gguf", template=TEMPLATE, bump=f"blk.{LAYERS - 1}.ffn_down.weight")
-    other = weights_fingerprint(Pretrained(other_file).model())
+    other = weights_fingerprint(Pretrained(other_file).model(weights="dense"))
     no_conversion(monkeypatch)
     monkeypatch.setattr(persist, "arrays_digest", lambda named: pytest.fail("a warm load hashed the weights"))
-    assert weights_fingerprint(Pretrained(tiny_gguf).model()) == cold
-    assert len({cold, other, weights_fingerprint(Pretrained(tiny_gguf).model(jnp.bfloat16))}) == 3
+    assert weights_fingerprint(Pretrained(tiny_gguf).model(weights="dense")) == cold
+    assert len({cold, other, weights_fingerprint(Pretrained(tiny_gguf).model(jnp.bfloat16, weights="dense"))}) == 3
 
 
 def damage_truncate(data: bytes) -> bytes:
@@ -173,12 +174,12 @@ def damage_empty(data: bytes) -> bytes:
 @pytest.mark.parametrize("kind", ["weights", "tokenizer"])
 @pytest.mark.parametrize("damage", [damage_truncate, damage_flip_a_byte, damage_garbage, damage_empty])
 def test_a_damaged_cache_file_is_rebuilt_never_used(tiny_gguf, kind, damage):
-    model, tokenizer = load_pretrained(tiny_gguf)
+    model, tokenizer = load_pretrained(tiny_gguf, weights="dense")
     [path] = cached_files(kind)
     tensors, metadata = read_checked(path)
     replace_contents(path, damage(path.read_bytes()))
     with pytest.warns(UserWarning, match=f"cached file .*{kind}.* converting again"):
-        again, tokenizer_again = load_pretrained(tiny_gguf)
+        again, tokenizer_again = load_pretrained(tiny_gguf, weights="dense")
     assert_same_weights(again, model)
     assert tokenizer_again.encode("hello wo") == tokenizer.encode("hello wo")
     with warnings.catch_warnings():
@@ -204,7 +205,7 @@ def test_checksum_covers_metadata(tmp_path):
 def test_xdg_cache_home_is_honoured(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))
     assert cache_dir() == tmp_path / "elsewhere" / "jaxkv"
-    load_pretrained(tiny_gguf)
+    load_pretrained(tiny_gguf, weights="dense")
     assert len(list((tmp_path / "elsewhere" / "jaxkv" / "converted").iterdir())) == 2
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for unset in ["", "relative/cache"]:  # the XDG spec: empty or relative means the default
@@ -215,14 +216,14 @@ def test_xdg_cache_home_is_honoured(tiny_gguf, tmp_path, monkeypatch):
 
 
 def test_use_weight_cache_false_neither_reads_nor_writes(tiny_gguf, private_cache, capsys):
-    model, _ = load_pretrained(tiny_gguf, use_weight_cache=False)
+    model, _ = load_pretrained(tiny_gguf, use_weight_cache=False, weights="dense")
     assert not private_cache.exists()
-    load_pretrained(tiny_gguf)
+    load_pretrained(tiny_gguf, weights="dense")
     [path] = cached_files("weights")
     replace_contents(path, b"damaged")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the damaged file is not even looked at
-        again, _ = load_pretrained(tiny_gguf, use_weight_cache=False)
+        again, _ = load_pretrained(tiny_gguf, use_weight_cache=False, weights="dense")
     assert path.read_bytes() == b"damaged"
     assert_same_weights(again, model)
     assert "jaxkv: converting tiny.gguf\n" in capsys.readouterr().err
@@ -237,12 +238,12 @@ def test_cli_no_cache_flag(tiny_gguf, private_cache, capsys):
 
 
 def test_the_key_follows_the_source_content(tiny_gguf, monkeypatch):
-    first = Pretrained(tiny_gguf).model()
+    first = Pretrained(tiny_gguf).model(weights="dense")
     stat = tiny_gguf.stat()
     write_tiny_gguf(tiny_gguf, seed=1, template=TEMPLATE)  # same size, other weights
     assert tiny_gguf.stat().st_size == stat.st_size
     os.utime(tiny_gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    second = Pretrained(tiny_gguf).model()
+    second = Pretrained(tiny_gguf).model(weights="dense")
     assert len(cached_files("weights")) == 2
     assert_same_weights(second, Llama(*load_gguf(tiny_gguf)))
     assert not np.array_equal(weights(first)["['embed'].value"], weights(second)["['embed'].value"])
@@ -269,7 +270,7 @@ def test_an_unwritable_cache_warns_and_loads(tiny_gguf, tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     with pytest.warns(UserWarning, match="cannot write the cache file"):
-        model, tokenizer = load_pretrained(tiny_gguf)
+        model, tokenizer = load_pretrained(tiny_gguf, weights="dense")
     assert_same_weights(model, Llama(*load_gguf(tiny_gguf)))
     assert tokenizer.encode("hello") == [TINY_TOKENS.index("hello")]
 
