@@ -72,4 +72,5 @@ def pool_threads() -> int | None:
     if name is None:
         return None
     call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((), jnp.int32))
-    return int(jax.jit(call, backend="cpu")())
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return int(jax.jit(call)())

@@ -83,8 +83,9 @@ PACKAGE_EXTRAS = {"jaxkv.server": "serve", "jaxkv.research": "research", "jaxkv.
 # Import name -> distribution name, where they differ by more than `-`/`_`/case.
 DISTRIBUTIONS = {"yaml": "pyyaml"}
 # Modules run by another environment's python, with the imports that environment provides (not jaxkv's
-# dependencies): the serving benchmark's vLLM worker runs in vLLM's own venv (jaxkv.bench.vllm_env).
-OTHER_ENVIRONMENTS = {"jaxkv.bench.vllm_worker": {"vllm"}}
+# dependencies): the serving benchmark's vLLM worker runs in vLLM's own venv (jaxkv.bench.vllm_env),
+# the decode benchmark's llama.cpp worker in llama.cpp's (jaxkv.bench.llama_cpp_env).
+OTHER_ENVIRONMENTS = {"jaxkv.bench.vllm_worker": {"vllm"}, "jaxkv.bench.llama_cpp_worker": {"llama_cpp"}}
 
 
 def module_name(path: Path) -> str:

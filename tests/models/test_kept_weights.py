@@ -67,7 +67,7 @@ def pair(request):
     """The dense float32 model, the model with its file's blocks kept, and the tokenizer."""
     source = Pretrained(request.param)
     tokenizer = source.tokenizer()
-    return source.model(), source.model(weights="gguf"), tokenizer
+    return source.model(weights="dense"), source.model(weights="gguf"), tokenizer
 
 
 def test_the_file_blocks_are_kept(pair):
