@@ -1,12 +1,15 @@
 """What the tests share: small layers of each kind, random feed / rollback plans, tiny model
-configs, and the serving engine's arrival driver with its ``generate`` reference."""
+configs, the serving engine's arrival driver with its ``generate`` reference, and the ragged
+rows of a paged pool the attention backends' tests read."""
 
 import re
 
+import numpy as np
 from hypothesis import strategies as st
 
 from jaxkv import ChunkedLayer, DynamicLayer, SlidingWindowLayer, StaticLayer
 from jaxkv.decoding.generate import generate
+from jaxkv.page_table import NULL_PAGE
 
 VOCAB = 61
 TINY_LLAMA = dict(
@@ -100,3 +103,21 @@ def stack_shapes(shape: tuple[int, ...], sharding) -> set[tuple[int, ...]]:
     what a collective that moves the leaf would return."""
     shapes = {tuple(shape), sharding.shard_shape(tuple(shape))}
     return shapes | {s[1:] for s in shapes}
+
+
+# Four ragged rows of a paged pool (pages of 4 slots, up to 32 tokens), as the attention backend
+# tests read them: row 1 holds nothing and decodes padding (position -1).
+RAGGED_PAGE = 4
+RAGGED_LENGTHS = np.array([9, 0, 16, 1], np.int32)
+RAGGED_TOKEN_ROWS = np.array([2, 0, 3, 1], np.int32)  # the decode tokens' rows, not in row order
+
+
+def ragged_tables(width: int) -> np.ndarray:
+    """``[R, width]`` block tables of the ``RAGGED_LENGTHS`` rows: each row's pages (distinct, out of
+    order), the null page past them."""
+    tables = np.full((len(RAGGED_LENGTHS), width), NULL_PAGE, np.int32)
+    tables[0, :3] = [5, 2, 9]
+    tables[2, :4] = [1, 12, 7, 3]
+    tables[3, :1] = [15]
+    return tables
+

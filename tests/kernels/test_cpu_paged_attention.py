@@ -42,16 +42,24 @@ from jaxkv.layers.paged import NULL_PAGE, PagedKVView, table_width
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
 from jaxkv.serving import Engine
 from jaxkv.sharding import Layout, make_mesh
-from tests.cases import TINY_GEMMA, TINY_LLAMA, greedy_reference, run_arrivals
+from tests.cases import (
+    RAGGED_LENGTHS,
+    RAGGED_PAGE,
+    RAGGED_TOKEN_ROWS,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    greedy_reference,
+    ragged_tables,
+    run_arrivals,
+)  # fmt: skip
 
 if native.library() is None:
     pytest.skip("jaxkv's native CPU kernels were not built here (no C++ compiler at install)", allow_module_level=True)
 assert cpu_paged.target() is not None  # a built library without the kernel raises here: a stale build
 
-HQ, HKV, PAGE, PAGES = 6, 2, 4, 16  # G = 3 query heads per K/V head
+HQ, HKV, PAGES = 6, 2, 16  # G = 3 query heads per K/V head
+PAGE, LENGTHS, TOKEN_ROWS = RAGGED_PAGE, RAGGED_LENGTHS, RAGGED_TOKEN_ROWS  # row 1 decodes padding
 WIDTH = table_width(32, PAGE)
-LENGTHS = np.array([9, 0, 16, 1], np.int32)  # per row; row 1 holds nothing and decodes padding
-TOKEN_ROWS = np.array([2, 0, 3, 1], np.int32)  # the decode tokens' rows, not in row order
 POSITIONS = LENGTHS[TOKEN_ROWS] - 1  # each decode token's position (-1: padding)
 TOLERANCE = 1e-5
 GARBAGE = 1e3  # on the null page and past each row's length: never read
@@ -66,12 +74,7 @@ PLAIN = {"window": None, "decode_width": 1, "shifted": False, "slot_mass": False
 
 
 def _tables() -> np.ndarray:
-    """``[R, W]``: each row's pages (distinct, out of order), the null page past them."""
-    tables = np.full((len(LENGTHS), WIDTH), NULL_PAGE, np.int32)
-    tables[0, :3] = [5, 2, 9]
-    tables[2, :4] = [1, 12, 7, 3]
-    tables[3, :1] = [15]
-    return tables
+    return ragged_tables(WIDTH)
 
 
 def _pools(dim: int, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:

@@ -16,8 +16,9 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_pa
 from jaxkv.models.gemma3 import Gemma3, Gemma3Config
 from jaxkv.models.llama import Llama, LlamaConfig
 
-import jaxkv.layers.paged as paged_layers
 import jaxkv.kernels.dense as dense_kernels
+import jaxkv.layers.paged as paged_layers
+import jaxkv.protocol as protocol
 from jaxkv.cli.generate import cache_options, resolve_config
 from jaxkv.cli.main import build_parser
 from jaxkv.cli.serve import resolve_serve_config
@@ -31,6 +32,7 @@ from jaxkv.kernels import (
     TOKENS_LAYOUT,
     XLA,
     check_backend,
+    cpu_paged,
     flat_tables,
     heads_major,
     kernel_route,
@@ -38,21 +40,27 @@ from jaxkv.kernels import (
     resolve_backend,
     split_pool,
 )
-from jaxkv.kernels import cpu_paged
 from jaxkv.kernels.dense import dense_route
 from jaxkv.layers.paged import NULL_PAGE, PagedKVView, PagedLayer, table_width
-import jaxkv.protocol as protocol
 from jaxkv.protocol import KVView, MaskInfo, PositionalView
 from jaxkv.quantization import PER_TOKEN, QuantSpec, quantize
 from jaxkv.serving import Engine
 from jaxkv.serving.disk_link import pool_formats
 from jaxkv.sharding import Layout, make_mesh
-from tests.cases import TINY_GEMMA, TINY_LLAMA, greedy_reference, run_arrivals
+from tests.cases import (
+    RAGGED_LENGTHS,
+    RAGGED_PAGE,
+    RAGGED_TOKEN_ROWS,
+    TINY_GEMMA,
+    TINY_LLAMA,
+    greedy_reference,
+    ragged_tables,
+    run_arrivals,
+)  # fmt: skip
 
-HQ, HKV, D, PAGE, PAGES = 4, 2, 16, 4, 16
+HQ, HKV, D, PAGES = 4, 2, 16, 16
+PAGE, LENGTHS, TOKEN_ROWS = RAGGED_PAGE, RAGGED_LENGTHS, RAGGED_TOKEN_ROWS  # row 1 decodes padding
 WIDTH = table_width(32, PAGE)
-LENGTHS = np.array([9, 0, 16, 1], np.int32)  # per row; row 1 decodes padding (position -1)
-TOKEN_ROWS = np.array([2, 0, 3, 1], np.int32)  # the decode slots' rows, not in row order
 TOLERANCE = {PALLAS_GPU: 1e-5, PALLAS_TPU: 3e-2}
 FP8 = QuantSpec(format="e4m3", q_group_size=D, residual_length=0)
 # What a plain decode view tells kernel_route: every feature the kernels lack switched off.
@@ -60,12 +68,7 @@ PLAIN = {"window": None, "decode_width": 1, "shifted": False, "slot_mass": False
 
 
 def _tables() -> np.ndarray:
-    """``[R, W]``: each row's pages (distinct, out of order), the null page past them."""
-    tables = np.full((len(LENGTHS), WIDTH), NULL_PAGE, np.int32)
-    tables[0, :3] = [5, 2, 9]
-    tables[2, :4] = [1, 12, 7, 3]
-    tables[3, :1] = [15]
-    return tables
+    return ragged_tables(WIDTH)
 
 
 @pytest.fixture(scope="module")
